@@ -32,10 +32,12 @@ class WorldError(RuntimeError):
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore(_HOST, port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=600))
+        store = dist.TCPStore(
+            _HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=600)
+        )
         out = fn(*args)
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - forwarded to the test, whatever it is
@@ -52,13 +54,23 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The calling process hosts the store; children count towards world_size + 1 clients.
-    store = dist.TCPStore(_HOST, 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        _HOST,
+        0,
+        world_size + 1,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     try:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, results),
-                             daemon=True) for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker, args=(r, world_size, store.port, fn, args, results), daemon=True
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
     finally:
@@ -78,15 +90,20 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
                     pending = sorted(set(range(world_size)) - set(outputs))
                     raise WorldError(
                         f"{fn.__name__}: rank(s) {pending} did not finish within {timeout_s:.0f} s "
-                        "(deadlocked collective?)") from None
-                dead = [r for r, p in enumerate(procs)
-                        if r not in outputs and not p.is_alive() and p.exitcode not in (0, None)]
+                        "(deadlocked collective?)"
+                    ) from None
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outputs and not p.is_alive() and p.exitcode not in (0, None)
+                ]
                 if dead and results.empty():
                     time.sleep(0.5)  # the queue feeder may still be flushing the error
                     if results.empty():
                         codes = {r: procs[r].exitcode for r in dead}
                         raise WorldError(
-                            f"{fn.__name__}: rank(s) died with exit codes {codes}") from None
+                            f"{fn.__name__}: rank(s) died with exit codes {codes}"
+                        ) from None
                 continue
             if status == "error":
                 raise WorldError(f"{fn.__name__}: rank {rank} raised:\n{payload}")
