@@ -1,0 +1,249 @@
+"""The exchanges that put whole matrices on the ranks that orthogonalize them, and back.
+
+Every function here is the body of one batch's AsyncTask: a generator that launches a collective
+with `async_op=True`, yields so other batches can run, waits, orthogonalizes, launches the return
+collective, yields, and finally returns this rank's orthogonalized shards (`yield from` gives
+them to the caller). The number of yields depends only on the batch plan, never on the rank, so
+every rank issues the same collectives in the same order.
+
+Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved first) and C the
+product of the other dims; a full matrix is `[N, C]` with N the FSDP-visible size; W is the FSDP
+group size, n the batch size, c = ceil(N / W) the padded shard rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Generator
+
+import torch
+import torch.distributed as dist
+
+from muon.plan import BatchPlan
+
+Shards = list[torch.Tensor]
+Orthogonalize = Callable[[torch.Tensor], torch.Tensor]
+Task = Generator[None, None, Shards]
+
+
+class StepStats:
+    """Per-step counters of this rank: bytes, matrices, and time in NS and in waiting."""
+
+    def __init__(self) -> None:
+        self.bytes_sent: dict[str, int] = defaultdict(int)
+        self.bytes_recv: dict[str, int] = defaultdict(int)
+        self.matrices: dict[str, int] = defaultdict(int)
+        self.ns_s = 0.0
+        self.wait_s = 0.0
+
+    def wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.wait_s += time.perf_counter() - t0
+
+    def orthogonalize(self, fn: Orthogonalize, x: torch.Tensor, path: str, blocks: int):
+        t0 = time.perf_counter()
+        out = fn(x)
+        self.ns_s += time.perf_counter() - t0
+        self.matrices[path] += blocks
+        return out
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for path in sorted(set(self.bytes_sent) | set(self.matrices)):
+            out[f"muon/{path}/bytes_sent"] = float(self.bytes_sent[path])
+            out[f"muon/{path}/bytes_recv"] = float(self.bytes_recv[path])
+            out[f"muon/{path}/matrices"] = float(self.matrices[path])
+        out["muon/bytes_sent"] = float(sum(self.bytes_sent.values()))
+        out["muon/bytes_recv"] = float(sum(self.bytes_recv.values()))
+        out["muon/matrices"] = float(sum(self.matrices.values()))
+        out["muon/ns_s"] = self.ns_s
+        out["muon/wait_s"] = self.wait_s
+        return out
+
+
+def _a2a(out, inp, out_splits, in_splits, group):
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+def _nbytes(numel: int, t: torch.Tensor) -> int:
+    return numel * t.element_size()
+
+
+def local_blocks(plan: BatchPlan, shards: Shards, ortho: Orthogonalize, stats: StepStats) -> Task:
+    """Whole matrices or whole expert blocks are on this rank: orthogonalize them in place."""
+    out = []
+    for s in shards:
+        blocks = s.size(0) // (plan.global_shard_dim_size // plan.blocks_per_matrix)
+        if s.numel() == 0:
+            out.append(s)
+            continue
+        out.append(stats.orthogonalize(ortho, s, "local", blocks))
+    return out
+    yield  # a generator with no collective: finishes on its first resume
+
+
+def subgroup_all_gather(
+    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+) -> Task:
+    """Each expert block spans k consecutive FSDP ranks: gather the block within those k only.
+
+    Every rank of the sub-group orthogonalizes the same block and keeps its own rows, so there is
+    no return trip. `ortho` here orthogonalizes one `[k*c, C]` block.
+    """
+    k, n = plan.subgroup_size, len(shards)
+    rows, cols = shards[0].shape
+    send = torch.stack(shards)  # [n, c, C]
+    gathered = send.new_empty(k, n, rows, cols)
+    work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+    stats.bytes_sent["subgroup"] += _nbytes(send.numel() * (k - 1), send)
+    stats.bytes_recv["subgroup"] += _nbytes(send.numel() * (k - 1), send)
+    yield
+    stats.wait(work)
+    del send
+    mine = me % k
+    out = []
+    for j in range(n):
+        block = gathered[:, j].reshape(k * rows, cols)
+        result = stats.orthogonalize(ortho, block, "subgroup", 1)
+        out.append(result[mine * rows : (mine + 1) * rows].clone())
+    return out
+
+
+def ragged_all_to_all(
+    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+) -> Task:
+    """all_to_all_single with per-rank split sizes: matrix j is assembled on rank owners[j] only.
+
+    Serves full batches (n = W, every rank owns one) and the ragged remainder (n < W: ranks that
+    own nothing receive nothing and allocate no full-matrix buffer). Split sizes follow the shard
+    sizes, so uneven and empty shards need no padding.
+    """
+    path = "full" if plan.size == plan.fsdp_size else "ragged_all_to_all"
+    W, C = plan.fsdp_size, plan.other_numel
+    sizes = plan.shard_sizes
+    order = sorted(range(plan.size), key=lambda j: plan.owners[j])
+    owned = [j for j in range(plan.size) if plan.owners[j] == me]
+    assert len(owned) <= 1, "a rank assembles at most one matrix per batch"
+    send_splits = [0] * W
+    for j in order:
+        send_splits[plan.owners[j]] += sizes[me] * C
+    recv_splits = [sizes[r] * C * len(owned) for r in range(W)]
+    ref = shards[0]
+    send = torch.cat([shards[j].reshape(-1) for j in order]) if order else ref.new_empty(0)
+    full = ref.new_empty(sum(recv_splits))
+    work = _a2a(full, send, recv_splits, send_splits, group)
+    stats.bytes_sent[path] += _nbytes(sum(send_splits) - send_splits[me], ref)
+    stats.bytes_recv[path] += _nbytes(sum(recv_splits) - recv_splits[me], ref)
+    yield
+    stats.wait(work)
+    del send
+    if owned:
+        result = stats.orthogonalize(ortho, full.view(-1, C), path, plan.blocks_per_matrix).reshape(
+            -1
+        )
+    else:
+        result = full  # empty
+    del full
+    back = ref.new_empty(sum(send_splits))
+    work = _a2a(back, result, send_splits, recv_splits, group)
+    stats.bytes_sent[path] += _nbytes(sum(recv_splits) - recv_splits[me], ref)
+    stats.bytes_recv[path] += _nbytes(sum(send_splits) - send_splits[me], ref)
+    yield
+    stats.wait(work)
+    del result
+    pieces = back.split([sizes[me] * C] * plan.size) if plan.size else []
+    out: Shards = [torch.empty(0)] * plan.size
+    for piece, j in zip(pieces, order, strict=True):
+        out[j] = piece.view(sizes[me], C)
+    return out
+
+
+def pad_all_to_all(
+    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+) -> Task:
+    """Pad the batch with zero matrices to W and every shard to c rows: a uniform all-to-all.
+
+    Every rank receives and orthogonalizes one full matrix (W - R of them zeros), so memory is
+    flat in R and the same on busy and idle ranks.
+    """
+    W, C, c = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows
+    ref = shards[0]
+    send = ref.new_zeros(W, c, C)  # slot s goes to rank owners[s]
+    for j, s in enumerate(shards):
+        send[plan.owners[j], : s.size(0)] = s
+    full = torch.empty_like(send)
+    work = _a2a(full, send, None, None, group)
+    stats.bytes_sent["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), ref)
+    stats.bytes_recv["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), ref)
+    yield
+    stats.wait(work)
+    del send
+    matrix = full.view(W * c, C)[: plan.global_shard_dim_size]
+    result = full.new_zeros(W, c, C)
+    result.view(W * c, C)[: plan.global_shard_dim_size] = stats.orthogonalize(
+        ortho, matrix, "pad_all2all", plan.blocks_per_matrix
+    )
+    del full, matrix
+    back = torch.empty_like(result)
+    work = _a2a(back, result, None, None, group)
+    stats.bytes_sent["pad_all2all"] += _nbytes(result.numel() // W * (W - 1), ref)
+    stats.bytes_recv["pad_all2all"] += _nbytes(result.numel() // W * (W - 1), ref)
+    yield
+    stats.wait(work)
+    del result
+    rows = plan.shard_sizes[me]
+    return [back[plan.owners[j], :rows] for j in range(plan.size)]
+
+
+def agrs(
+    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+) -> Task:
+    """All-gather the batch onto every rank, orthogonalize the owned share, reduce-scatter back.
+
+    Buffers are sized from the FSDP-visible dim (`global_shard_dim_size`), never the global one;
+    both the gathered batch and the reduce-scatter input hold all n matrices, so memory and time
+    grow with n.
+    """
+    W, C, c, n = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows, plan.size
+    N = plan.global_shard_dim_size
+    ref = shards[0]
+    send = ref.new_zeros(n, c, C)
+    for j, s in enumerate(shards):
+        send[j, : s.size(0)] = s
+    gathered = ref.new_empty(W, n, c, C)
+    work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+    stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), ref)
+    stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), ref)
+    yield
+    stats.wait(work)
+    del send
+    owned = [j for j in range(n) if plan.owners[j] == me]
+    mats = {j: gathered[:, j].reshape(W * c, C)[:N] for j in owned}
+    del gathered  # the owned matrices were copied out by reshape
+    scatter_in = ref.new_zeros(W, n, c, C)
+    for j, m in mats.items():
+        scatter_in[:, j].view(W * c, C)[:N] = stats.orthogonalize(
+            ortho, m, "agrs", plan.blocks_per_matrix
+        )
+    del mats
+    out = ref.new_empty(n, c, C)
+    work = dist.reduce_scatter_tensor(
+        out, scatter_in, op=dist.ReduceOp.SUM, group=group, async_op=True
+    )
+    stats.bytes_sent["agrs"] += _nbytes(out.numel() * (W - 1), ref)
+    stats.bytes_recv["agrs"] += _nbytes(out.numel() * (W - 1), ref)
+    yield
+    stats.wait(work)
+    del scatter_in
+    rows = plan.shard_sizes[me]
+    return [out[j, :rows] for j in range(n)]
+
+
+EXCHANGES = {
+    "full": ragged_all_to_all,
+    "ragged_all_to_all": ragged_all_to_all,
+    "pad_all2all": pad_all_to_all,
+    "agrs": agrs,
+}

@@ -1,0 +1,438 @@
+"""Muon with AdamW groups in one optimizer, for plain tensors and FSDP2 / EP DTensors.
+
+The path of one Muon batch through a step: `plan.py` decided at construction which matrices
+travel together and who assembles them; here each batch becomes an AsyncTask that computes the
+momentum update of its local shards, runs the exchange from `comm.py` (which orthogonalizes with
+`newton_schulz.py`), and applies the returned shards. `runtime.py` keeps a few batches in flight.
+
+Update (per Muon parameter, on local shards; matches torch.optim.Muon):
+    M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
+    O = NS(U) per block;  p <- p * (1 - lr * wd) - adjusted_lr * O
+with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols)),
+"match_rms_adamw" lr * 0.2 * sqrt(max(rows, cols)), "none" lr.
+
+Non-finite gradients: if any gradient of any parameter on any rank holds a NaN or Inf, the whole
+step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
+`skipped_steps` counts it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from muon import comm
+from muon.newton_schulz import orthogonalize_blocks, resolve_coefficients
+from muon.plan import (
+    LOCAL_MESH_PLAN,
+    REMAINDER_STRATEGIES,
+    BatchPlan,
+    MeshCommPlan,
+    OwnerCursor,
+    ParamMeta,
+    fingerprint,
+    plan_batches,
+    resolve_mesh_comm_plan,
+)
+from muon.runtime import AsyncRuntime
+
+ADJUST_LR = ("match_rms_adamw", "original", "none")
+ALGORITHMS = ("muon", "adamw")
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"ns_dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
+    """The Muon learning rate for one `[rows, cols]` block."""
+    if adjust_lr == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrices (plain or DTensor, fused experts as blocks) plus AdamW groups.
+
+    Groups carry `algorithm` ("muon", the default, or "adamw"). Muon groups may set
+    `num_experts`: the number of independent blocks stacked along dim 0 of each matrix.
+    `remainder_strategy` picks how a batch smaller than the FSDP group is exchanged
+    (see `muon.plan`); `expert_aware=False` exchanges fused experts as whole matrices (the
+    behaviour before the local and sub-group paths existed, kept for planning comparisons).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: str | list = "fixed",
+        ns_dtype: torch.dtype | str = torch.bfloat16,
+        eps: float = 1e-7,
+        adjust_lr: str = "match_rms_adamw",
+        betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        remainder_strategy: str = "pad_all2all",
+        enable_all2all: bool = True,
+        max_inflight: int = 3,
+        expert_aware: bool = True,
+    ) -> None:
+        if remainder_strategy not in REMAINDER_STRATEGIES:
+            raise ValueError(
+                f"remainder_strategy: {remainder_strategy!r} is not one of "
+                f"{', '.join(REMAINDER_STRATEGIES)}"
+            )
+        if not enable_all2all and remainder_strategy != "agrs":
+            warnings.warn(
+                f"enable_all2all=False: remainder_strategy {remainder_strategy!r} needs "
+                "all-to-all; using 'agrs'",
+                UserWarning,
+                stacklevel=2,
+            )
+            remainder_strategy = "agrs"
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
+        self._adamw_defaults = {"betas": tuple(betas), "eps": adamw_eps}
+        defaults = dict(
+            lr=lr,
+            algorithm="muon",
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=_dtype_name(ns_dtype),
+            eps=eps,
+            adjust_lr=adjust_lr,
+            num_experts=1,
+        )
+        self.remainder_strategy = remainder_strategy
+        self.enable_all2all = enable_all2all
+        self.max_inflight = max_inflight
+        self.expert_aware = expert_aware
+        super().__init__(params, defaults)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.step_stats: dict[str, float] = {}
+        self._init_state()
+        self._build_plans()
+
+    # ----------------------------------------------------------------- groups and validation
+    def add_param_group(self, param_group: dict) -> None:
+        algorithm = param_group.setdefault("algorithm", "muon")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
+        if algorithm == "adamw":
+            for key, value in self._adamw_defaults.items():
+                param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._validate_group(group)
+
+    def _validate_group(self, g: dict) -> None:
+        if not g["lr"] > 0:
+            raise ValueError(f"lr: must be > 0, got {g['lr']}")
+        if g["weight_decay"] < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
+        if g["algorithm"] == "adamw":
+            b1, b2 = g["betas"]
+            if not (0 <= b1 < 1 and 0 <= b2 < 1):
+                raise ValueError(f"betas: each must be in [0, 1), got {g['betas']}")
+            if not g["eps"] > 0:
+                raise ValueError(f"eps: must be > 0, got {g['eps']}")
+            return
+        if not 0 <= g["momentum"] < 1:
+            raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
+        if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
+            raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
+        if g["adjust_lr"] not in ADJUST_LR:
+            raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
+        resolve_coefficients(g["ns_coefficients"])
+        g["ns_dtype"] = _dtype_name(g["ns_dtype"])
+        blocks = g["num_experts"]
+        names = g.get("param_names") or [None] * len(g["params"])
+        for p, name in zip(g["params"], names, strict=True):
+            label = name or f"shape {tuple(p.shape)}"
+            if p.ndim < 2:
+                raise ValueError(
+                    f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
+                    "put vectors in an algorithm='adamw' group"
+                )
+            if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
+                raise ValueError(
+                    f"num_experts: {blocks} must be a positive divisor of the {p.shape[0]} rows "
+                    f"of {label}"
+                )
+
+    def _init_state(self) -> None:
+        """Create every parameter's state now, so all ranks have the same checkpoint keys."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if g["algorithm"] == "muon":
+                    st.setdefault("momentum_buffer", torch.zeros_like(p))
+                else:
+                    st.setdefault("step", torch.tensor(0.0))
+                    st.setdefault("exp_avg", torch.zeros_like(p))
+                    st.setdefault("exp_avg_sq", torch.zeros_like(p))
+
+    # ----------------------------------------------------------------------------- planning
+    def _build_plans(self) -> None:
+        """Group Muon params by (mesh, placements), plan their batches, create sub-groups."""
+        self._muon_params: list[tuple[torch.Tensor, dict]] = []
+        names: list[str] = []
+        mesh_groups: dict[tuple, list[int]] = {}
+        mesh_of: dict[tuple, tuple] = {}
+        for g in self.param_groups:
+            if g["algorithm"] != "muon":
+                continue
+            pnames = g.get("param_names") or [None] * len(g["params"])
+            for p, name in zip(g["params"], pnames, strict=True):
+                idx = len(self._muon_params)
+                self._muon_params.append((p, g))
+                names.append(name or f"{tuple(p.shape)}")
+                key = self._mesh_key(p)
+                mesh_groups.setdefault(key, []).append(idx)
+                mesh_of[key] = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+        cursors: dict[tuple[int, ...], OwnerCursor] = {}
+        self.plans: list[tuple[MeshCommPlan, list[BatchPlan]]] = []
+        for key, indices in mesh_groups.items():
+            mp = self._mesh_plan(mesh_of[key])
+            metas = [
+                ParamMeta(
+                    i,
+                    tuple(self._muon_params[i][0].shape),
+                    self._muon_params[i][1]["num_experts"],
+                    self._muon_params[i][0].element_size(),
+                    _ns_settings(self._muon_params[i][1]),
+                )
+                for i in indices
+            ]
+            cursor = cursors.setdefault(mp.group_ranks, OwnerCursor(mp.fsdp_size))
+            batches = plan_batches(
+                metas,
+                mp,
+                self.remainder_strategy,
+                self.enable_all2all,
+                self.expert_aware,
+                cursor,
+            )
+            self.plans.append((mp, batches))
+        self._groups: dict[tuple[MeshCommPlan, int], object] = {}
+        self._fingerprint = fingerprint(self.plans, names)
+        self._check_fingerprint()
+        for (key, _), (mp, batches) in zip(mesh_groups.items(), self.plans, strict=True):
+            if mp.sharded:
+                self._groups[(mp, 0)] = mesh_of[key][0].get_group(mp.fsdp_mesh_dim)
+            for b in batches:
+                if b.path == "subgroup":
+                    self._groups.setdefault((mp, b.subgroup_size), self._subgroup(mp, b))
+
+    @staticmethod
+    def _mesh_key(p: torch.Tensor) -> tuple:
+        if not isinstance(p, DTensor):
+            return ("local",)
+        mesh = p.device_mesh
+        return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), tuple(p.placements))
+
+    @staticmethod
+    def _mesh_plan(mesh_and_placements) -> MeshCommPlan:
+        if mesh_and_placements is None:
+            return LOCAL_MESH_PLAN
+        mesh, placements = mesh_and_placements
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("Muon: this rank is not part of a parameter's device mesh")
+        return resolve_mesh_comm_plan(
+            tuple(mesh.shape), mesh.mesh.tolist(), tuple(placements), tuple(coordinate)
+        )
+
+    def _subgroup(self, mp: MeshCommPlan, b: BatchPlan):
+        """Create every k-rank sub-group of every FSDP group (collective, same order everywhere)."""
+        k = b.subgroup_size
+        cache = self.__dict__.setdefault("_subgroup_cache", {})
+        mine = None
+        for ranks in mp.all_groups:
+            for i in range(0, len(ranks), k):
+                chunk = ranks[i : i + k]
+                if chunk not in cache:
+                    cache[chunk] = dist.new_group(list(chunk))
+                if dist.get_rank() in chunk:
+                    mine = cache[chunk]
+        return mine
+
+    def _check_fingerprint(self) -> None:
+        """Fail fast, on every rank, if ranks planned different parameter lists.
+
+        Done at construction (before sub-groups are created), so a mismatch is an error instead
+        of a collective that never matches up.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        if dist.get_backend() == "fake":
+            return
+        device = _comm_device()
+        mine = torch.tensor([self._fingerprint], dtype=torch.int64, device=device)
+        every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine)
+        values = every.tolist()
+        if len(set(values)) > 1:
+            groups: dict[int, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            raise RuntimeError(
+                "Muon: ranks built different optimizer plans (different parameter order, names or "
+                f"shapes); ranks grouped by plan fingerprint: {sorted(groups.values())}. "
+                f"This is rank {dist.get_rank()}."
+            )
+
+    # ---------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._grads_finite():
+            self.skipped_steps += 1
+            self.last_step_skipped = True
+            return loss
+        self.last_step_skipped = False
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                self._adamw_group(g)
+        stats = comm.StepStats()
+        runtime = AsyncRuntime(self._tasks(stats), self.max_inflight)
+        runtime.run()
+        self.step_stats = stats.as_dict()
+        return loss
+
+    def _grads_finite(self) -> bool:
+        flags = [
+            torch.isfinite(_local(p.grad)).all()
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        ok = torch.stack(flags).all() if flags else torch.tensor(True)
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+            bad = (~ok).to(device=_comm_device(), dtype=torch.int32).reshape(1)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            return not bool(bad.item())
+        return bool(ok)
+
+    def _adamw_group(self, g: dict) -> None:
+        b1, b2 = g["betas"]
+        for p in g["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            st["step"] += 1
+            t = st["step"].item()
+            x, grad = _local(p), _local(p.grad)
+            m, v = _local(st["exp_avg"]), _local(st["exp_avg_sq"])
+            m.lerp_(grad, 1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(g["eps"])
+            x.mul_(1 - g["lr"] * g["weight_decay"])
+            x.addcdiv_(m, denom, value=-g["lr"] / (1 - b1**t))
+
+    def _tasks(self, stats: comm.StepStats):
+        """One AsyncTask per batch, created lazily in plan order."""
+        for mp, batches in self.plans:
+            for b in batches:
+                yield self._task(mp, b, stats)
+
+    def _task(self, mp: MeshCommPlan, b: BatchPlan, stats: comm.StepStats):
+        params = [self._muon_params[i] for i in b.param_indices]
+        shards = [self._momentum_update(p, g, mp) for p, g in params]
+        g0 = params[0][1]
+        block_rows = b.global_shard_dim_size // b.blocks_per_matrix
+        ortho = partial(
+            _orthogonalize,
+            block_rows=block_rows,
+            steps=g0["ns_steps"],
+            coefficients=g0["ns_coefficients"],
+            dtype=_DTYPES[g0["ns_dtype"]],
+            eps=g0["eps"],
+        )
+        if b.path == "local":
+            results = yield from comm.local_blocks(b, shards, ortho, stats)
+        elif b.path == "subgroup":
+            group = self._groups[(mp, b.subgroup_size)]
+            results = yield from comm.subgroup_all_gather(
+                b, shards, mp.fsdp_rank, group, ortho, stats
+            )
+        else:
+            group = self._groups[(mp, 0)]
+            exchange = comm.EXCHANGES[b.path]
+            results = yield from exchange(b, shards, mp.fsdp_rank, group, ortho, stats)
+        rows = b.global_shape[0] // params[0][1]["num_experts"]
+        cols = math.prod(b.global_shape) // b.global_shape[0]
+        for (p, g), o in zip(params, results, strict=True):
+            lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
+            x = _local(p)
+            x.mul_(1 - g["lr"] * g["weight_decay"])
+            x.add_(_from_rows(o, x, mp.shard_tensor_dim), alpha=-lr)
+
+    def _momentum_update(self, p: torch.Tensor, g: dict, mp: MeshCommPlan) -> torch.Tensor:
+        """Update the momentum buffer; return the NS input shard as [rows, C], sharded dim first."""
+        buf = _local(self.state[p]["momentum_buffer"])
+        grad = _local(p.grad) if p.grad is not None else torch.zeros_like(buf)
+        mu = g["momentum"]
+        buf.lerp_(grad, 1 - mu)
+        update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
+        return _to_rows(update, mp.shard_tensor_dim)
+
+
+def _ns_settings(g: dict) -> tuple:
+    """Settings that must agree within one batch, which shares one Newton-Schulz call."""
+    coefficients = g["ns_coefficients"]
+    if not isinstance(coefficients, str):
+        coefficients = tuple(map(tuple, coefficients))
+    return (g["ns_steps"], coefficients, g["ns_dtype"], g["eps"])
+
+
+def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
+    if dim != 0:
+        t = t.movedim(dim, 0)
+    return t.reshape(t.shape[0], -1).contiguous()
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `_to_rows` for a tensor shaped like `like`."""
+    if dim == 0:
+        return rows.view(like.shape)
+    shape = list(like.shape)
+    moved = [shape[dim]] + shape[:dim] + shape[dim + 1 :]
+    return rows.view(moved).movedim(0, dim)
+
+
+def _orthogonalize(m: torch.Tensor, block_rows, steps, coefficients, dtype, eps) -> torch.Tensor:
+    return orthogonalize_blocks(m, m.size(0) // block_rows, steps, coefficients, dtype, eps)
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
