@@ -1,0 +1,303 @@
+"""Acceptance tests for muon/newton_schulz.py (single process, CPU, fast).
+
+The reference used here is a float64 transcription of the spec: per-block Frobenius normalization
+(clamped by eps), tall blocks transposed to the wide orientation, quintic iteration
+X <- a X + (b A + c A^2) X with A = X X^T, triple i taken from the coefficient list (steps beyond
+the list reuse its last triple).
+
+Singular-value bands. In exact arithmetic NS acts on each normalized singular value x = s/||s||_2
+separately, x <- a x + b x^3 + c x^5. Iterating that scalar map over a dense grid of x in
+[0.01, 1] gives, after 5 steps:
+  fixed (3.4445, -4.7750, 2.0315):   [0.6818, 1.1344]
+  tuned (You Jiacheng's five triples): [0.9778, 1.0318]
+(for x < 0.01 the band widens: fixed reaches 1.2024 at x ~ 0.004, and x -> 0 maps to 0, so the
+test inputs are built with every normalized singular value >= 0.01). The float32 tests allow
+0.005 beyond these bands; the bf16 tests allow the measured bf16 spread (about 0.02) plus margin.
+"""
+
+import math
+
+import pytest
+import torch
+
+from muon.newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize_blocks
+
+FIXED = (3.4445, -4.7750, 2.0315)
+TUNED = [
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+]
+FIXED_BAND = (0.6818, 1.1344)
+TUNED_BAND = (0.9778, 1.0318)
+MIN_NORMALIZED_SV = 0.01
+
+
+def ref_ns(G, coefficients, steps=5, eps=1e-7):
+    """float64 reference of the spec's Newton-Schulz on [..., rows, cols]."""
+    X = G.double()
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for i in range(steps):
+        a, b, c = coefficients[min(i, len(coefficients) - 1)]
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    if tall:
+        X = X.mT
+    return X
+
+
+def scalar_map(x, coefficients, steps=5):
+    for i in range(steps):
+        a, b, c = coefficients[min(i, len(coefficients) - 1)]
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def controlled_spectrum(batch, rows, cols, gen, lo=MIN_NORMALIZED_SV):
+    """Random [batch, rows, cols] matrices with random singular vectors and a spectrum whose
+    normalized singular values s/||s|| are spread log-uniformly and all >= lo."""
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(batch, rows, k, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(batch, cols, k, generator=gen, dtype=torch.float64))
+    # s_max = 1, others log-uniform in [lo * sqrt(k), 1]: then ||s|| <= sqrt(k) and
+    # s/||s|| >= lo for every singular value.
+    logs = torch.empty(batch, k, dtype=torch.float64).uniform_(
+        math.log(lo * math.sqrt(k)), 0.0, generator=gen
+    )
+    logs[:, 0] = 0.0
+    s = logs.exp()
+    G = U @ torch.diag_embed(s) @ V.mT
+    scale = torch.empty(batch, 1, 1, dtype=torch.float64).uniform_(0.01, 100.0, generator=gen)
+    return (G * scale).float()
+
+
+# ----------------------------------------------------------------------------- coefficient sets
+
+
+def test_named_coefficient_sets():
+    fixed = [tuple(t) for t in NS_COEFFICIENTS["fixed"]]
+    assert len(fixed) >= 1
+    for t in fixed:
+        assert t == pytest.approx(FIXED, abs=1e-12)
+    tuned = [tuple(t) for t in NS_COEFFICIENTS["tuned"]]
+    assert len(tuned) == 5
+    assert tuned[0] == pytest.approx(TUNED[0], abs=1e-12)
+    for got, want in zip(tuned, TUNED, strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_unknown_coefficient_set_raises():
+    with pytest.raises(ValueError, match="coefficients"):
+        newton_schulz(torch.randn(8, 8), coefficients="no_such_set")
+
+
+# ----------------------------------------------------------------------------- numerics vs ref
+
+
+@pytest.mark.parametrize("shape", [(32, 48), (48, 32), (40, 40), (3, 24, 16), (2, 3, 16, 24)])
+@pytest.mark.parametrize("coefficients", ["fixed", "tuned"])
+def test_float32_matches_reference(shape, coefficients):
+    gen = torch.Generator().manual_seed(1)
+    G = torch.randn(*shape, generator=gen)
+    want = ref_ns(G, [FIXED] if coefficients == "fixed" else TUNED)
+    got = newton_schulz(G, coefficients=coefficients, dtype=torch.float32)
+    assert got.shape == G.shape
+    assert got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_steps_and_explicit_coefficients(steps):
+    gen = torch.Generator().manual_seed(2)
+    G = torch.randn(24, 40, generator=gen)
+    # explicit list of triples, steps beyond the list reuse the last triple
+    got_tuned = newton_schulz(G, steps=steps, coefficients="tuned", dtype=torch.float32)
+    got_explicit = newton_schulz(G, steps=steps, coefficients=TUNED, dtype=torch.float32)
+    want = ref_ns(G, TUNED, steps=steps)
+    assert rel_err(got_tuned, want) < 1e-4
+    assert rel_err(got_explicit, want) < 1e-4
+    got_fixed = newton_schulz(G, steps=steps, coefficients=[FIXED], dtype=torch.float32)
+    assert rel_err(got_fixed, ref_ns(G, [FIXED], steps=steps)) < 1e-4
+    # a different number of steps really is a different result
+    other = ref_ns(G, TUNED, steps=steps + 1)
+    assert rel_err(got_tuned, other) > 1e-3
+
+
+def test_bf16_default_matches_torch_muon_ns():
+    """Default compute dtype is bf16, matching torch.optim.Muon's own NS to bf16 accuracy."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(64, 32), (32, 96), (48, 48)]:
+        G = torch.randn(*shape, generator=gen)
+        got = newton_schulz(G)
+        want = _zeropower_via_newtonschulz(G, FIXED, 5, 1e-7).float()
+        assert got.dtype == torch.float32
+        assert rel_err(got, want) < 0.03, shape
+        # and bf16 compute is measurably different from float32 compute (dtype honoured)
+        f32 = newton_schulz(G, dtype=torch.float32)
+        assert rel_err(got, f32) > 1e-4
+        assert rel_err(f32, ref_ns(G, [FIXED])) < 1e-4
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_returns_input_dtype_and_is_pure(in_dtype, ns_dtype):
+    G = torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(4)).to(in_dtype)
+    G_copy = G.clone()
+    out = newton_schulz(G, dtype=ns_dtype)
+    assert out.dtype == in_dtype
+    assert out.shape == G.shape
+    assert torch.equal(G, G_copy), "newton_schulz modified its input"
+    assert out.data_ptr() != G.data_ptr()
+    # deterministic
+    assert torch.equal(out, newton_schulz(G, dtype=ns_dtype))
+
+
+def test_batched_equals_per_matrix():
+    gen = torch.Generator().manual_seed(5)
+    G = torch.randn(5, 24, 40, generator=gen)
+    G[2] *= 1e-3  # each matrix has its own norm
+    G[3] *= 1e3
+    batched = newton_schulz(G, dtype=torch.float32)
+    for i in range(G.size(0)):
+        single = newton_schulz(G[i], dtype=torch.float32)
+        torch.testing.assert_close(batched[i], single, rtol=1e-5, atol=1e-6)
+
+
+def test_tall_is_transpose_of_wide():
+    G = torch.randn(64, 24, generator=torch.Generator().manual_seed(6))
+    tall = newton_schulz(G, dtype=torch.float32)
+    wide = newton_schulz(G.T.contiguous(), dtype=torch.float32)
+    torch.testing.assert_close(tall, wide.T, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_input_is_finite():
+    Z = torch.zeros(2, 8, 12)
+    for dt in (torch.float32, torch.bfloat16):
+        out = newton_schulz(Z, dtype=dt)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_scale_invariance():
+    G = torch.randn(24, 40, generator=torch.Generator().manual_seed(7))
+    a = newton_schulz(G, dtype=torch.float32)
+    b = newton_schulz(G * 1e4, dtype=torch.float32)
+    c = newton_schulz(G * 1e-4, dtype=torch.float32)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- orthogonality
+
+
+def _band_check(coefficients, band, dtype, slack):
+    gen = torch.Generator().manual_seed(8)
+    coef_list = [FIXED] if coefficients == "fixed" else TUNED
+    for rows, cols in [(32, 32), (24, 64), (64, 24), (48, 40)]:
+        G = controlled_spectrum(24, rows, cols, gen)
+        s_in = torch.linalg.svdvals(G.double())
+        x = s_in / s_in.norm(dim=-1, keepdim=True)
+        assert x.min() >= MIN_NORMALIZED_SV * 0.999  # precondition of the band
+        out = newton_schulz(G, coefficients=coefficients, dtype=dtype)
+        s_out = torch.linalg.svdvals(out.double())
+        lo, hi = band
+        assert s_out.min().item() >= lo - slack, (rows, cols, s_out.min().item())
+        assert s_out.max().item() <= hi + slack, (rows, cols, s_out.max().item())
+        if dtype == torch.float32:
+            # each singular value follows the scalar polynomial map
+            predicted = scalar_map(x, coef_list).abs().sort(dim=-1, descending=True).values
+            torch.testing.assert_close(s_out, predicted, rtol=0, atol=2e-3)
+
+
+def test_singular_value_band_fixed_float32():
+    _band_check("fixed", FIXED_BAND, torch.float32, 0.005)
+
+
+def test_singular_value_band_tuned_float32():
+    _band_check("tuned", TUNED_BAND, torch.float32, 0.005)
+
+
+def test_singular_value_band_fixed_bf16():
+    _band_check("fixed", FIXED_BAND, torch.bfloat16, 0.04)
+
+
+def test_singular_value_band_tuned_bf16():
+    _band_check("tuned", TUNED_BAND, torch.bfloat16, 0.04)
+
+
+def test_gaussian_rectangular_inputs_are_orthogonalized():
+    """Plain random Gaussian (aspect >= 2, so well conditioned) lands in the fixed band."""
+    gen = torch.Generator().manual_seed(9)
+    for shape in [(64, 32, 128), (64, 128, 32), (16, 96, 24)]:
+        out = newton_schulz(torch.randn(*shape, generator=gen), dtype=torch.float32)
+        s = torch.linalg.svdvals(out.double())
+        assert s.min() >= FIXED_BAND[0] - 0.005 and s.max() <= FIXED_BAND[1] + 0.005
+
+
+# ----------------------------------------------------------------------------- fused blocks
+
+
+@pytest.mark.parametrize(
+    "E,out_dim,in_dim",
+    [(4, 16, 24), (4, 24, 16), (3, 20, 20), (1, 16, 32)],
+    ids=["wide-blocks", "tall-blocks", "square-blocks", "single-block"],
+)
+def test_orthogonalize_blocks_equals_per_block(E, out_dim, in_dim):
+    gen = torch.Generator().manual_seed(10)
+    W = torch.randn(E * out_dim, in_dim, generator=gen)
+    # very different block scales: each block must use its own norm
+    for e in range(E):
+        W[e * out_dim : (e + 1) * out_dim] *= 10.0 ** (e - 1)
+    W_copy = W.clone()
+    fused = orthogonalize_blocks(W, E, dtype=torch.float32)
+    assert fused.shape == W.shape and fused.dtype == W.dtype
+    assert torch.equal(W, W_copy)
+    for e in range(E):
+        block = W[e * out_dim : (e + 1) * out_dim]
+        want = newton_schulz(block, dtype=torch.float32)
+        torch.testing.assert_close(
+            fused[e * out_dim : (e + 1) * out_dim], want, rtol=1e-5, atol=1e-6
+        )
+        assert rel_err(fused[e * out_dim : (e + 1) * out_dim], ref_ns(block, [FIXED])) < 1e-4
+    if E > 1:
+        whole = newton_schulz(W, dtype=torch.float32)
+        assert rel_err(fused, whole) > 0.1, "blocks were orthogonalized as one matrix"
+
+
+def test_gate_up_blocks_are_separate():
+    """A fused gate+up weight [E*2I, H] declares 2E blocks: gate and up of each expert are
+    orthogonalized separately, not as one [2I, H] matrix per expert."""
+    E, inter, hidden = 3, 8, 32
+    gen = torch.Generator().manual_seed(11)
+    W = torch.randn(E * 2 * inter, hidden, generator=gen)
+    W[:inter] *= 100.0  # expert 0's gate much larger than its up
+    fused = orthogonalize_blocks(W, 2 * E, dtype=torch.float32)
+    for k in range(2 * E):
+        rows = slice(k * inter, (k + 1) * inter)
+        want = ref_ns(W[rows], [FIXED])
+        assert rel_err(fused[rows], want) < 1e-4, k
+    per_expert = orthogonalize_blocks(W, E, dtype=torch.float32)
+    assert rel_err(fused, per_expert) > 0.1
+
+
+def test_orthogonalize_blocks_default_bf16_and_dtype():
+    W = torch.randn(4 * 16, 24, generator=torch.Generator().manual_seed(12))
+    out = orthogonalize_blocks(W, 4)
+    assert out.dtype == torch.float32 and out.shape == W.shape
+    want = newton_schulz(W.view(4, 16, 24)).reshape(64, 24)
+    assert rel_err(out, want) < 0.03
+    f32 = orthogonalize_blocks(W, 4, dtype=torch.float32)
+    assert rel_err(out, f32) > 1e-4  # bf16 was really used by default
+    out_bf16 = orthogonalize_blocks(W.bfloat16(), 4)
+    assert out_bf16.dtype == torch.bfloat16
