@@ -85,12 +85,14 @@ def test_train_sbatch_dry_run_in_a_job():
         SLURM_JOB_ID="4242",
         SLURM_NNODES="2",
         SLURM_GPUS_ON_NODE="4",
+        SLURM_CPUS_PER_TASK="16",
         SLURM_SUBMIT_DIR="/somewhere/repo",
     )
     out = _run(["bash", str(SLURM_DIR / "train.sbatch"), "--dry-run", "mesh.ep=4"], env=env).stdout
     assert "cd /somewhere/repo" in out
     cmd = next(line for line in out.splitlines() if line.startswith("srun "))
     assert "--nodes=2" in cmd and "--nnodes 2 --nproc_per_node 4" in cmd
+    assert "--cpus-per-task=16" in cmd  # srun does not inherit it since Slurm 22.05
     assert "--rdzv_id 4242" in cmd and f":{20000 + 4242} " in cmd
     assert cmd.endswith("train.py mesh.ep=4 mesh.world_size=8")
     # NPROC_PER_NODE wins over the GPU count.
