@@ -95,8 +95,9 @@ def subgroup_all_gather(
     k, n = plan.subgroup_size, len(shards)
     rows, cols = shards[0].shape
     send = torch.stack(shards)  # [n, c, C]
-    gathered = send.new_empty(k, n, rows, cols)
+    gathered = send.new_empty(k * n, rows, cols)  # gloo wants the ranks' inputs stacked on dim 0
     work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+    gathered = gathered.view(k, n, rows, cols)
     stats.bytes_sent["subgroup"] += _nbytes(send.numel() * (k - 1), send)
     stats.bytes_recv["subgroup"] += _nbytes(send.numel() * (k - 1), send)
     yield
@@ -212,8 +213,9 @@ def agrs(
     send = ref.new_zeros(n, c, C)
     for j, s in enumerate(shards):
         send[j, : s.size(0)] = s
-    gathered = ref.new_empty(W, n, c, C)
+    gathered = ref.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
     work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+    gathered = gathered.view(W, n, c, C)
     stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), ref)
     stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), ref)
     yield
@@ -224,13 +226,13 @@ def agrs(
     del gathered  # the owned matrices were copied out by reshape
     scatter_in = ref.new_zeros(W, n, c, C)
     for j, m in mats.items():
-        scatter_in[:, j].view(W * c, C)[:N] = stats.orthogonalize(
-            ortho, m, "agrs", plan.blocks_per_matrix
-        )
+        result = stats.orthogonalize(ortho, m, "agrs", plan.blocks_per_matrix)
+        for r, piece in enumerate(result.split(list(plan.shard_sizes))):
+            scatter_in[r, j, : piece.size(0)] = piece
     del mats
     out = ref.new_empty(n, c, C)
     work = dist.reduce_scatter_tensor(
-        out, scatter_in, op=dist.ReduceOp.SUM, group=group, async_op=True
+        out, scatter_in.view(W * n, c, C), op=dist.ReduceOp.SUM, group=group, async_op=True
     )
     stats.bytes_sent["agrs"] += _nbytes(out.numel() * (W - 1), ref)
     stats.bytes_recv["agrs"] += _nbytes(out.numel() * (W - 1), ref)

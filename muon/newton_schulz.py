@@ -101,6 +101,6 @@ def orthogonalize_blocks(
     if num_blocks == 1:
         return newton_schulz(G, steps, coefficients, dtype, eps)
     out = newton_schulz(
-        G.view(num_blocks, rows // num_blocks, cols), steps, coefficients, dtype, eps
+        G.reshape(num_blocks, rows // num_blocks, cols), steps, coefficients, dtype, eps
     )
-    return out.view(rows, cols)
+    return out.reshape(rows, cols)

@@ -416,7 +416,7 @@ def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
     if dim != 0:
         t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], -1).contiguous()
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
 
 
 def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:

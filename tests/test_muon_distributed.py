@@ -1,0 +1,179 @@
+"""Distributed Muon on gloo worlds against a single-process run of the same optimizer.
+
+Each world runs every case of its size: the three remainder strategies with all-to-all on, and
+all-to-all off, over parameter sets that hit every path (full batches, remainders R = 1..W-1,
+uneven and empty shards, fused experts whole on a rank, experts spanning sub-groups with more
+parameters than ranks, and FSDP2's strided (efsdp, ep) expert layout). After a few steps every
+parameter and momentum buffer must equal the single-process reference.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from muon import Muon
+from tests.harness import init_mesh, run_world
+
+STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
+CONFIGS = [(s, True) for s in STRATEGIES] + [("pad_all2all", False)]
+STEPS = 3
+
+
+class Holder(nn.Module):
+    """A bag of matrices, each `[rows, cols]`, optionally with a block count for fused experts."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(t.clone()) for t in tensors])
+
+
+def _flat_specs(world: int) -> list[tuple[tuple[int, int], int]]:
+    """(shape, blocks) for a flat FSDP mesh: every remainder R = 1..W-1 plus full batches."""
+    specs: list[tuple[tuple[int, int], int]] = []
+    for r in range(1, world):
+        specs += [((2 * world + r, 6), 1)] * r  # remainder of r, uneven for most r
+    specs += [((10, 7), 1)] * (world + 1)  # a full batch plus R = 1; 10 rows: uneven shards
+    specs += [((3, 5), 1)] * 2  # 3 rows: empty shards when W > 3
+    specs += [((5, 12), 1)] * 2  # wide
+    if world > 1:
+        specs += [((world * 2 * 4, 6), 2 * world)] * 2  # whole expert blocks on every rank
+    if world >= 4 and world % 2 == 0:
+        # blocks of 8 rows over chunks of 4 rows: each block spans 2 ranks; more params than W
+        specs += [((world * 4, 6), world // 2)] * (world + 1)
+    return specs
+
+
+def _random(specs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen) for shape, _ in specs]
+
+
+def _rows_of(local: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Global row indices of a local shard, by matching its rows against the full tensor."""
+    if local.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    match = (local[:, None, :] == full[None, :, :]).all(-1)
+    assert bool(match.any(1).all()), "shard rows not found in the full tensor"
+    return match.float().argmax(1)
+
+
+def _groups(params, specs):
+    by_blocks: dict[int, list] = {}
+    for p, (_, blocks) in zip(params, specs, strict=True):
+        by_blocks.setdefault(blocks, []).append(p)
+    return [{"params": ps, "num_experts": b} for b, ps in by_blocks.items()]
+
+
+def _run_case(specs, shard_fn, strategy, all2all, seed=0, expert_aware=True):
+    """Run STEPS steps distributed and as a single-process reference; return max errors."""
+    init = _random(specs, seed)
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    holder = Holder(init)
+    shard_fn(holder)
+    params = list(holder.ps)
+    rows = [
+        _rows_of(p.to_local(), t) if isinstance(p, DTensor) else None
+        for p, t in zip(params, init, strict=True)
+    ]
+    kw = dict(
+        lr=0.05,
+        weight_decay=0.1,
+        ns_dtype=torch.float32,
+        remainder_strategy=strategy,
+        enable_all2all=all2all,
+        max_inflight=2,
+        expert_aware=expert_aware,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        opt = Muon(_groups(params, specs), **kw)
+        ref = Muon(_groups(ref_params, specs), **kw)
+    for step in range(STEPS):
+        grads = _random(specs, seed + 100 + step)
+        for p, rp, g, r in zip(params, ref_params, grads, rows, strict=True):
+            rp.grad = g.clone()
+            if isinstance(p, DTensor):
+                local = g[r].reshape(p.to_local().shape)
+                p.grad = DTensor.from_local(
+                    local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
+            else:
+                p.grad = g.clone()
+        opt.step()
+        ref.step()
+    err = 0.0
+    for p, rp in zip(params, ref_params, strict=True):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        buf = opt.state[p]["momentum_buffer"]
+        buf = buf.full_tensor() if isinstance(buf, DTensor) else buf
+        err = max(
+            err,
+            (full - rp).abs().max().item(),
+            (buf - ref.state[rp]["momentum_buffer"]).abs().max().item(),
+        )
+    return err, opt
+
+
+def _flat_shard(mesh):
+    def shard(holder):
+        fully_shard(holder, mesh=mesh)
+
+    return shard
+
+
+def _ep_shard(mesh):
+    """Experts over ep (Shard(0)) then FSDP2 over efsdp: FSDP2's strided expert layout."""
+
+    def shard(holder):
+        for i, p in enumerate(holder.ps):
+            dt = distribute_tensor(p.detach(), mesh["ep"], [Shard(0)])
+            holder.ps[i] = nn.Parameter(dt)
+        fully_shard(holder, mesh=mesh["efsdp"])
+
+    return shard
+
+
+def _ep_specs(ep: int, efsdp: int):
+    E = 2 * ep
+    return (
+        [((E * 2 * 4, 6), 2 * E)] * 3  # gate+up style: 2E blocks of 4 rows
+        + [((E * 6, 4), E)] * (efsdp + 1)  # down style: E blocks of 6 rows, uneven over efsdp
+        + [((E * 8 * efsdp, 5), E)] * 2  # whole blocks per efsdp rank
+    )
+
+
+def _world_cases(world: int):
+    """Every case of one world size; returns [(label, max error)]."""
+    torch.manual_seed(0)
+    results = []
+    flat = init_mesh((world,), ("fsdp",))
+    for strategy, a2a in CONFIGS:
+        err, _ = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a)
+        results.append((f"flat W={world} {strategy} a2a={a2a}", err))
+    if world in (4, 8):
+        ep, efsdp = 2, world // 2
+        mesh = init_mesh((efsdp, ep), ("efsdp", "ep"))
+        for strategy, a2a in CONFIGS:
+            for aware in (True, False):
+                err, _ = _run_case(
+                    _ep_specs(ep, efsdp), _ep_shard(mesh), strategy, a2a, expert_aware=aware
+                )
+                results.append((f"ep={ep} efsdp={efsdp} {strategy} a2a={a2a} aware={aware}", err))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_parity_with_single_process(world):
+    results = run_world(_world_cases, world, world, timeout_s=600)
+    for label, err in results[0]:
+        assert err < 2e-5, f"{label}: max |distributed - reference| = {err:.3g}"
+    assert results[0] == results[-1] or all(
+        abs(a[1] - b[1]) < 1e-6 for a, b in zip(results[0], results[-1], strict=True)
+    )
