@@ -1,0 +1,87 @@
+"""Token dispatch to routed experts, with or without expert parallelism (EP).
+
+Every token-expert assignment is sorted by expert. Without EP (`group` None or of size 1) the
+sorted rows go straight to the local experts. With EP, expert e lives on EP rank e // E_l
+(E_l = E / ep experts per rank, contiguous), so the sorted rows are already grouped by
+destination rank: one all_to_all_single (uneven splits) sends them, the owner runs its experts,
+and a second one brings the outputs back. Both exchanges are differentiable (`all_to_all`):
+backward is the same exchange with the splits swapped.
+
+Shape legend: N tokens, K experts per token, D hidden, A = N*K assignments, E experts,
+P EP ranks, L local experts (E / P), S rows received by this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with uneven splits; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits: list[int], recv_splits: list[int], group):
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = grad_out.new_empty((sum(ctx.send_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(
+            grad_in, grad_out.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group
+        )
+        return grad_in, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group):
+    """Differentiable all_to_all_single of the rows of `x`: send_splits[r] rows go to rank r,
+    recv_splits[r] rows arrive from rank r (in rank order)."""
+    return _AllToAll.apply(x, send_splits, recv_splits, group)
+
+
+def routed_experts_forward(
+    experts,
+    x_ND: torch.Tensor,
+    idx_NK: torch.Tensor,
+    w_NK: torch.Tensor,
+    num_experts: int,
+    group=None,
+) -> torch.Tensor:
+    """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for every token n, with the experts spread over
+    the EP `group` (None: all experts local). `experts(x_SD, counts)` runs local expert j on the
+    j-th block of counts[j] consecutive rows. Returns [N, D] in x's dtype."""
+    N, K = idx_NK.shape
+    flat_A = idx_NK.reshape(-1)
+    order_A = torch.argsort(flat_A, stable=True)
+    token_A = order_A // K  # the token of each expert-sorted assignment
+    counts_E = torch.bincount(flat_A, minlength=num_experts)
+    x_AD = x_ND[token_A]
+
+    ep = 1 if group is None else dist.get_world_size(group)
+    if ep == 1:
+        y_AD = experts(x_AD, counts_E.tolist())
+    else:
+        L = num_experts // ep
+        # recv_counts_PL[p, j]: rows that source rank p sends to my local expert j.
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=group)
+        recv_counts_PL = recv_counts_E.view(ep, L)
+        send_splits = counts_E.view(ep, L).sum(1).tolist()
+        recv_splits = recv_counts_PL.sum(1).tolist()
+        x_SD = all_to_all(x_AD, send_splits, recv_splits, group)
+        # Received rows are ordered (source, local expert); regroup them by local expert.
+        local_S = torch.repeat_interleave(
+            torch.arange(L, device=x_ND.device).repeat(ep), recv_counts_PL.reshape(-1)
+        )
+        perm_S = torch.argsort(local_S, stable=True)
+        y_grouped_SD = experts(x_SD[perm_S], recv_counts_PL.sum(0).tolist())
+        y_SD = y_grouped_SD[torch.argsort(perm_S)]
+        y_AD = all_to_all(y_SD, recv_splits, send_splits, group)
+
+    w_A = w_NK.reshape(-1)[order_A]
+    out_ND = torch.zeros_like(x_ND)
+    out_ND.index_add_(0, token_A, (y_AD * w_A[:, None]).to(x_ND.dtype))
+    return out_ND

@@ -1,0 +1,186 @@
+"""GLM-MoE decoder-only causal language model (single-device code; see parallelize.py).
+
+Shape legend: B batch, T sequence, D hidden, V vocab, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.glm.config import GLMConfig
+from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from models.glm.moe import FusedExperts, MoE, Router
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)) with a dense MLP or an MoE."""
+
+    def __init__(self, config: GLMConfig, is_moe: bool) -> None:
+        super().__init__()
+        self.is_moe = is_moe
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h_BTD, cos_TR, sin_TR):
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TR, sin_TR)
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's own final norm (the output projection is the model's lm_head)."""
+
+    def __init__(self, config: GLMConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """A multi-token-prediction MoE layer with the parameters of the public GLM checkpoints
+    (enorm, hnorm, eh_proj [D, 2D], shared_head.norm). Built for layout, counts and
+    checkpoints; `GLMForCausalLM.forward` does not run it."""
+
+    def __init__(self, config: GLMConfig) -> None:
+        super().__init__(config, is_moe=True)
+        D = config.hidden_size
+        self.enorm = RMSNorm(D, config.rms_norm_eps)
+        self.hnorm = RMSNorm(D, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.shared_head = SharedHead(config)
+
+
+class GLMModel(nn.Module):
+    """Embedding, decoder layers (dense first, then MoE), final norm; MTP layers on the side."""
+
+    def __init__(self, config: GLMConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, is_moe=i >= config.n_dense_layers)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mtp_layers = nn.ModuleList(MTPLayer(config) for _ in range(config.num_mtp_layers))
+
+
+class GLMForCausalLM(nn.Module):
+    """GLM-4.5 / GLM-5 style MoE causal LM.
+
+    forward(input_ids [B, T]) -> logits [B, T, V]; loss(input_ids, labels) -> mean cross-entropy
+    over the local tokens (labels -100 ignored). Parameter metadata for Muon: the router weight
+    carries param_roles "router", the lm_head weight "head", fused experts `orthogonal_blocks`.
+    """
+
+    def __init__(self, config: GLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.param_roles = {"weight": "head"}
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for input_ids [B, T] (plain causal attention, positions 0..T-1)."""
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        h_BTD = self.model.embed_tokens(input_ids)
+        cos_TR, sin_TR = rope_cos_sin(
+            seq_len, self.config.rotary_dim, self.config.rope_theta, input_ids.device
+        )
+        for layer in self.model.layers:
+            h_BTD = layer(h_BTD, cos_TR, sin_TR)
+        return self.lm_head(self.model.norm(h_BTD))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
+        logits_BTV = self.forward(input_ids)
+        return F.cross_entropy(
+            logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), labels.reshape(-1)
+        )
+
+    def routers(self) -> list[Router]:
+        """The routers of the MoE layers that forward runs (MTP layers excluded)."""
+        return [layer.mlp.gate for layer in self.model.layers if layer.is_moe]
+
+    @torch.no_grad()
+    def update_router_bias(self, rate: float) -> torch.Tensor:
+        """Aux-loss-free balancing: bias += rate * sign(mean_load - load) per MoE layer, from
+        the expert loads counted since the last call (summed over the default process group when
+        one is initialized, so every rank applies the same update); then reset the counts.
+        Returns the loads used, float32 [n_moe_layers, E]."""
+        routers = self.routers()
+        if not routers:
+            return torch.zeros(0)
+        loads_LE = torch.stack([r.expert_load for r in routers])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(loads_LE)
+        loads_LE = loads_LE.float()
+        delta_LE = rate * torch.sign(loads_LE.mean(-1, keepdim=True) - loads_LE)
+        for r, delta_E in zip(routers, delta_LE, strict=True):
+            r.e_score_correction_bias += delta_E.to(r.e_score_correction_bias.dtype)
+            r.expert_load.zero_()
+        return loads_LE
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (global sizes; works on meta and on DTensors)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`: matrices ~ N(0, initializer_range), norms 1, biases and
+        the router correction bias 0, expert loads 0. Draws on a CPU generator in module order,
+        so the result does not depend on the device; DTensor parameters receive their shard of
+        the same full tensor. A no-op on meta tensors."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.config.initializer_range
+        seen: set[int] = set()
+
+        def fill(p: torch.Tensor, kind: str) -> None:
+            if id(p) in seen:
+                return
+            seen.add(id(p))
+            if p.is_meta:
+                return
+            if kind == "normal":
+                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            else:
+                full = torch.full(p.shape, 1.0 if kind == "ones" else 0.0)
+            _copy_full_into(p, full)
+
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                fill(module.weight, "ones")
+            elif isinstance(module, nn.Linear):
+                fill(module.weight, "normal")
+                if module.bias is not None:
+                    fill(module.bias, "zeros")
+            elif isinstance(module, nn.Embedding):
+                fill(module.weight, "normal")
+            elif isinstance(module, Router):
+                fill(module.weight, "normal")
+                fill(module.e_score_correction_bias, "zeros")
+                if not module.expert_load.is_meta:
+                    module.expert_load.zero_()
+            elif isinstance(module, FusedExperts):
+                fill(module.gate_up_proj, "normal")
+                fill(module.down_proj, "normal")
+
+
+def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (global) CPU tensor into a parameter that may be a sharded DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        full = distribute_tensor(full.to(p.device, p.dtype), p.device_mesh, p.placements)
+        p.to_local().copy_(full.to_local())
+    else:
+        p.copy_(full)
