@@ -102,7 +102,7 @@ def subgroup_all_gather(
     stats.bytes_recv["subgroup"] += _nbytes(send.numel() * (k - 1), send)
     yield
     stats.wait(work)
-    del send
+    del work, send  # a finished Work still references its buffers
     mine = me % k
     out = []
     for j in range(n):
@@ -139,7 +139,7 @@ def ragged_all_to_all(
     stats.bytes_recv[path] += _nbytes(sum(recv_splits) - recv_splits[me], ref)
     yield
     stats.wait(work)
-    del send
+    del work, send  # a finished Work still references its buffers
     if owned:
         result = stats.orthogonalize(ortho, full.view(-1, C), path, plan.blocks_per_matrix).reshape(
             -1
@@ -153,7 +153,7 @@ def ragged_all_to_all(
     stats.bytes_recv[path] += _nbytes(sum(send_splits) - send_splits[me], ref)
     yield
     stats.wait(work)
-    del result
+    del work, result
     pieces = back.split([sizes[me] * C] * plan.size) if plan.size else []
     out: Shards = [torch.empty(0)] * plan.size
     for piece, j in zip(pieces, order, strict=True):
@@ -180,7 +180,7 @@ def pad_all_to_all(
     stats.bytes_recv["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), ref)
     yield
     stats.wait(work)
-    del send
+    del work, send  # a finished Work still references its buffers
     matrix = full.view(W * c, C)[: plan.global_shard_dim_size]
     result = full.new_zeros(W, c, C)
     result.view(W * c, C)[: plan.global_shard_dim_size] = stats.orthogonalize(
@@ -193,7 +193,7 @@ def pad_all_to_all(
     stats.bytes_recv["pad_all2all"] += _nbytes(result.numel() // W * (W - 1), ref)
     yield
     stats.wait(work)
-    del result
+    del work, result
     rows = plan.shard_sizes[me]
     return [back[plan.owners[j], :rows] for j in range(plan.size)]
 
@@ -220,7 +220,7 @@ def agrs(
     stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), ref)
     yield
     stats.wait(work)
-    del send
+    del work, send  # a finished Work still references its buffers
     owned = [j for j in range(n) if plan.owners[j] == me]
     mats = {j: gathered[:, j].reshape(W * c, C)[:N] for j in owned}
     del gathered  # the owned matrices were copied out by reshape
@@ -238,7 +238,7 @@ def agrs(
     stats.bytes_recv["agrs"] += _nbytes(out.numel() * (W - 1), ref)
     yield
     stats.wait(work)
-    del scatter_in
+    del work, scatter_in
     rows = plan.shard_sizes[me]
     return [out[j, :rows] for j in range(n)]
 

@@ -236,26 +236,51 @@ class BatchPlan:
         back = sum(self.matrix_bytes - mine for _ in owned)
         return forward + back
 
-    def exchange_buffer_bytes(self, fsdp_rank: int) -> int:
-        """Peak bytes of exchange buffers this rank holds for the batch (send, receive, assembled).
+    def collective_buffer_bytes(self, fsdp_rank: int) -> int:
+        """Bytes of the largest receive buffer one collective of this batch allocates here.
 
-        Newton-Schulz workspace is not included; `ns_workspace_bytes` estimates it.
+        For `agrs` this is the all-gather output: all n matrices, sized from the FSDP-visible dim.
+        """
+        w, n = self.fsdp_size, self.size
+        padded = self.padded_shard_rows * self.other_numel * self.itemsize
+        if self.path == "local":
+            return 0
+        if self.path == "subgroup":
+            return self.subgroup_size * n * padded
+        if self.path == "agrs":
+            return w * n * padded
+        if self.path == "pad_all2all":
+            return w * padded
+        owns = any(o == fsdp_rank for o in self.owners)
+        return max(self.matrix_bytes if owns else 0, n * self.shard_bytes(fsdp_rank))
+
+    def exchange_buffer_bytes(self, fsdp_rank: int) -> int:
+        """Peak bytes of exchange buffers alive at once on this rank, phase by phase, as
+        `muon.comm` allocates and frees them (send, receive, assembled, result, return).
+
+        The NS input shards and Newton-Schulz temporaries are not included; see
+        `ns_workspace_bytes`.
         """
         w, n = self.fsdp_size, self.size
         padded = self.padded_shard_rows * self.other_numel * self.itemsize
         mine = self.shard_bytes(fsdp_rank)
+        full = self.matrix_bytes
+        owned = sum(1 for i, o in enumerate(self.owners) if o == fsdp_rank and i < n)
         if self.path == "local":
             return 0
         if self.path == "subgroup":
-            return n * padded * self.subgroup_size
+            gathered = self.subgroup_size * n * padded
+            return gathered + n * padded
         if self.path == "agrs":
-            # gathered [W, R, shard] buffer and the reduce-scatter input of the same size
-            return 2 * w * n * padded
+            gathered = w * n * padded
+            # send + gathered, then gathered + the owned matrices copied out of it
+            return gathered + max(n * padded, owned * full)
         if self.path == "pad_all2all":
-            # W padded shards out, one padded full matrix in
-            return w * padded + w * padded
-        owned = sum(1 for o in self.owners if o == fsdp_rank)
-        return n * mine + owned * self.matrix_bytes
+            # the received slab, the result slab and the NS output being copied into it
+            return 2 * w * padded + full
+        # send + assembled matrix, then assembled + its NS output (owners only)
+        recv = full if owned else 0
+        return max(n * mine, recv) + recv
 
     def ns_workspace_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
         """Rough peak Newton-Schulz temporaries for the matrices this rank orthogonalizes."""
