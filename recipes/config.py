@@ -1,0 +1,340 @@
+"""The training config schema: typed dataclasses registered with Hydra's ConfigStore.
+
+`conf/train.yaml` puts `config_schema` first in its defaults list, so every group file and
+every command-line override is merged into these types: an unknown key or a value outside an
+Enum fails at compose time, naming the key and the allowed values. What types cannot say
+(ranges, cross-field rules, files that must exist) `validate` checks, before any rank starts.
+Every field carries a one-line help in `metadata["help"]`; `describe()` prints them all.
+"""
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot run; the message names the key."""
+
+
+def _f(default: Any, help: str, factory: bool = False) -> Any:
+    """A dataclass field with its one-line help."""
+    if factory:
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+class ModelPreset(StrEnum):
+    tiny = "tiny"
+    small = "small"
+    glm45_air = "glm45_air"
+    glm52 = "glm52"
+
+
+class OptimName(StrEnum):
+    muon = "muon"
+    adamw = "adamw"
+
+
+class RemainderStrategy(StrEnum):
+    agrs = "agrs"
+    pad_all2all = "pad_all2all"
+    ragged_all_to_all = "ragged_all_to_all"
+
+
+class RouterOptim(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class AdjustLr(StrEnum):
+    original = "original"
+    match_rms_adamw = "match_rms_adamw"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DataSource(StrEnum):
+    stdlib = "stdlib"
+    tokens = "tokens"
+
+
+class TokenDtype(StrEnum):
+    uint8 = "uint8"
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class LoggerBackend(StrEnum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("default", "run family; the run dir is <root>/<name>/<overrides>")
+    root: str = _f("outputs", "directory holding all runs (relative to the launch cwd)")
+
+
+@dataclass
+class MeshConfig:
+    world_size: int = _f(4, "number of ranks (a local world is started when no launcher env)")
+    ep: int = _f(2, "expert-parallel degree; divides world_size")
+    device: Device = _f(Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo")
+
+
+@dataclass
+class ModelConfig:
+    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name")
+    overrides: dict[str, Any] = _f(dict, "GLMConfig fields replacing the preset's", True)
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = _f(OptimName.muon, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
+    lr: float = _f(0.02, "peak learning rate of the Muon groups (all groups for adamw)")
+    weight_decay: float = _f(0.0, "decoupled weight decay of the Muon groups")
+    momentum: float = _f(0.95, "Muon momentum")
+    nesterov: bool = _f(True, "Muon Nesterov momentum")
+    ns_steps: int = _f(5, "Newton-Schulz iterations")
+    adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
+    adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")
+    adamw_weight_decay: float = _f(0.0, "weight decay of the AdamW groups under muon")
+    betas: list[float] = _f(lambda: [0.9, 0.95], "AdamW betas", True)
+    eps: float = _f(1e-8, "AdamW epsilon")
+    router: RouterOptim = _f(RouterOptim.adamw, "which algorithm updates router weights")
+    remainder_strategy: RemainderStrategy = _f(
+        RemainderStrategy.pad_all2all, "Muon exchange for batches smaller than the FSDP group"
+    )
+    enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
+    max_inflight: int = _f(3, "Muon batches in flight at once")
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = _f(DataSource.stdlib, "stdlib: this Python's .py files as bytes")
+    path: str | None = _f(None, "tokens: the token file; stdlib: the source dir (None: own)")
+    dtype: TokenDtype = _f(TokenDtype.uint8, "element type of the token file")
+    vocab_size: int = _f(256, "vocabulary size; the model's vocab is set to it")
+    cache_dir: str = _f("~/.cache/moe_muon_recipes", "where built token files are kept")
+    seq_len: int = _f(128, "tokens per sequence")
+    batch_size: int = _f(8, "sequences per rank per micro-step")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps to train")
+    seed: int = _f(0, "seed of weights and data order")
+    grad_accum_steps: int = _f(1, "micro-steps per optimizer step")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    schedule: Schedule = _f(Schedule.cosine, "decay after warmup")
+    min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak")
+    grad_clip: float = _f(1.0, "max total grad norm of the clipped groups; 0 disables")
+    clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
+    router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
+    inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = _f(1, "write metrics every N steps")
+    memory_every: int = _f(25, "measure per-rank memory every N steps (profiling is costly)")
+    progress: bool = _f(True, "tqdm progress bar on rank 0 (when attached to a terminal)")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(100, "save every N steps (and at the end); 0: only at the end")
+    keep: int = _f(2, "committed checkpoints kept")
+    resume: bool = _f(True, "resume from the newest committed checkpoint of the run dir")
+    export_hf: bool = _f(True, "export the final model with models.glm.hf_adapter")
+
+
+@dataclass
+class LoggerConfig:
+    backend: LoggerBackend = _f(LoggerBackend.wandb, "wandb or none")
+    mode: WandbMode = _f(WandbMode.offline, "offline (sync later with `wandb sync`) or online")
+    project: str = _f("moe-muon-recipes", "W&B project")
+    entity: str | None = _f(None, "W&B entity (team); None: your default")
+    group: str | None = _f(None, "W&B group; None: run.name")
+    job_type: str = _f("train", "W&B job type")
+    tags: list[str] = _f(list, "W&B tags", True)
+
+
+@dataclass
+class Config:
+    run: RunConfig = _f(RunConfig, "where the run lives", True)
+    mesh: MeshConfig = _f(MeshConfig, "world and device mesh", True)
+    model: ModelConfig = _f(ModelConfig, "model preset", True)
+    optim: OptimConfig = _f(OptimConfig, "optimizer", True)
+    data: DataConfig = _f(DataConfig, "token stream", True)
+    train: TrainConfig = _f(TrainConfig, "training loop", True)
+    metrics: MetricsConfig = _f(MetricsConfig, "metrics and memory sampling", True)
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "checkpoints", True)
+    logger: LoggerConfig = _f(LoggerConfig, "experiment logger", True)
+
+
+def register() -> None:
+    """Register the schema and the run-dir resolver (idempotent)."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id)
+
+
+def run_id(override_dirname: str) -> str:
+    """The run-dir leaf for a set of overrides: stable for the same command, never empty."""
+    return override_dirname.replace("/", "_") or "base"
+
+
+def describe(node: type = None, prefix: str = "") -> list[str]:
+    """One line per leaf key: `key = default  # help`, for `python train.py --help`-like use."""
+    lines = []
+    for f in dataclasses.fields(node or Config):
+        if dataclasses.is_dataclass(f.default_factory):
+            lines += describe(f.default_factory, f"{prefix}{f.name}.")
+            continue
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        value = value.value if isinstance(value, Enum) else value
+        lines.append(f"{prefix}{f.name} = {value!r}  # {f.metadata['help']}")
+    return lines
+
+
+def _help(key: str) -> str:
+    node: Any = Config
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)} if node else {}
+        if part not in fields:
+            return ""
+        help_text = fields[part].metadata["help"]
+        node = fields[part].default_factory
+        node = node if dataclasses.is_dataclass(node) else None
+    return help_text
+
+
+def _fail(key: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{key}={value}: {rule} ({key}: {_help(key)})")
+
+
+def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise _fail(key, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def validate(cfg: DictConfig, env_world_size: int | None = None) -> None:
+    """Check what the types cannot: ranges, divisibility, files. Raises ConfigError."""
+    _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.adamw_lr", "optim.eps")
+    _positive(cfg, "optim.ns_steps", "optim.max_inflight", "data.vocab_size", "data.seq_len")
+    _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
+    _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")
+    _positive(cfg, "optim.weight_decay", "optim.adamw_weight_decay", allow_zero=True)
+    _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
+    _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    mesh = cfg.mesh
+    if mesh.world_size % mesh.ep:
+        allowed = [d for d in range(1, mesh.world_size + 1) if mesh.world_size % d == 0]
+        raise _fail(
+            "mesh.ep",
+            mesh.ep,
+            f"must divide mesh.world_size={mesh.world_size}; "
+            f"allowed: {', '.join(map(str, allowed))}",
+        )
+    if env_world_size is not None and env_world_size != mesh.world_size:
+        raise _fail(
+            "mesh.world_size",
+            mesh.world_size,
+            f"the launcher started WORLD_SIZE={env_world_size} ranks; "
+            f"pass mesh.world_size={env_world_size}",
+        )
+    if not 0.0 <= cfg.optim.momentum < 1.0:
+        raise _fail("optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise _fail("optim.betas", list(cfg.optim.betas), "must be two values in [0, 1)")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise _fail("train.min_lr_ratio", cfg.train.min_lr_ratio, "must be in [0, 1]")
+    nan_step = cfg.train.inject_nan_at_step
+    if nan_step is not None and not 1 <= nan_step <= cfg.train.steps:
+        raise _fail("train.inject_nan_at_step", nan_step, f"must be in [1, {cfg.train.steps}]")
+    max_token = {"uint8": 2**8, "uint16": 2**16, "uint32": 2**32}[cfg.data.dtype.value]
+    if cfg.data.vocab_size > max_token:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"does not fit data.dtype={cfg.data.dtype.value} (max {max_token})",
+        )
+    _validate_data_path(cfg.data)
+    _validate_model(cfg.model)
+    if mesh.device == Device.cuda:
+        import torch
+
+        if torch.cuda.device_count() < (1 if env_world_size else mesh.world_size):
+            raise _fail(
+                "mesh.device",
+                "cuda",
+                f"needs {mesh.world_size} CUDA devices; "
+                f"this machine has {torch.cuda.device_count()}; allowed: auto, cpu, cuda",
+            )
+
+
+def _validate_data_path(data: DictConfig) -> None:
+    if data.source == DataSource.tokens:
+        if data.path is None:
+            raise _fail("data.path", None, "data.source=tokens needs a token file")
+        if not Path(os.path.expanduser(data.path)).is_file():
+            raise _fail(
+                "data.path",
+                data.path,
+                "no such token file (a flat numpy memmap "
+                f"of {data.dtype.value}, e.g. written by recipes.data.write_tokens)",
+            )
+    elif data.path is not None and not Path(os.path.expanduser(data.path)).is_dir():
+        raise _fail("data.path", data.path, "no such source directory of .py files")
+
+
+def _validate_model(model: DictConfig) -> None:
+    try:
+        from models.glm import GLMConfig
+    except ImportError:  # the model package has not landed in this checkout yet
+        return
+    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
+    for key in model.overrides:
+        if key not in allowed:
+            raise _fail(
+                f"model.overrides.{key}",
+                model.overrides[key],
+                f"not a GLMConfig field; allowed: {', '.join(allowed)}",
+            )
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain data (enums as their values)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def from_yaml(text: str) -> DictConfig:
+    """Rebuild a typed config from the resolved YAML a worker receives."""
+    return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+
+
+register()

@@ -1,0 +1,128 @@
+"""Checkpoint commit protocol and resharding, on a small FSDP2 stand-in model (gloo, CPU)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recipes import checkpoint
+from tests.harness import run_world
+
+
+class StandIn(nn.Module):
+    """Embedding, a hidden matrix and a head: enough to exercise sharded state dicts."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 12)
+        self.hidden = nn.Linear(12, 10, bias=False)
+        self.head = nn.Linear(10, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(self.embed(x))))
+
+
+def _build(seed: int = 0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = StandIn()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.hidden, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train(model, opt, steps: int, start: int = 0):
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 * s + dist.get_rank())
+        x = torch.randint(0, 16, (4, 5), generator=g)
+        loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model, opt):
+    """Full parameters and first moments as numpy (tensors do not cross the result queue)."""
+    params = {n: p.detach().full_tensor().numpy() for n, p in model.named_parameters()}
+    sd = opt.state_dict()["state"]
+    moments = [sd[i]["exp_avg"].full_tensor().numpy() for i in sorted(sd)]
+    return params, moments
+
+
+def _save_then_fail(root: str):
+    model, opt = _build()
+    _train(model, opt, 2)
+    checkpoint.save(Path(root), 2, model, opt, {"samples": 8}, keep=2)
+    expected = _full(model, opt)
+    _train(model, opt, 1, start=2)
+    # A write interrupted on every rank after model and optimizer, before the commit.
+    real_rng_state = checkpoint.rng_state
+    checkpoint.rng_state = lambda: (_ for _ in ()).throw(OSError("killed"))
+    try:
+        checkpoint.save(Path(root), 3, model, opt, {"samples": 12}, keep=2)
+    except OSError:
+        pass
+    finally:
+        checkpoint.rng_state = real_rng_state
+    return expected
+
+
+def _load(root: str):
+    model, opt = _build(seed=1)  # different init: everything must come from the checkpoint
+    ckpt = checkpoint.latest(Path(root))
+    state = checkpoint.load(ckpt, model, opt)
+    return ckpt.name, state["samples"], state["rng"] is not None, _full(model, opt)
+
+
+def _save_many(root: str):
+    model, opt = _build()
+    for step in (1, 2, 3):
+        _train(model, opt, 1, start=step)
+        checkpoint.save(Path(root), step, model, opt, {"samples": step}, keep=2)
+    _train(model, opt, 1, start=4)
+    checkpoint.save(Path(root), 3, model, opt, {"samples": 33}, keep=2)  # rerun of a step
+    return True
+
+
+@pytest.mark.slow
+def test_interrupted_save_keeps_previous_and_resume_reshards(tmp_path):
+    """4 ranks save at step 2, die mid-save at step 3; 4 and 2 ranks load step 2 exactly."""
+    root = tmp_path / "ckpt"
+    (expected_params, expected_moments), *_ = run_world(_save_then_fail, 4, str(root))
+    assert [p.name for p in checkpoint.committed(root)] == ["step_00000002"]
+    trainer = json.loads((root / "step_00000002" / "trainer.json").read_text())
+    assert trainer == {"samples": 8, "step": 2, "world_size": 4}
+    for world, same_world in ((4, True), (2, False)):
+        name, samples, rng_restored, (params, moments) = run_world(_load, world, str(root))[0]
+        assert (name, samples, rng_restored) == ("step_00000002", 8, same_world)
+        for key, value in expected_params.items():
+            np.testing.assert_array_equal(params[key], value)
+        for got, want in zip(moments, expected_moments, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_keep_prunes_and_rerun_replaces(tmp_path):
+    run_world(_save_many, 2, str(tmp_path))
+    assert [p.name for p in checkpoint.committed(tmp_path)] == ["step_00000002", "step_00000003"]
+    assert json.loads((tmp_path / "step_00000003" / "trainer.json").read_text())["samples"] == 33
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert checkpoint.model_file(tmp_path / "step_00000003").suffix == ".safetensors"
+
+
+def test_latest_ignores_uncommitted(tmp_path):
+    (tmp_path / "step_00000004").mkdir()  # killed before the marker
+    (tmp_path / ".tmp-step_00000006").mkdir()
+    assert checkpoint.latest(tmp_path) is None
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / checkpoint.COMMITTED).write_text("2\n")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_00000002"
+    assert checkpoint.latest(tmp_path / "missing") is None
