@@ -14,6 +14,11 @@ with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols
 Non-finite gradients: if any gradient of any parameter on any rank holds a NaN or Inf, the whole
 step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
 `skipped_steps` counts it.
+
+Missing gradients: a Muon parameter whose `.grad` is None is stepped with a zero gradient (its
+momentum decays, weight decay applies), because every rank of its batch must take part in the
+exchange whether or not its local shard was touched; AdamW parameters without a gradient are
+left alone, as in torch.optim.AdamW.
 """
 
 from __future__ import annotations
