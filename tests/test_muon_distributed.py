@@ -148,14 +148,35 @@ def _ep_specs(ep: int, efsdp: int):
     )
 
 
+def _paths(opt) -> frozenset:
+    return frozenset(b.path for _, batches in opt.plans for b in batches)
+
+
+def _expected_paths(label: str) -> set:
+    """The paths each case must exercise, so the parity claim covers all of them."""
+    world = int(label.split("W=")[1].split()[0]) if "W=" in label else None
+    strategy = next(s for s in STRATEGIES if f" {s} " in label)
+    remainder = strategy if "a2a=True" in label else "agrs"
+    if world is not None:
+        if world == 1:
+            return {"local"}
+        exchanged = {"full", remainder} if "a2a=True" in label else {"agrs"}
+        return {"local"} | exchanged | ({"subgroup"} if world >= 4 else set())
+    exchanged = {"full", remainder} if "a2a=True" in label else {"agrs"}
+    if "aware=True" in label:
+        return {"local", "subgroup"} if "efsdp=4" in label else {"local"}
+    return exchanged
+
+
 def _world_cases(world: int):
     """Every case of one world size; returns [(label, max error)]."""
     torch.manual_seed(0)
     results = []
     flat = init_mesh((world,), ("fsdp",))
     for strategy, a2a in CONFIGS:
-        err, _ = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a)
+        err, opt = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a)
         results.append((f"flat W={world} {strategy} a2a={a2a}", err))
+        results.append((f"paths W={world} {strategy} a2a={a2a}", _paths(opt)))
     if world in (4, 8):
         ep, efsdp = 2, world // 2
         mesh = init_mesh((efsdp, ep), ("efsdp", "ep"))
@@ -172,8 +193,11 @@ def _world_cases(world: int):
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_parity_with_single_process(world):
     results = run_world(_world_cases, world, world, timeout_s=600)
-    for label, err in results[0]:
-        assert err < 2e-5, f"{label}: max |distributed - reference| = {err:.3g}"
+    for label, value in results[0]:
+        if label.startswith("paths "):
+            assert value >= _expected_paths(label[6:]), f"{label}: only {sorted(value)}"
+        else:
+            assert value < 2e-5, f"{label}: max |distributed - reference| = {value:.3g}"
     assert results[0] == results[-1] or all(
         abs(a[1] - b[1]) < 1e-6 for a, b in zip(results[0], results[-1], strict=True)
     )
