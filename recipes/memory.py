@@ -380,8 +380,8 @@ def _stop_cpu_profiler():
         torch.autograd.profiler._run_on_profiler_stop()
 
 
-def _cpu_allocation_events(result: Any) -> list[tuple[int, int, int, int]]:
-    """(time_ns, signed size, counter after the event, ptr) of CPU allocations, by time."""
+def _cpu_allocation_events(result: Any) -> list[tuple[int, int, int, int, int]]:
+    """(time_ns, signed size, counter after, ptr, thread) of CPU allocations, by time."""
     from torch._C._profiler import _EventType
 
     allocation = _EventType.Allocation
@@ -393,7 +393,13 @@ def _cpu_allocation_events(result: Any) -> list[tuple[int, int, int, int]]:
             fields = event.extra_fields
             if fields.device.type == "cpu":  # CUDA tensors in a CPU span report here too
                 events.append(
-                    (event.start_time_ns, fields.alloc_size, fields.total_allocated, fields.ptr)
+                    (
+                        event.start_time_ns,
+                        fields.alloc_size,
+                        fields.total_allocated,
+                        fields.ptr,
+                        event.start_tid,
+                    )
                 )
         else:
             stack.extend(event.children)
@@ -404,7 +410,7 @@ def _cpu_allocation_events(result: Any) -> list[tuple[int, int, int, int]]:
 def _analyze_cpu(result: Any, scopes: list[_Scope], n_markers: int) -> None:
     events = _cpu_allocation_events(result)
     # A peak candidate per event: live bytes just after an allocation, just before a free.
-    candidate = [total if size > 0 else total - size for _, size, total, _ in events]
+    candidate = [total if size > 0 else total - size for _, size, total, _, _ in events]
     alloc_at: list[int] = []  # marker index -> event index of its allocation
     free_at: list[int] = []
     live_at: list[int] = []  # marker index -> live bytes (marker excluded)
@@ -415,9 +421,11 @@ def _analyze_cpu(result: Any, scopes: list[_Scope], n_markers: int) -> None:
         for i in range(pos, len(events)):
             if events[i][1] != size:
                 continue
-            ptr = events[i][3]
-            j = next((j for j in range(i + 1, len(events)) if events[j][3] == ptr), None)
-            if j is not None and events[j][1] == -size:
+            # A marker is freed right after its allocation: the next event of its thread is
+            # the free of the same pointer. A real tensor of the same size is not.
+            tid = events[i][4]
+            j = next((j for j in range(i + 1, len(events)) if events[j][4] == tid), None)
+            if j is not None and events[j][1] == -size and events[j][3] == events[i][3]:
                 found = (i, j)
                 break
         if found is None:

@@ -88,6 +88,24 @@ def test_nested_and_repeated_regions_are_consistent():
     assert summary["inner_peak_delta_mib"] == pytest.approx(8.0, rel=TOL)
 
 
+def test_tensors_of_a_marker_size_do_not_confuse_the_boundaries():
+    meter = MemoryMeter("cpu")
+    # Boundary markers 0..3 of this span: span start, region start, region end, span end.
+    sizes = [memory._marker_bytes(i) for i in range(4)]
+    with meter.measure() as m:
+        early = _bytes(sizes[1])  # same size as the region-start marker, allocated before it
+        with m.region("r"):
+            decoy = _bytes(sizes[2])  # same size as the region-end marker, freed later
+            big = _bytes(4 * MiB)
+            del decoy
+            kept = _bytes(sizes[3])  # same size as the span-end marker, kept
+        del big
+    assert _close(m.peak_delta_bytes("r"), 4 * MiB + sizes[2]), m
+    assert m.end_bytes("r") - m.start_bytes("r") == 4 * MiB + sizes[3], m
+    assert m.start_bytes("r") - m.start_bytes() == sizes[1], m
+    del early, kept
+
+
 def test_free_on_another_thread_is_not_retained():
     """Buffers freed or allocated on a worker thread are counted (c10's report flag is set)."""
     lib = ctypes.CDLL(memory._libc10_path())
