@@ -102,7 +102,7 @@ class GLMForCausalLM(nn.Module):
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
-        logits_BTV = self.forward(input_ids)
+        logits_BTV = self(input_ids)  # through __call__, so FSDP2 hooks run
         return F.cross_entropy(
             logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), labels.reshape(-1)
         )

@@ -1,0 +1,108 @@
+"""Apply expert parallelism (EP) and FSDP2 to a single-device `GLMForCausalLM`.
+
+Meshes (`build_meshes`): every non-expert parameter is fully sharded over all ranks on the 1-D
+mesh `dense` (dim "fsdp"); the routed experts live on the 2-D mesh `expert` with dims
+("efsdp", "ep"), ep innermost, efsdp = world_size // ep. Each EP rank owns E/ep whole experts
+(Shard(0) of the fused weights over "ep"), and FSDP2 shards those again over "efsdp", which gives
+FSDP2's strided layout `(_StridedShard(0), Shard(0))` on the 2-D mesh.
+
+Gradient convention: `model.loss` is a mean over a rank's local tokens, and the distributed
+gradient is that of the mean loss over the global batch (equal token counts per rank). FSDP2's
+default reduce-scatter averages over its mesh, which is right for dense parameters (W ranks).
+An expert's gradient, however, already sums the contributions of the tokens of all `ep` ranks of
+its EP group (they arrive through the all-to-all's backward), so averaging over the efsdp ranks
+only would leave it `ep` times too large. The expert FSDP modules therefore divide by the world
+size W instead (`set_gradient_divide_factor(W)`), with sum-only reductions
+(`set_force_sum_reduction_for_comms(True)`), because the pre-multiplied sum that a custom factor
+otherwise uses is not available on gloo. With efsdp == 1 there is no expert collective, and
+force-sum is left off: FSDP2 (torch 2.13) would then divide by the factor twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from models.glm.model import GLMForCausalLM
+
+
+@dataclass
+class GLMMeshes:
+    """The device meshes of one world: `dense` ("fsdp",) of size W and `expert` ("efsdp", "ep")."""
+
+    dense: DeviceMesh
+    expert: DeviceMesh
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree."""
+        return self.expert["ep"].size()
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the experts (world_size // ep)."""
+        return self.expert["efsdp"].size()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the world."""
+        return self.dense.size()
+
+
+def build_meshes(world_size: int, ep: int, device_type: str) -> GLMMeshes:
+    """Meshes for `world_size` ranks with expert-parallel degree `ep` (must divide world_size)
+    on `device_type` ("cpu", "cuda"). Needs the default process group to be initialized."""
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"ep ({ep}) must be a positive divisor of world_size ({world_size})")
+    dense = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+    expert = init_device_mesh(
+        device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep")
+    )
+    return GLMMeshes(dense=dense, expert=expert)
+
+
+def parallelize(
+    model: GLMForCausalLM,
+    meshes: GLMMeshes,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> GLMForCausalLM:
+    """Shard `model` in place (and return it): EP for the routed experts, then FSDP2 per expert
+    block (efsdp mesh), per decoder layer and at the root (dense mesh). `param_dtype` /
+    `reduce_dtype` set FSDP2 mixed precision; with a `param_dtype` the routers keep float32
+    parameters (their own FSDP unit), as GLM checkpoints keep `gate.weight` in float32."""
+    E, ep, W = model.config.n_routed_experts, meshes.ep, meshes.world_size
+    if E % ep:
+        raise ValueError(
+            f"n_routed_experts ({E}) must be divisible by ep ({ep}); allowed ep: "
+            f"{[d for d in range(1, E + 1) if E % d == 0 and W % d == 0]}"
+        )
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    router_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    ep_mesh, efsdp_mesh = meshes.expert["ep"], meshes.expert["efsdp"]
+
+    for layer in [*model.model.layers, *model.model.mtp_layers]:
+        if layer.is_moe:
+            experts = layer.mlp.experts
+            if ep > 1:
+                for name in ("gate_up_proj", "down_proj"):
+                    full = getattr(experts, name)
+                    # Every rank holds the same full weight: take the local shard, no comm.
+                    shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
+                    experts.register_parameter(name, nn.Parameter(shard))
+                experts.ep_group = ep_mesh.get_group()
+            fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp)
+            experts.set_gradient_divide_factor(float(W))
+            # With an efsdp group of one rank FSDP2 (torch 2.13) issues no collective, divides
+            # by the factor while copying and, under force-sum, divides by it a second time.
+            experts.set_force_sum_reduction_for_comms(meshes.efsdp > 1)
+            if param_dtype is not None:
+                fully_shard(layer.mlp.gate, mesh=meshes.dense, mp_policy=router_mp)
+        fully_shard(layer, mesh=meshes.dense, mp_policy=mp)
+    fully_shard(model, mesh=meshes.dense, mp_policy=mp)
+    return model

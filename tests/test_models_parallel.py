@@ -1,0 +1,168 @@
+"""EP + FSDP2 GLM-MoE: distributed loss and per-parameter gradients equal a single-process run
+of the same model on the same global batch; the router-bias update is identical on every rank;
+expert all-to-all autograd is exact with uneven and empty splits."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models.glm import GLMConfig, GLMForCausalLM
+from models.glm.parallelize import build_meshes, parallelize
+from tests.harness import run_world
+
+CFG = GLMConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    n_dense_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=2,
+    attention_bias=True,
+    use_qk_norm=True,
+    routed_scaling_factor=2.5,
+)
+B, T = 2, 6  # per-rank batch
+
+
+def _reference(skew_ep: int) -> GLMForCausalLM:
+    torch.manual_seed(0)
+    model = GLMForCausalLM(CFG)
+    model.init_weights(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p))
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        for r in model.routers():
+            r.e_score_correction_bias.copy_(0.1 * torch.randn(CFG.n_routed_experts))
+            if skew_ep:  # only the experts of EP rank 0 are ever chosen
+                r.e_score_correction_bias[: CFG.n_routed_experts // skew_ep] += 10.0
+    return model
+
+
+def _grad_errors(ref: GLMForCausalLM, model: GLMForCausalLM) -> dict[str, tuple[float, float]]:
+    """(max |g - g_ref| / max |g_ref|, ||g - g_ref|| / ||g_ref||) per parameter (every rank
+    takes part in full_tensor)."""
+    errors = {}
+    for (name, p_ref), (name2, p) in zip(
+        ref.named_parameters(), model.named_parameters(), strict=True
+    ):
+        assert name == name2, (name, name2)
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        scale = p_ref.grad.abs().max().item()
+        diff = g.float() - p_ref.grad
+        errors[name] = (
+            diff.abs().max().item() / max(scale, 1e-12),
+            (diff.norm() / p_ref.grad.norm().clamp_min(1e-12)).item(),
+        )
+    return errors
+
+
+def _parity_world(cases):
+    rank, W = dist.get_rank(), dist.get_world_size()
+    out = []
+    for ep, skew, param_dtype in cases:
+        ref = _reference(ep if skew else 0)
+        model = copy.deepcopy(ref)
+        parallelize(model, build_meshes(W, ep, "cpu"), param_dtype=param_dtype)
+        ids = torch.randint(
+            0, CFG.vocab_size, (W * B, T + 1), generator=torch.Generator().manual_seed(7)
+        )
+        inputs, labels = ids[:, :-1], ids[:, 1:]
+        ref_loss = ref.loss(inputs, labels)
+        ref_loss.backward()
+        mine = slice(rank * B, (rank + 1) * B)
+        loss = model.loss(inputs[mine], labels[mine])
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= W
+        errors = _grad_errors(ref, model)
+
+        # Loads: does some rank send nothing to some expert, does some EP rank receive nothing?
+        local_loads = torch.stack([r.expert_load for r in model.routers()])
+        global_loads = local_loads.clone()
+        dist.all_reduce(global_loads)
+        per_ep_rank = global_loads.view(len(local_loads), ep, -1).sum(-1)
+        ref_loads = ref.update_router_bias(0.01)  # W identical copies of the global counts
+        loads = model.update_router_bias(0.01)
+        bias = torch.stack([r.e_score_correction_bias for r in model.routers()])
+        ref_bias = torch.stack([r.e_score_correction_bias for r in ref.routers()])
+        gu = model.model.layers[1].mlp.experts.gate_up_proj
+        out.append(
+            dict(
+                ep=ep,
+                skew=skew,
+                dtype=str(param_dtype),
+                loss=mean_loss.item(),
+                ref_loss=ref_loss.item(),
+                errors=errors,
+                rank_sends_zero=bool((local_loads == 0).any()),
+                ep_rank_receives_zero=bool((per_ep_rank == 0).any()),
+                loads_match=torch.equal(loads * W, ref_loads),
+                bias_match=torch.equal(bias, ref_bias),
+                bias=bias.tolist(),
+                placements=[
+                    (type(p).__name__, p.dim, getattr(p, "split_factor", 1)) for p in gu.placements
+                ],
+                local_rows=gu.to_local().shape[0],
+            )
+        )
+    return out
+
+
+def _check(results, W, cases, tol=1e-5):
+    for i, (ep, skew, param_dtype) in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        res = per_rank[0]
+        assert res["ep"] == ep
+        label = f"ep={ep} efsdp={W // ep} skew={skew} dtype={param_dtype}"
+        loss_tol = 1e-6 if param_dtype is None else 2e-2
+        assert abs(res["loss"] - res["ref_loss"]) <= loss_tol * abs(res["ref_loss"]), label
+        if param_dtype is None:
+            worst = max(res["errors"].items(), key=lambda kv: kv[1][0])
+            assert worst[1][0] <= tol, (label, worst)
+        else:  # bf16 compute: close in norm (a wrong expert-gradient scale would be off by 1)
+            worst = max(res["errors"].items(), key=lambda kv: kv[1][1])
+            assert worst[1][1] < 0.1, (label, worst)
+        if param_dtype is None:  # bf16 routing may pick differently from the fp32 reference
+            assert all(r["loads_match"] and r["bias_match"] for r in per_rank), label
+        assert all(r["bias"] == res["bias"] for r in per_rank), label
+        assert any(r["rank_sends_zero"] for r in per_rank), label
+        if skew:
+            assert res["ep_rank_receives_zero"], label
+        E, I = CFG.n_routed_experts, CFG.moe_intermediate_size
+        assert sum(r["local_rows"] for r in per_rank) == E * 2 * I
+        if ep > 1 and W // ep > 1:
+            assert res["placements"] == [("_StridedShard", 0, ep), ("Shard", 0, 1)], label
+
+
+CASES_4 = [
+    (1, False, None),  # fsdp 4, ep 1
+    (2, False, None),  # ep 2, efsdp 2
+    (4, False, None),  # ep 4, efsdp 1
+    (2, True, None),  # ep 2, efsdp 2: EP rank 1 receives no tokens at all
+    (2, False, torch.bfloat16),  # mixed precision runs and stays close
+]
+CASES_8 = [(2, False, None), (2, True, None)]  # ep 2, efsdp 4
+
+
+@pytest.mark.slow
+def test_parity_world4():
+    _check(run_world(_parity_world, 4, CASES_4, timeout_s=240), 4, CASES_4)
+
+
+@pytest.mark.slow
+def test_parity_world8():
+    _check(run_world(_parity_world, 8, CASES_8, timeout_s=240), 8, CASES_8)
