@@ -79,15 +79,16 @@ the analysis at exit; median `time.process_time` of the process, as wall time wa
 other jobs on this 2-core machine, torch 2.13, 1 intra-op thread):
 - empty span: 0.3 ms.
 - small MLP step (4 blocks Linear 256->1024, GELU, Linear 1024->256; batch 64; fwd + bwd +
-  AdamW; ~490 allocation events): 20-27 ms -> +3 to +6 ms.
+  AdamW; ~490 allocation events): 18-27 ms -> +3 to +7 ms.
 - many small ops (200 tensors of 64x64: mul, sign, add_, matmul; ~2000 allocation events):
-  3.6 ms -> +8 to +12 ms.
-So the cost is about 4-6 us per CPU allocation or free inside the span (profiler recording and
-post-processing ~1.5 us, reading the events from Python ~2.5 us) plus 0.3 ms per span; the
-full torch profiler (recording aten ops too) cost about twice as much. For a large step,
-measure every N steps. Turning c10's cross-thread tracking on costs ~0.7 us per allocation +
-free for the rest of the process, measured or not. CUDA: four allocator queries per boundary,
-negligible.
+  3.5 ms -> +8 to +12 ms.
+(Load average 6-16 from other jobs during these runs; wall-time overheads were up to 2x.)
+So the cost is about 5-12 us per CPU allocation or free inside the span (profiler recording and
+post-processing ~1.5 us, reading the events from Python ~2.5 us, measured on an idler machine)
+plus 0.3 ms per span; the full torch profiler (recording aten ops too) cost about twice as
+much. For a large step, measure every N steps. Turning c10's cross-thread tracking on costs
+~0.7 us per allocation + free for the rest of the process, measured or not. CUDA: four
+allocator queries per boundary, negligible.
 """
 
 from __future__ import annotations
