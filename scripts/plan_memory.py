@@ -1,0 +1,526 @@
+"""Dry-run Muon planner: per-rank bytes moved and peak buffers at cluster scale, on one CPU.
+
+Builds the model on the meta device inside torch's fake process group of `--world-size` ranks,
+parallelizes it with the real `models.glm.parallelize` (EP + FSDP2), and constructs the real
+`muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
+through `muon.plan.BatchPlan`'s analytic methods; nothing here re-models the planning and no
+parameter memory is allocated.
+
+    python scripts/plan_memory.py --model glm52 --world-size 512 --ep 8
+    python scripts/plan_memory.py --model glm52 --world-size 512 --ep 8 --no-expert-aware \
+        --budget-gib 80 --json plan.json
+
+Per shape group (one bucket of same-shape matrices on one mesh) it prints the parameter count,
+the path(s), the batch sizes and the remainder size, then for each remainder strategy, on a busy
+rank (one that orthogonalizes a matrix of the group's remainder batch, or of the group when it
+has none) and an idle rank (one that does not) of the FSDP group:
+
+- sent:   bytes the rank sends for all the group's batches, both directions (`bytes_sent`)
+- coll:   the largest receive buffer of one collective (`collective_buffer_bytes`); for AGRS
+          the all-gather output, the buffer of the GLM-5.2 out-of-memory
+- peak:   the largest per-batch peak: NS input shards (a Nesterov copy of the rank's shards)
+          + exchange buffers alive at once (`exchange_buffer_bytes`)
+          + Newton-Schulz temporaries (`ns_workspace_bytes`)
+
+The footer adds, for the `--rank` view, the resident parameter + gradient + optimizer-state
+bytes of the rank's shards and a step bound: the largest sum of per-batch peaks over
+`max_inflight` consecutive batches (the runtime keeps that many alive). `--budget-gib` marks
+every figure above the budget with "!".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from muon.plan import PATHS, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan  # noqa: E402
+
+GiB = 1 << 30
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Human-readable binary units: 0 B, 512 KiB, 9.00 GiB."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------------- building the plans
+def init_fake_world(world_size: int, rank: int) -> bool:
+    """Join a fake process group of `world_size` ranks as `rank`; False if one already exists."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
+            raise RuntimeError("plan_memory: a real or differently sized process group exists")
+        return False
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return True
+
+
+def build_model(model_name: str, world_size: int, ep: int, dtype: torch.dtype):
+    """The real GLM model on the meta device, parallelized with the real EP + FSDP2 code."""
+    from models.glm import get_preset
+    from models.glm.model import GLMForCausalLM
+    from models.glm.parallelize import build_meshes, parallelize
+
+    config = get_preset(model_name)
+    with torch.device("meta"):
+        model = GLMForCausalLM(config).to(dtype)
+    meshes = build_meshes(world_size, ep, "cpu")
+    parallelize(model, meshes)
+    return model, config, meshes
+
+
+def build_optimizer(model, strategy: str, expert_aware: bool, router: str, ns_dtype, **kw):
+    """`muon.Muon` over `muon.param_groups(model)`, exactly as the recipe builds it."""
+    import muon
+
+    groups = muon.param_groups(model, router=router)
+    return muon.Muon(
+        groups,
+        remainder_strategy=strategy,
+        expert_aware=expert_aware,
+        ns_dtype=ns_dtype,
+        **kw,
+    )
+
+
+def muon_names(opt) -> list[str]:
+    """Muon parameter names in the optimizer's planning order (index = ParamMeta.index)."""
+    names = []
+    for g in opt.param_groups:
+        if g["algorithm"] == "muon":
+            names += list(g.get("param_names") or [f"{tuple(p.shape)}" for p in g["params"]])
+    return names
+
+
+def resident_bytes(opt) -> int:
+    """This rank's local parameter + gradient + optimizer-state bytes (shards only)."""
+    total = 0
+    for g in opt.param_groups:
+        copies = 3 if g["algorithm"] == "muon" else 4  # param, grad, momentum | exp_avg, _sq
+        for p in g["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += copies * local.numel() * local.element_size()
+    return total
+
+
+# --------------------------------------------------------------------------- reading the plans
+def input_bytes(b: BatchPlan, r: int, nesterov: bool) -> int:
+    """NS input shards the step allocates for a batch: Nesterov's `grad.lerp(buf)` copies."""
+    return b.size * b.shard_bytes(r) if nesterov and b.fsdp_size > 1 else 0
+
+
+def batch_peak(b: BatchPlan, r: int, ns_itemsize: int, nesterov: bool) -> int:
+    """Planned peak bytes of one batch on FSDP rank `r`: inputs + exchange + NS workspace."""
+    return (
+        input_bytes(b, r, nesterov)
+        + b.exchange_buffer_bytes(r)
+        + b.ns_workspace_bytes(r, ns_itemsize)
+    )
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+@dataclass
+class ShapeGroup:
+    """Consecutive batches of one shape bucket on one mesh group."""
+
+    mesh_index: int
+    mesh: MeshCommPlan
+    batches: list[BatchPlan] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        b = self.batches[0]
+        return (self.mesh_index, b.global_shape, b.blocks_per_matrix, b.itemsize)
+
+    @property
+    def params(self) -> int:
+        return sum(b.size for b in self.batches)
+
+    @property
+    def remainder(self) -> BatchPlan | None:
+        rem = [b for b in self.batches if b.path in REMAINDER_STRATEGIES and b.size < b.fsdp_size]
+        return rem[0] if rem else None
+
+    def roles(self, batches: list[BatchPlan]) -> dict[str, int | None]:
+        """FSDP ranks that orthogonalize something of `batches` (busy) and that do not (idle)."""
+        work = [sum(b.matrices_on(r) for b in batches) for r in range(self.mesh.fsdp_size)]
+        busy = next((r for r, n in enumerate(work) if n), None)
+        idle = next((r for r, n in enumerate(work) if not n), None)
+        return {"busy": busy, "idle": idle}
+
+
+def shape_groups(plans: list[tuple[MeshCommPlan, list[BatchPlan]]]) -> list[ShapeGroup]:
+    out: list[ShapeGroup] = []
+    for i, (mp, batches) in enumerate(plans):
+        for b in batches:
+            key = (i, b.global_shape, b.blocks_per_matrix, b.itemsize)
+            if out and out[-1].key == key:
+                out[-1].batches.append(b)
+            else:
+                out.append(ShapeGroup(i, mp, [b]))
+    return out
+
+
+def rank_figures(
+    g: ShapeGroup, batches: list[BatchPlan], r: int | None, ns_itemsize: int, nesterov: bool
+) -> dict | None:
+    """Figures of FSDP rank `r` over `batches`: bytes summed, buffers and peaks maxed."""
+    if r is None:
+        return None
+    return {
+        "fsdp_rank": r,
+        "global_rank": g.mesh.group_ranks[r] if g.mesh.group_ranks else r,
+        "matrices": sum(b.matrices_on(r) for b in batches),
+        "bytes_sent": sum(b.bytes_sent(r) for b in batches),
+        "collective_buffer_bytes": max(b.collective_buffer_bytes(r) for b in batches),
+        "exchange_buffer_bytes": max(b.exchange_buffer_bytes(r) for b in batches),
+        "ns_workspace_bytes": max(b.ns_workspace_bytes(r, ns_itemsize) for b in batches),
+        "input_bytes": max(input_bytes(b, r, nesterov) for b in batches),
+        "peak_bytes": max(batch_peak(b, r, ns_itemsize, nesterov) for b in batches),
+    }
+
+
+def step_bound(plans, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
+    """Largest sum of per-batch peaks of this rank over `max_inflight` consecutive batches."""
+    peaks = [
+        batch_peak(b, mp.fsdp_rank, ns_itemsize, nesterov) for mp, batches in plans for b in batches
+    ]
+    k = max(1, max_inflight)
+    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
+
+
+def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool) -> dict:
+    """Shape groups with per-strategy figures for the busy, idle and view ranks."""
+    first = next(iter(opts.values()))
+    names = muon_names(first)
+    per_strategy = {s: shape_groups(o.plans) for s, o in opts.items()}
+    groups = []
+    for gi, base in enumerate(per_strategy[next(iter(opts))]):
+        b0 = base.batches[0]
+        pnames = sorted({_pattern(names[i]) for b in base.batches for i in b.param_indices})
+        entry = {
+            "mesh_group": base.mesh_index,
+            "fsdp_size": base.mesh.fsdp_size,
+            "non_fsdp_shard_factor": base.mesh.non_fsdp_shard_factor,
+            "shape": list(b0.global_shape),
+            "blocks_per_matrix": b0.blocks_per_matrix,
+            "fsdp_visible_rows": b0.global_shard_dim_size,
+            "itemsize": b0.itemsize,
+            "params": base.params,
+            "names": pnames,
+            "strategies": {},
+        }
+        for s, groups_s in per_strategy.items():
+            g = groups_s[gi]
+            assert g.key == base.key and g.params == base.params, "strategies planned differently"
+            rem = g.remainder
+
+            def figures(batches, roles, g=g):
+                return {
+                    role: rank_figures(g, batches, r, ns_itemsize, nesterov)
+                    for role, r in roles.items()
+                }
+
+            entry["strategies"][s] = {
+                "paths": sorted({b.path for b in g.batches}, key=PATHS.index),
+                "batches": [[b.path, b.size] for b in g.batches],
+                "remainder": rem.size if rem else 0,
+                "remainder_path": rem.path if rem else None,
+                # the remainder batch alone, on a rank that owns one of its matrices and one that
+                # owns none; None when the group has no remainder batch
+                "remainder_batch": figures([rem], g.roles([rem])) if rem else None,
+                # every batch of the group: busy / idle over the group, and the --rank view
+                "group": figures(g.batches, {**g.roles(g.batches), "view": g.mesh.fsdp_rank}),
+            }
+        groups.append(entry)
+    totals = {}
+    for s, o in opts.items():
+        peaks = [
+            batch_peak(b, mp.fsdp_rank, ns_itemsize, nesterov) for mp, bs in o.plans for b in bs
+        ]
+        totals[s] = {
+            "view_bytes_sent": sum(b.bytes_sent(mp.fsdp_rank) for mp, bs in o.plans for b in bs),
+            "view_max_batch_peak_bytes": max(peaks, default=0),
+            "view_step_bound_bytes": step_bound(o.plans, ns_itemsize, nesterov, o.max_inflight),
+            "busy_max_peak_bytes": max(
+                (g["strategies"][s]["group"]["busy"] or {}).get("peak_bytes", 0) for g in groups
+            ),
+            "resident_bytes": resident_bytes(o),
+        }
+    return {"groups": groups, "totals": totals}
+
+
+# ------------------------------------------------------------------------------------ output
+def _over(n: int | None, budget: float | None) -> str:
+    return "!" if budget is not None and n is not None and n > budget else ""
+
+
+def _cell(fig: dict | None, key: str, budget: float | None = None) -> str:
+    if fig is None:
+        return "-"
+    return fmt_bytes(fig[key]) + _over(fig[key], budget)
+
+
+def _render(header: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(r):
+        return "  ".join(
+            r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(r))
+        ).rstrip()
+
+    return [line(header), "-" * len(line(header)), *map(line, rows)]
+
+
+def _merge(batches: list) -> str:
+    """[[full, 64], [agrs, 12]] -> "full:64 agrs:12"; runs of one path: "subgroup:64+12"."""
+    out: list[tuple[str, list[int]]] = []
+    for path, n in batches:
+        if out and out[-1][0] == path:
+            out[-1][1].append(n)
+        else:
+            out.append((path, [n]))
+    return " ".join(
+        f"{p}:{'+'.join(map(str, ns)) if len(ns) < 4 else f'{len(ns)}x{ns[0]}'}" for p, ns in out
+    )
+
+
+def format_report(report: dict) -> str:
+    """Plain-text tables of a `plan()` report."""
+    meta, budget = report["meta"], report["meta"]["budget_bytes"]
+    view = meta["rank"]
+    lines = [
+        f"model {meta['model']} on {meta['world_size']} ranks, ep {meta['ep']} "
+        f"(expert FSDP group {meta['efsdp']}), view of rank {view}; "
+        f"params {meta['dtype']}, NS {meta['ns_dtype']}, nesterov {meta['nesterov']}, "
+        f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
+        f"max_inflight {meta['max_inflight']}; plans built in {meta['build_s']:.1f} s",
+        "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
+        "(of the whole group when it has none) / one that does not.",
+        "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: NS "
+        "inputs + exchange buffers + NS workspace of one batch.",
+    ]
+    if budget is not None:
+        lines.append(f"budget {fmt_bytes(budget)}: '!' marks figures above it.")
+    header = ["#", "shape", "blocks", "params", "batches", "rem", "strategy"]
+    header += ["busy sent", "busy coll", "busy peak", "idle sent", "idle coll", "idle peak"]
+    header += [f"rank {view} sent", f"rank {view} peak"]
+    by_mesh: dict[int, list[int]] = {}
+    for i, g in enumerate(report["groups"]):
+        by_mesh.setdefault(g["mesh_group"], []).append(i)
+    for mesh_index, members in by_mesh.items():
+        g0 = report["groups"][members[0]]
+        rows = []
+        for i in members:
+            g = report["groups"][i]
+            for j, s in enumerate(meta["strategies"]):
+                st = g["strategies"][s]
+                if j and not st["remainder"]:
+                    break  # no remainder batch: the strategy changes nothing
+                figs = st["remainder_batch"] or st["group"]
+                busy, idle, me = figs["busy"], figs["idle"], st["group"]["view"]
+                first = j == 0
+                rows.append(
+                    [
+                        str(i) if first else "",
+                        "x".join(map(str, g["shape"])) if first else "",
+                        str(g["blocks_per_matrix"]) if first else "",
+                        str(g["params"]) if first else "",
+                        _merge(st["batches"]),
+                        str(st["remainder"]),
+                        s if st["remainder"] else "(no remainder)",
+                        _cell(busy, "bytes_sent"),
+                        _cell(busy, "collective_buffer_bytes", budget),
+                        _cell(busy, "peak_bytes", budget),
+                        _cell(idle, "bytes_sent"),
+                        _cell(idle, "collective_buffer_bytes", budget),
+                        _cell(idle, "peak_bytes", budget),
+                        _cell(me, "bytes_sent"),
+                        _cell(me, "peak_bytes", budget),
+                    ]
+                )
+        lines += [
+            "",
+            f"mesh group {mesh_index}: FSDP group of {g0['fsdp_size']} ranks, non-FSDP (EP) shard "
+            f"factor {g0['non_fsdp_shard_factor']}",
+            *_render(header, rows, left={4, 6}),
+        ]
+        lines += [f"  {i}: {', '.join(report['groups'][i]['names'])}" for i in members]
+    lines += ["", f"rank {view}, whole step, per strategy:"]
+    for s in meta["strategies"]:
+        t = report["totals"][s]
+        bound, peak = t["view_step_bound_bytes"], t["view_max_batch_peak_bytes"]
+        need = t["resident_bytes"] + bound
+        lines.append(
+            f"  {s:<17}  sent {fmt_bytes(t['view_bytes_sent'])}, largest batch peak "
+            f"{fmt_bytes(peak)}{_over(peak, budget)}, {meta['max_inflight']} batches in flight "
+            f"<= {fmt_bytes(bound)}{_over(bound, budget)}; + resident params/grads/state "
+            f"{fmt_bytes(t['resident_bytes'])} = {fmt_bytes(need)}{_over(need, budget)}"
+        )
+    if budget is not None:
+        over = report["over_budget"]
+        lines.append(f"over budget ({fmt_bytes(budget)}): {len(over)}")
+        lines += [f"  {o}" for o in over]
+    return "\n".join(lines)
+
+
+def over_budget(report: dict, budget: float | None) -> list[str]:
+    """Every (group, strategy, rank role) and step total whose planned bytes exceed the budget."""
+    if budget is None:
+        return []
+    out = []
+    for i, g in enumerate(report["groups"]):
+        shape = "x".join(map(str, g["shape"]))
+        for s, st in g["strategies"].items():
+            figs = {**(st["remainder_batch"] or {}), "view": st["group"]["view"]}
+            for role, fig in figs.items():
+                for key in ("collective_buffer_bytes", "peak_bytes"):
+                    if fig and fig[key] > budget:
+                        out.append(
+                            f"group {i} ({shape}) {s}: {role} rank {fig['global_rank']} "
+                            f"{key} {fmt_bytes(fig[key])}"
+                        )
+    for s, t in report["totals"].items():
+        need = t["resident_bytes"] + t["view_step_bound_bytes"]
+        if need > budget:
+            out.append(
+                f"{s}: rank {report['meta']['rank']} resident + {report['meta']['max_inflight']}"
+                f" batches in flight {fmt_bytes(need)}"
+            )
+    return out
+
+
+def plan(
+    model: str = "glm52",
+    world_size: int = 512,
+    ep: int = 8,
+    rank: int = 0,
+    dtype: str = "bf16",
+    ns_dtype: str = "bf16",
+    expert_aware: bool = True,
+    router: str = "adamw",
+    nesterov: bool = True,
+    max_inflight: int = 3,
+    budget_gib: float | None = None,
+    strategies: tuple[str, ...] = REMAINDER_STRATEGIES,
+) -> dict:
+    """Build the optimizer plans in a fake world and return the report as plain data."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank} is outside the world of {world_size}")
+    t0 = time.perf_counter()
+    created = init_fake_world(world_size, rank)
+    try:
+        net, _, meshes = build_model(model, world_size, ep, DTYPES[dtype])
+        opts = {
+            s: build_optimizer(
+                net,
+                s,
+                expert_aware,
+                router,
+                DTYPES[ns_dtype],
+                nesterov=nesterov,
+                max_inflight=max_inflight,
+            )
+            for s in strategies
+        }
+        build_s = time.perf_counter() - t0
+        ns_itemsize = DTYPES[ns_dtype].itemsize
+        report = summarize(opts, ns_itemsize, nesterov)
+        efsdp = meshes.efsdp
+    finally:
+        if created:
+            dist.destroy_process_group()
+    budget = None if budget_gib is None else budget_gib * GiB
+    report["meta"] = dict(
+        model=model,
+        world_size=world_size,
+        ep=ep,
+        efsdp=efsdp,
+        rank=rank,
+        dtype=dtype,
+        ns_dtype=ns_dtype,
+        expert_aware=expert_aware,
+        router=router,
+        nesterov=nesterov,
+        max_inflight=max_inflight,
+        strategies=list(strategies),
+        budget_bytes=budget,
+        build_s=build_s,
+    )
+    report["over_budget"] = over_budget(report, budget)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; returns 0, or 1 when `--budget-gib` is given and something does not fit."""
+    from models.glm.config import PRESET_NAMES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="glm52", choices=PRESET_NAMES, help="model preset")
+    ap.add_argument("--world-size", type=int, default=512, help="ranks in the (fake) world")
+    ap.add_argument("--ep", type=int, default=8, help="expert-parallel degree")
+    ap.add_argument("--rank", type=int, default=0, help="which rank's view (default 0)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="parameter dtype")
+    ap.add_argument("--ns-dtype", default="bf16", choices=sorted(DTYPES), help="Newton-Schulz")
+    ap.add_argument(
+        "--no-expert-aware",
+        dest="expert_aware",
+        action="store_false",
+        help="Muon(expert_aware=False): exchange fused experts as whole matrices",
+    )
+    ap.add_argument("--router", default="adamw", choices=("adamw", "muon"), help="router group")
+    ap.add_argument(
+        "--no-nesterov", dest="nesterov", action="store_false", help="no Nesterov input copies"
+    )
+    ap.add_argument("--max-inflight", type=int, default=3, help="Muon(max_inflight=...)")
+    ap.add_argument("--budget-gib", type=float, default=None, help="flag what exceeds this")
+    ap.add_argument(
+        "--strategy",
+        action="append",
+        choices=REMAINDER_STRATEGIES,
+        help="remainder strategies to plan (repeatable; default all)",
+    )
+    ap.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
+    args = ap.parse_args(argv)
+    report = plan(
+        model=args.model,
+        world_size=args.world_size,
+        ep=args.ep,
+        rank=args.rank,
+        dtype=args.dtype,
+        ns_dtype=args.ns_dtype,
+        expert_aware=args.expert_aware,
+        router=args.router,
+        nesterov=args.nesterov,
+        max_inflight=args.max_inflight,
+        budget_gib=args.budget_gib,
+        strategies=tuple(args.strategy or REMAINDER_STRATEGIES),
+    )
+    print(format_report(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if report["over_budget"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
