@@ -104,7 +104,8 @@ def test_memory_balance_inflight_and_fingerprint():
     idle = [peak for peak, n in ragged if n == 0]
     assert len(busy) == 1 and len(idle) == W - 1
     assert busy[0] >= S
-    assert max(idle) < S / 2, f"ragged idle ranks must not allocate a full matrix: {idle}"
+    # idle ranks hold only their send and return shards (S/W each, here S/2 in all), never S
+    assert max(idle) < 0.75 * S, f"ragged idle ranks must not allocate a full matrix: {idle}"
     agrs = [r["agrs"][0] for r in results]
     assert min(agrs) >= 3 * S, f"agrs: every rank holds all R=3 matrices; peaks {agrs}"
     for strategy in ("agrs", "ragged_all_to_all"):
