@@ -60,9 +60,7 @@ def build_meshes(world_size: int, ep: int, device_type: str) -> GLMMeshes:
     if ep < 1 or world_size % ep:
         raise ValueError(f"ep ({ep}) must be a positive divisor of world_size ({world_size})")
     dense = init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
-    expert = init_device_mesh(
-        device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep")
-    )
+    expert = init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
     return GLMMeshes(dense=dense, expert=expert)
 
 

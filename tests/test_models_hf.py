@@ -1,0 +1,263 @@
+"""Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields
+(checked against hf-glm4moe.md; transformers itself is not a dependency), fused 3-D import."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.glm import GLMConfig, GLMForCausalLM
+from models.glm.hf_adapter import export_hf, import_hf, load_safetensors, save_safetensors
+
+CFG = GLMConfig(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    moe_intermediate_size=8,
+    num_hidden_layers=3,
+    n_dense_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=6,
+    partial_rotary_factor=2 / 3,
+    attention_bias=True,
+    use_qk_norm=True,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=2.5,
+    rope_theta=5000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.03,
+    max_position_embeddings=512,
+    num_mtp_layers=1,
+)
+
+
+def _model(cfg: GLMConfig) -> GLMForCausalLM:
+    model = GLMForCausalLM(cfg)
+    model.init_weights(0)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for r in model.routers():
+            r.e_score_correction_bias.normal_()
+    return model
+
+
+def _expected_hf_shapes(c: GLMConfig) -> dict[str, tuple]:
+    """hf-glm4moe.md sections 2a/2b, written out for config c (MTP layer as layer N)."""
+    V, H, nh, nkv, hd = (
+        c.vocab_size,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim_resolved,
+    )
+    F, I, E, S = c.intermediate_size, c.moe_intermediate_size, c.n_routed_experts, 0
+    S = I * c.n_shared_experts
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for L in range(c.num_hidden_layers + c.num_mtp_layers):
+        p = f"model.layers.{L}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (nh * hd, H),
+                p + "self_attn.k_proj.weight": (nkv * hd, H),
+                p + "self_attn.v_proj.weight": (nkv * hd, H),
+                p + "self_attn.o_proj.weight": (H, nh * hd),
+            }
+        )
+        if c.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
+            shapes[p + "self_attn.k_proj.bias"] = (nkv * hd,)
+            shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
+        if c.use_qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if c.n_dense_layers > L:
+            shapes[p + "mlp.gate_proj.weight"] = (F, H)
+            shapes[p + "mlp.up_proj.weight"] = (F, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, F)
+            continue
+        shapes[p + "mlp.gate.weight"] = (E, H)
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
+        for e in range(E):
+            shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (I, H)
+            shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (I, H)
+            shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (H, I)
+        shapes[p + "mlp.shared_experts.gate_proj.weight"] = (S, H)
+        shapes[p + "mlp.shared_experts.up_proj.weight"] = (S, H)
+        shapes[p + "mlp.shared_experts.down_proj.weight"] = (H, S)
+        if c.num_hidden_layers <= L:  # the MTP layer's extra weights (public GLM checkpoints)
+            shapes[p + "enorm.weight"] = (H,)
+            shapes[p + "hnorm.weight"] = (H,)
+            shapes[p + "eh_proj.weight"] = (H, 2 * H)
+            shapes[p + "shared_head.norm.weight"] = (H,)
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_layout_and_exact_round_trip(tmp_path, tied):
+    cfg = GLMConfig(**{**CFG.to_dict(), "tie_word_embeddings": tied})
+    model = _model(cfg)
+    export_hf(model, cfg, str(tmp_path))
+
+    # Key names and shapes as transformers writes them; read with the real safetensors library.
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert shapes == _expected_hf_shapes(cfg)
+    assert ("lm_head.weight" in shapes) is not tied
+
+    # Fused weights split as documented: gate rows then up rows per expert.
+    on_disk = load_safetensors(str(tmp_path / "model.safetensors"))
+    gu = model.model.layers[1].mlp.experts.gate_up_proj.detach().view(4, 16, 16)
+    assert torch.equal(on_disk["model.layers.1.mlp.experts.2.gate_proj.weight"], gu[2, :8])
+    assert torch.equal(on_disk["model.layers.1.mlp.experts.2.up_proj.weight"], gu[2, 8:])
+    dn = model.model.layers[2].mlp.experts.down_proj.detach().view(4, 16, 8)
+    assert torch.equal(on_disk["model.layers.2.mlp.experts.3.down_proj.weight"], dn[3])
+    mtp_bias = model.model.mtp_layers[0].mlp.gate.e_score_correction_bias
+    assert torch.equal(on_disk["model.layers.3.mlp.gate.e_score_correction_bias"], mtp_bias)
+
+    cfg2, sd = import_hf(str(tmp_path))
+    assert cfg2 == cfg
+    ref = model.state_dict()
+    assert sd.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(sd[k], v) and sd[k].dtype == v.dtype, k
+    other = GLMForCausalLM(cfg2)
+    other.load_state_dict(sd, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    assert torch.equal(other(ids), model(ids))
+
+
+def test_config_json_fields(tmp_path):
+    export_hf(_model(CFG), CFG, str(tmp_path))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    expected = dict(
+        model_type="glm4_moe",
+        architectures=["Glm4MoeForCausalLM"],
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=6,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_routed_experts=4,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        initializer_range=0.03,
+        max_position_embeddings=512,
+        num_nextn_predict_layers=1,
+        attention_dropout=0.0,
+        dtype="float32",
+    )
+    for k, v in expected.items():
+        assert hf[k] == v, k
+    assert hf["rope_parameters"] == {
+        "rope_type": "default",
+        "rope_theta": 5000.0,
+        "partial_rotary_factor": 2 / 3,
+    }
+
+
+def test_import_fused_3d_layout_and_sharded_index(tmp_path):
+    model = _model(CFG)
+    export_hf(model, CFG, str(tmp_path / "a"))
+    hf = load_safetensors(str(tmp_path / "a" / "model.safetensors"))
+    E, I, H = 4, 8, 16
+    fused = {}
+    for k, v in hf.items():
+        if ".experts." not in k:
+            fused[k] = v
+    for L in (1, 2, 3):
+        p = f"model.layers.{L}.mlp.experts."
+        fused[p + "gate_up_proj"] = torch.stack(
+            [
+                torch.cat([hf[f"{p}{e}.gate_proj.weight"], hf[f"{p}{e}.up_proj.weight"]])
+                for e in range(E)
+            ]
+        )
+        fused[p + "down_proj"] = torch.stack([hf[f"{p}{e}.down_proj.weight"] for e in range(E)])
+    assert fused["model.layers.1.mlp.experts.gate_up_proj"].shape == (E, 2 * I, H)
+    # Written by the real safetensors library, split over two files with an index.
+    out = tmp_path / "b"
+    out.mkdir()
+    keys = sorted(fused)
+    weight_map = {}
+    for i, part in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file(
+            {k: fused[k].contiguous() for k in part}, str(out / name), metadata={"format": "pt"}
+        )
+        weight_map.update({k: name for k in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (out / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    cfg, sd = import_hf(str(out))
+    assert cfg == CFG
+    for k, v in model.state_dict().items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_bf16_round_trip_and_safetensors_compat(tmp_path):
+    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.arange(7), "c": torch.zeros(0, 4)}
+    save_safetensors(tensors, str(tmp_path / "x.safetensors"))
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v), k
+    back = load_safetensors(str(tmp_path / "x.safetensors"))
+    for k, v in tensors.items():
+        assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
+
+
+def test_import_errors_and_hf_defaults(tmp_path):
+    model = _model(CFG)
+    export_hf(model, CFG, str(tmp_path))
+    hf = load_safetensors(str(tmp_path / "model.safetensors"))
+    # A missing correction bias loads as zeros (as transformers does).
+    del hf["model.layers.2.mlp.gate.e_score_correction_bias"]
+    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _, sd = import_hf(str(tmp_path))
+    assert torch.equal(sd["model.layers.2.mlp.gate.e_score_correction_bias"], torch.zeros(4))
+    # A missing piece of one expert is an error naming it.
+    del hf["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight"):
+        import_hf(str(tmp_path))
+    # A config.json key left out means transformers' default, not ours.
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    del hf_cfg["rope_parameters"], hf_cfg["rope_theta"], hf_cfg["routed_scaling_factor"]
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    hf["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(8, 16)
+    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    cfg, _ = import_hf(str(tmp_path))
+    assert cfg.routed_scaling_factor == 1.0 and cfg.rope_theta == 10000.0
+    # A shape that does not fit the config is an error.
+    hf["model.norm.weight"] = torch.ones(17)
+    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(17,\) != \(16,\)"):
+        import_hf(str(tmp_path))
+    assert os.path.exists(tmp_path / "config.json")
