@@ -1,0 +1,142 @@
+"""Validate a composed config, then join the launcher's world or start a local one.
+
+- Under torchrun / SLURM (RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR in the environment) the
+  current process is one rank: it joins that world. Every rank ran Hydra; rank 0's run dir is
+  broadcast so all agree on it.
+- Otherwise `mesh.world_size` ranks are started here with torch's elastic launcher (one fresh
+  world per call, so Hydra multirun jobs each get their own). Ranks receive the resolved config
+  as a YAML string, never Hydra objects.
+Devices: CUDA + NCCL when `mesh.device` allows and enough GPUs are present, else CPU + gloo.
+"""
+
+import logging
+import os
+import sys
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from recipes.config import from_yaml, validate
+
+log = logging.getLogger("recipes")
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def launcher_world_size() -> int | None:
+    """WORLD_SIZE when a launcher (torchrun, SLURM via the submitit launcher) started us."""
+    if all(k in os.environ for k in _RANK_ENV):
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def choose_device(device: str, ranks_on_this_node: int) -> str:
+    """ "cuda" when allowed and this node has a GPU per local rank, else "cpu"."""
+    if device == "cpu":
+        return "cpu"
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= ranks_on_this_node
+    return "cuda" if enough or device == "cuda" else "cpu"
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Validate `cfg` and train; returns the last loss (rank 0 / local launcher), else None."""
+    env_world = launcher_world_size()
+    validate(cfg, env_world_size=env_world)
+    payload = {
+        "config": OmegaConf.to_yaml(cfg, resolve=True),
+        "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),
+    }
+    if env_world is not None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        payload["device"] = choose_device(str(cfg.mesh.device), local_ranks)
+        result = rank_main(payload)
+    else:
+        payload["device"] = choose_device(str(cfg.mesh.device), cfg.mesh.world_size)
+        result = _launch_local(cfg.mesh.world_size, payload)
+    if result is None:
+        return None
+    print(f"[summary] {payload['run_dir']}: {result['text']}", flush=True)
+    return result.get("loss_last")
+
+
+def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs each rank's traceback at length; the first failure is reported below.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id=f"train-{uuid.uuid4().hex[:12]}",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if payload["device"] == "cpu":
+        # Spawned ranks read it at import: one intra-op thread each, or ranks fight for cores.
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        results = elastic_launch(config, rank_main)(payload)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):  # recorded by @record: the rank's own traceback
+            message = message.get("extraInfo", {}).get("py_callstack") or message["message"]
+        sys.exit(f"train.py: rank {rank} failed (exit code {failure.exitcode}):\n{message}")
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return results[0]
+
+
+def _setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logger = logging.getLogger("recipes")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+@record
+def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank: join the world, train, return rank 0's summary (None on other ranks)."""
+    from recipes.trainer import Trainer
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    _setup_logging(rank)
+    # torch's own FSDP/DTensor internals call the deprecated collective names, once per rank.
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
+    )
+    cfg = from_yaml(payload["config"])
+    if payload["device"] == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        if os.environ.get("OMP_NUM_THREADS") == "1":
+            torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    try:
+        box = [payload["run_dir"]]
+        dist.broadcast_object_list(box, src=0)  # torchrun: every rank ran Hydra; rank 0 wins
+        run_dir = Path(box[0])
+        return Trainer(cfg, run_dir, device).train()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""Rank 0's metric sinks (metrics.jsonl, W&B) and the end-of-run summary.
+
+`metrics.jsonl` holds one JSON object per logged step. On a resume, lines past the resumed step
+(written by the killed process after its last checkpoint) are dropped, so the file reads as
+one uninterrupted run. W&B runs offline by default: files under `<run dir>/wandb/`, nothing
+sent (`wandb sync <run dir>/wandb/offline-run-*` uploads later); `logger.mode=online` sends.
+The W&B run id is kept in the run dir so a resumed job continues the same W&B run.
+"""
+
+import json
+import logging
+import os
+import statistics
+import uuid
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("recipes")
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
+class MetricsLog:
+    """Rank 0's writer of metrics.jsonl and, with `logger.backend=wandb`, one W&B run."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], start_step: int) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        _truncate_after(self.path, start_step)
+        self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self.wandb_run = None
+        if config["logger"]["backend"] == "wandb":
+            self.wandb_run = _start_wandb(Path(run_dir), config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        self.file.close()
+        if self.wandb_run is not None:
+            if summary:
+                self.wandb_run.summary.update(
+                    {f"final/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
+                )
+            self.wandb_run.finish()
+
+
+def _start_wandb(run_dir: Path, config: dict[str, Any]):
+    lc = config["logger"]
+    # Offline must never reach for the network; silence the banner and console capture.
+    os.environ["WANDB_MODE"] = lc["mode"]
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+    import wandb
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    return wandb.init(
+        project=lc["project"],
+        entity=lc["entity"],
+        group=lc["group"] or config["run"]["name"],
+        job_type=lc["job_type"],
+        tags=list(lc["tags"]),
+        name=f"{config['run']['name']}/{run_dir.name}",
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=lc["mode"],
+        config=config,
+        settings=wandb.Settings(
+            silent=True,
+            console="off",
+            x_disable_stats=True,
+            x_disable_meta=True,
+            x_disable_machine_info=True,
+            disable_git=True,
+            save_code=False,
+            disable_job_creation=True,
+        ),
+    )
+
+
+def memory_extremes(per_rank: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+    """`memory/<key>/max` and `/min` over ranks for each key."""
+    out = {}
+    for key in keys:
+        values = [r[key] for r in per_rank if key in r]
+        if values:
+            out[f"memory/{key}/max"] = max(values)
+            out[f"memory/{key}/min"] = min(values)
+    return out
+
+
+class Summary:
+    """What the end-of-run summary reports, accumulated by rank 0 from the logged steps."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+        self.step_s: list[float] = []
+        self.optim_s: list[float] = []
+        self.tokens_per_s: list[float] = []
+        self.peak_mib: dict[int, float] = {}
+        self.skipped = 0
+
+    def add(self, step: int, m: dict[str, float], measured: bool) -> None:
+        self.losses.append((step, m["loss"]))
+        self.skipped = int(m["skipped_steps"])
+        if not measured:  # profiled steps are slower; keep them out of the speed figures
+            self.step_s.append(m["step_s"])
+            self.optim_s.append(m["optim_s"])
+            self.tokens_per_s.append(m["tokens_per_s"])
+        for key, value in m.items():
+            if key.startswith("memory/rank_") and key.endswith("/step_peak_mib"):
+                rank = int(key.split("/")[1][len("rank_") :])
+                self.peak_mib[rank] = max(self.peak_mib.get(rank, 0.0), value)
+
+    def as_dict(self) -> dict[str, Any]:
+        speed = self.tokens_per_s[1:] or self.tokens_per_s  # step 1 builds optimizer state
+        out: dict[str, Any] = {
+            "steps_logged": len(self.losses),
+            "skipped_steps": self.skipped,
+            "tokens_per_s": statistics.median(speed) if speed else None,
+            "optim_share": sum(self.optim_s) / sum(self.step_s) if self.step_s else None,
+            "peak_mib_per_rank": [self.peak_mib[r] for r in sorted(self.peak_mib)],
+        }
+        if self.losses:
+            out.update(
+                first_step=self.losses[0][0],
+                loss_first=self.losses[0][1],
+                last_step=self.losses[-1][0],
+                loss_last=self.losses[-1][1],
+            )
+        return out
+
+    def text(self) -> str:
+        s = self.as_dict()
+        if not self.losses:
+            return "nothing trained (the run was already complete)"
+        share = f"{100 * s['optim_share']:.0f}%" if s["optim_share"] is not None else "n/a"
+        speed = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] is not None else "n/a"
+        peaks = ", ".join(f"r{r}={v:.1f}" for r, v in enumerate(s["peak_mib_per_rank"]))
+        return (
+            f"loss {s['loss_first']:.4f} (step {s['first_step']}) -> {s['loss_last']:.4f} "
+            f"(step {s['last_step']}); {speed} tokens/s; optimizer {share} of step time; "
+            f"skipped steps {s['skipped_steps']}; peak MiB per rank: {peaks or 'not sampled'}"
+        )

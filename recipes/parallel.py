@@ -1,0 +1,101 @@
+"""Mesh, model, optimizer and schedule from a validated config (the glue to models/ and muon/).
+
+The model is built on the meta device, parallelized (EP, then FSDP2), materialized on the
+rank's device and initialized from `train.seed`: every rank receives its shard of the same full
+weights, whatever the world size or ep, so a run is reproducible across layouts.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from models.glm import GLMConfig, GLMForCausalLM, get_preset
+from models.glm.parallelize import build_meshes, parallelize
+
+
+def model_config(cfg: DictConfig) -> GLMConfig:
+    """The GLMConfig of `model.preset` with `model.overrides`, its vocab set to the data's."""
+    overrides = dict(cfg.model.overrides)
+    overrides["vocab_size"] = cfg.data.vocab_size
+    return get_preset(str(cfg.model.preset), **overrides)
+
+
+def build_model(cfg: DictConfig, device: torch.device) -> GLMForCausalLM:
+    """The sharded, initialized model of this rank."""
+    config = model_config(cfg)
+    with torch.device("meta"):
+        model = GLMForCausalLM(config)
+    meshes = build_meshes(dist.get_world_size(), cfg.mesh.ep, device.type)
+    parallelize(model, meshes)
+    model.to_empty(device=device)
+    model.init_weights(cfg.train.seed)
+    return model
+
+
+def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """`optim.name=muon`: muon.Muon over muon.param_groups; `adamw`: AdamW over everything."""
+    o = cfg.optim
+    if o.name == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            foreach=False,  # DTensors of several meshes cannot share a foreach kernel
+        )
+    from muon import Muon, param_groups
+
+    groups = param_groups(
+        model,
+        router=str(o.router),
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        adamw_lr=o.adamw_lr,
+        adamw_weight_decay=o.adamw_weight_decay,
+        adamw_betas=tuple(o.betas),
+        adamw_eps=o.eps,
+    )
+    return Muon(
+        groups,
+        lr=o.lr,
+        momentum=o.momentum,
+        nesterov=o.nesterov,
+        weight_decay=o.weight_decay,
+        ns_steps=o.ns_steps,
+        adjust_lr=str(o.adjust_lr),
+        betas=tuple(o.betas),
+        adamw_eps=o.eps,
+        remainder_strategy=str(o.remainder_strategy),
+        enable_all2all=o.enable_all2all,
+        max_inflight=o.max_inflight,
+    )
+
+
+def lr_lambda(cfg: DictConfig):
+    """Multiplier of every group's peak lr at a step: linear warmup, then the decay."""
+    steps, warmup = cfg.train.steps, cfg.train.warmup_steps
+    floor, schedule = cfg.train.min_lr_ratio, str(cfg.train.schedule)
+
+    def factor(step: int) -> float:
+        # LambdaLR calls this with the number of scheduler steps taken so far (0-based).
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant" or steps <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        if schedule == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def describe_model(config: GLMConfig) -> str:
+    """A one-line summary of the model shape."""
+    keys = ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok")
+    fields = dataclasses.asdict(config)
+    return ", ".join(f"{k}={fields[k]}" for k in keys) + f", vocab={config.vocab_size}"

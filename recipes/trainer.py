@@ -1,0 +1,274 @@
+"""The training loop of one rank: resume, train, measure, log, checkpoint, summarize.
+
+One optimizer step:
+  1. `grad_accum_steps` micro-steps of forward + backward (FSDP gradient sync on the last one).
+  2. The global gradient norm per algorithm (AdamW groups, Muon groups), one all-reduce.
+  3. Clipping of the AdamW groups (and the Muon groups with `train.clip_muon`) when finite.
+  4. The optimizer step. Non-finite gradients skip it on every rank, whichever the optimizer:
+     Muon checks and skips by itself (`last_step_skipped`); for AdamW the loop does, from the
+     same all-reduced norm. A skipped step changes no parameter, optimizer state or router
+     bias; the schedule and the data stream move on, and `skipped_steps` counts it.
+  5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
+Every `metrics.memory_every` steps (and on step 1) the step runs inside the MemoryMeter, with
+an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its log line holds
+`memory/rank_<k>/...` for every rank.
+"""
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from recipes import checkpoint, grads
+from recipes.config import to_plain
+from recipes.data import TokenStream, token_file
+from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
+from recipes.metrics import MetricsLog, Summary, memory_extremes
+from recipes.parallel import build_model, build_optimizer, describe_model, lr_lambda, model_config
+
+log = logging.getLogger("recipes")
+
+_MEMORY_KEYS = ("step_peak_mib", "step_peak_delta_mib", "optim_peak_mib", "optim_peak_delta_mib")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _groups_by_algorithm(opt: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {"adamw": [], "muon": []}
+    for g in opt.param_groups:
+        out[g.get("algorithm", "adamw")] += list(g["params"])
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Trainer:
+    """Builds everything of one rank from the config and runs the loop."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, device: torch.device) -> None:
+        self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(cfg.train.seed)
+        # Before the model: absolute memory figures then include weights and optimizer state.
+        self.meter = MemoryMeter(device)
+        self.model = build_model(cfg, device)
+        self.opt = build_optimizer(cfg, self.model)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        self.params = _groups_by_algorithm(self.opt)
+        self.clipped = self.params["adamw"] + (self.params["muon"] if cfg.train.clip_muon else [])
+        if self.rank == 0:
+            path = token_file(cfg.data)  # builds the stdlib corpus once per machine
+        dist.barrier()
+        path = token_file(cfg.data)
+        d = cfg.data
+        self.data = TokenStream(path, str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size)
+        self.samples_per_step = self.world * cfg.train.grad_accum_steps * d.batch_size
+        self.step, self.samples, self.skipped = 0, 0, 0
+        self.ckpt_root = self.run_dir / "checkpoints"
+
+    # ------------------------------------------------------------------------------ resume
+    def resume(self) -> None:
+        """Load the newest committed checkpoint of the run dir, if any (and allowed)."""
+        found = checkpoint.latest(self.ckpt_root) if self.rank == 0 else None
+        found = _broadcast(str(found) if found and self.cfg.checkpoint.resume else None)
+        if found is None:
+            return
+        state = checkpoint.load(Path(found), self.model, self.opt)
+        self.step, self.samples, self.skipped = state["step"], state["samples"], state["skipped"]
+        self.sched.load_state_dict(state["scheduler"])
+        if state["rng"] is not None:
+            checkpoint.set_rng_state(state["rng"])
+        if self.rank == 0:
+            log.info(
+                "resumed from %s (written by %d ranks; this world: %d)",
+                found,
+                state["world_size"],
+                self.world,
+            )
+
+    def save(self) -> Path:
+        state = {
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "scheduler": self.sched.state_dict(),
+            "ep": self.cfg.mesh.ep,
+        }
+        return checkpoint.save(
+            self.ckpt_root, self.step, self.model, self.opt, state, self.cfg.checkpoint.keep
+        )
+
+    # -------------------------------------------------------------------------------- step
+    def _forward_backward(self) -> torch.Tensor:
+        cfg = self.cfg
+        accum = cfg.train.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.data.micro_batch(
+                self.samples, micro, self.rank, self.world, cfg.data.batch_size
+            )
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            loss = self.model.loss(x.to(self.device), y.to(self.device))
+            (loss / accum).backward()
+            loss_sum += loss.detach() / accum
+        return loss_sum
+
+    def _optimizer_step(self) -> tuple[bool, dict[str, float]]:
+        """Clip and step; returns (skipped, grad-norm metrics)."""
+        cfg = self.cfg
+        if cfg.train.inject_nan_at_step == self.step + 1 and self.rank == 0:
+            grads.poison_grad(self.params["muon"] + self.params["adamw"])
+        sq = grads.squared_norms(self.params)
+        finite = all(v == v and v != float("inf") for v in sq.values())
+        clip_sq = sq["adamw"] + (sq["muon"] if cfg.train.clip_muon else 0.0)
+        if finite and cfg.train.grad_clip > 0 and clip_sq**0.5 > cfg.train.grad_clip:
+            grads.scale_grads(self.clipped, cfg.train.grad_clip / (clip_sq**0.5 + 1e-6))
+        if cfg.optim.name == "muon":
+            self.opt.step()  # checks finiteness itself, on every rank
+            skipped = self.opt.last_step_skipped
+        else:
+            skipped = not finite
+            if not skipped:
+                self.opt.step()
+        norms = {f"grad_norm/{k}": v**0.5 for k, v in sq.items()}
+        norms["grad_norm"] = sum(sq.values()) ** 0.5
+        return skipped, norms
+
+    def train_step(self, measure: bool) -> dict[str, float]:
+        """One optimizer step; returns this rank's metrics (memory figures when measured)."""
+        cfg = self.cfg
+        _sync(self.device)
+        t0 = time.perf_counter()
+        memory: dict[str, float] = {}
+        if measure:
+            with self.meter.measure("step") as m:
+                loss = self._forward_backward()
+                _sync(self.device)
+                t_opt = time.perf_counter()
+                with m.region("optim"):
+                    skipped, norms = self._optimizer_step()
+                    _sync(self.device)
+            memory = m.summary()
+        else:
+            loss = self._forward_backward()
+            _sync(self.device)
+            t_opt = time.perf_counter()
+            skipped, norms = self._optimizer_step()
+            _sync(self.device)
+        optim_s = time.perf_counter() - t_opt
+        lr = self.sched.get_last_lr()
+        # A skipped step leaves the bias alone but still consumes the step's expert counts.
+        rate = 0.0 if skipped else cfg.train.router_bias_rate
+        if cfg.train.router_bias_rate > 0:
+            self.model.update_router_bias(rate)
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        self.step += 1
+        self.samples += self.samples_per_step
+        self.skipped += int(skipped)
+        dist.all_reduce(loss)
+        step_s = time.perf_counter() - t0
+        tokens = self.samples_per_step * cfg.data.seq_len
+        return {
+            "loss": loss.item() / self.world,
+            "lr": lr[0],
+            "lr_adamw": lr[-1],
+            **norms,
+            "skipped": float(skipped),
+            "skipped_steps": float(self.skipped),
+            "step_s": step_s,
+            "optim_s": optim_s,
+            "tokens_per_s": tokens / step_s,
+            **getattr(self.opt, "step_stats", {}),
+            **memory,
+        }
+
+    # -------------------------------------------------------------------------------- loop
+    def train(self) -> dict[str, Any] | None:
+        cfg = self.cfg
+        self.resume()
+        sink = MetricsLog(self.run_dir, to_plain(cfg), self.step) if self.rank == 0 else None
+        summary = Summary()
+        if self.rank == 0:
+            log.info(
+                "model %s (%s); %d ranks, ep=%d, %s; optim=%s remainder=%s",
+                cfg.model.preset,
+                describe_model(model_config(cfg)),
+                self.world,
+                cfg.mesh.ep,
+                self.device.type,
+                cfg.optim.name,
+                cfg.optim.remainder_strategy,
+            )
+        bar = None
+        if self.rank == 0 and cfg.metrics.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=None)
+        every = cfg.checkpoint.every
+        while self.step < cfg.train.steps:
+            measure = self.step % cfg.metrics.memory_every == 0
+            metrics = self.train_step(measure)
+            if self.step % cfg.metrics.log_every == 0 or measure:
+                self._log(metrics, measure, sink, summary)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            if (every and self.step % every == 0) or self.step == cfg.train.steps:
+                self.save()
+        if bar is not None:
+            bar.close()
+        if self.rank == 0 and cfg.checkpoint.export_hf:
+            self._export_hf()
+        if self.rank != 0:
+            return None
+        result = summary.as_dict()
+        sink.close(result)
+        return result | {"text": summary.text()}
+
+    def _log(self, metrics, measure, sink, summary) -> None:
+        """Collective: gather per-rank figures; rank 0 writes one line."""
+        mine = {k: metrics[k] for k in _MEMORY_KEYS if k in metrics}
+        mine["step_s"], mine["optim_s"] = metrics["step_s"], metrics["optim_s"]
+        mine.update({k: v for k, v in metrics.items() if k.startswith("muon/")})
+        per_rank = gather_peaks(mine)
+        if self.rank != 0:
+            return
+        out = {k: v for k, v in metrics.items() if k not in _MEMORY_KEYS}
+        out["step_s/max"] = max(r["step_s"] for r in per_rank)
+        out["optim_s/max"] = max(r["optim_s"] for r in per_rank)
+        for key in ("muon/bytes_sent", "muon/bytes_recv", "muon/wait_s", "muon/ns_s"):
+            values = [r[key] for r in per_rank if key in r]
+            if values:
+                out[f"{key}/max"], out[f"{key}/min"] = max(values), min(values)
+        if measure:
+            mem = [{k: r[k] for k in _MEMORY_KEYS if k in r} for r in per_rank]
+            out.update(rank_metrics(mem))
+            out.update(memory_extremes(mem, _MEMORY_KEYS))
+        sink.log(self.step, out)
+        summary.add(self.step, out, measure)
+
+    def _export_hf(self) -> None:
+        """Rank 0: the final model, from the last checkpoint, in the transformers layout."""
+        try:
+            from models.glm.hf_adapter import export_hf
+        except ImportError:
+            log.warning("models.glm.hf_adapter not available: no transformers export")
+            return
+        from safetensors.torch import load_file
+
+        last = checkpoint.latest(self.ckpt_root)
+        state = load_file(checkpoint.model_file(last))
+        export_hf(state, model_config(self.cfg), str(self.run_dir / "hf"))
+        log.info("transformers export: %s", self.run_dir / "hf")
