@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from models.glm import GLMConfig, GLMForCausalLM
+from models.glm.expert_parallel import all_to_all
+from models.glm.hf_adapter import export_hf, import_hf
 from models.glm.parallelize import build_meshes, parallelize
 from tests.harness import run_world
 
@@ -69,7 +71,21 @@ def _grad_errors(ref: GLMForCausalLM, model: GLMForCausalLM) -> dict[str, tuple[
     return errors
 
 
-def _parity_world(cases):
+def _all_to_all_roundtrip() -> tuple[bool, bool]:
+    """Uneven and empty splits: z = back(there(x) * 2 + owner) == 2x + owner, dz/dx == 2."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    send = [(rank + q) % 3 for q in range(W)]  # rows for rank q, some zero
+    recv = [(q + rank) % 3 for q in range(W)]
+    x = torch.randn(sum(send), 3, requires_grad=True)
+    y = all_to_all(x, send, recv, None)
+    z = all_to_all(y * 2 + rank, recv, send, None)
+    owner = torch.repeat_interleave(torch.arange(W), torch.tensor(send)).float()[:, None]
+    w = torch.randn_like(z)
+    (z * w).sum().backward()
+    return torch.equal(z, 2 * x.detach() + owner), torch.equal(x.grad, 2 * w)
+
+
+def _parity_world(cases, export_dir=None):
     rank, W = dist.get_rank(), dist.get_world_size()
     out = []
     for ep, skew, param_dtype in cases:
@@ -119,6 +135,17 @@ def _parity_world(cases):
                 local_rows=gu.to_local().shape[0],
             )
         )
+        if export_dir is not None and ep > 1 and param_dtype is None and not skew:
+            # Sharded export gathers to rank 0; re-init of DTensors matches a plain init.
+            export_hf(model, CFG, export_dir + "/sharded")
+            export_hf(ref, CFG, export_dir + "/plain")
+            model.init_weights(5)
+            ref.init_weights(5)
+            out[-1]["init_match"] = all(
+                torch.equal(p.full_tensor(), p_ref)
+                for p, p_ref in zip(model.parameters(), ref.parameters(), strict=True)
+            )
+    out.append(_all_to_all_roundtrip())
     return out
 
 
@@ -159,10 +186,34 @@ CASES_8 = [(2, False, None), (2, True, None)]  # ep 2, efsdp 4
 
 
 @pytest.mark.slow
-def test_parity_world4():
-    _check(run_world(_parity_world, 4, CASES_4, timeout_s=240), 4, CASES_4)
+def test_parity_world4(tmp_path):
+    results = run_world(_parity_world, 4, CASES_4, str(tmp_path), timeout_s=240)
+    _check(results, 4, CASES_4)
+    assert all(r[-1] == (True, True) for r in results)  # all_to_all values and gradients
+    assert all(r[1]["init_match"] for r in results)  # init_weights on DTensors
+    cfg_a, sd_a = import_hf(str(tmp_path / "sharded"))
+    cfg_b, sd_b = import_hf(str(tmp_path / "plain"))
+    assert cfg_a == cfg_b == CFG
+    assert sd_a.keys() == sd_b.keys()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
 @pytest.mark.slow
 def test_parity_world8():
     _check(run_world(_parity_world, 8, CASES_8, timeout_s=240), 8, CASES_8)
+
+
+def test_bad_parallel_configs_fail_naming_the_field():
+    from types import SimpleNamespace
+
+    with pytest.raises(
+        ValueError, match=r"ep \(3\) must be a positive divisor of world_size \(4\)"
+    ):
+        build_meshes(4, 3, "cpu")
+    with torch.device("meta"):
+        model = GLMForCausalLM(
+            GLMConfig(**{**CFG.to_dict(), "n_routed_experts": 6, "n_group": 1, "topk_group": 1})
+        )
+    fake = SimpleNamespace(ep=4, world_size=8)
+    with pytest.raises(ValueError, match=r"n_routed_experts \(6\) must be divisible by ep \(4\)"):
+        parallelize(model, fake)
