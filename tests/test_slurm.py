@@ -29,6 +29,8 @@ SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 # A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
 TRAIN_ARGS = ["mesh.world_size=2", "mesh.ep=1", "logger=none"]
+# Saves a second per job; the transformers export is not what these tests are about.
+SPEEDUP_ARGS = ["checkpoint.export_hf=false", "metrics.progress=false"]
 
 
 def _run(cmd, env=None, timeout=60, check=True, cwd=REPO) -> subprocess.CompletedProcess:
@@ -247,21 +249,26 @@ import torch.distributed as dist
 kv = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 steps, every = int(kv["train.steps"]), int(kv.get("checkpoint.every", 100))
 run_dir = Path(kv["run.root"]) / kv["run.name"] / "base"
-run_dir.mkdir(parents=True, exist_ok=True)
+ckpts = run_dir / "checkpoints"
+ckpts.mkdir(parents=True, exist_ok=True)
 stop = []
 signal.signal(signal.SIGUSR1, lambda s, f: stop.append(s))
 signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-ckpt = run_dir / "checkpoint.json"
-start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+done = sorted(p.parent for p in ckpts.glob("step_*/COMMITTED"))
+start = int(done[-1].name[5:]) if done else 0
+metrics = run_dir / "metrics.jsonl"
 if rank == 0 and start:
-    print(f"resumed from checkpoint at step {start}", flush=True)
+    print(f"[rank0] resumed from {done[-1]}", flush=True)
+    rows = [r for r in metrics.read_text().splitlines() if json.loads(r)["step"] <= start]
+    metrics.write_text("".join(r + "\n" for r in rows))
 
 def save(step):
     if rank == 0:
-        (run_dir / "tmp.json").write_text(json.dumps({"step": step}))
-        os.replace(run_dir / "tmp.json", ckpt)
+        d = ckpts / f"step_{step:08d}"
+        d.mkdir()
+        (d / "COMMITTED").write_text("")
     dist.barrier()
 
 for step in range(start + 1, steps + 1):
@@ -269,15 +276,14 @@ for step in range(start + 1, steps + 1):
     t = torch.ones(1) * step
     dist.all_reduce(t)
     if rank == 0:
-        with open(run_dir / "metrics.jsonl", "a") as f:
+        with open(metrics, "a") as f:
             f.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\n")
-        print(f"step {step}/{steps}", flush=True)
     flag = torch.tensor([float(bool(stop))])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if step % every == 0 or step == steps or flag.item():
         save(step)
     if flag.item() and step < steps:
-        print(f"rank {rank}: signal, checkpointed at step {step}", flush=True)
+        print(f"[rank{rank}] signal: checkpointed at step {step}", flush=True)
         dist.destroy_process_group()
         sys.exit(75)
 dist.destroy_process_group()
@@ -295,14 +301,35 @@ def repo_env(cluster, tmp_path_factory):
 
 
 def _metrics(run_root: Path) -> list[dict]:
+    """The rows of the one metrics.jsonl under `run_root` (the run dir is <root>/<name>/<id>)."""
     files = sorted(run_root.rglob("metrics.jsonl"))
     assert len(files) == 1, f"expected one metrics.jsonl under {run_root}, found {files}"
     return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
 
 
+def _rows(run_root: Path) -> list[dict]:
+    """Like _metrics, but [] while the run has not written any (or is mid-write)."""
+    try:
+        return _metrics(run_root) if any(run_root.rglob("metrics.jsonl")) else []
+    except (AssertionError, json.JSONDecodeError):
+        return []
+
+
+def _committed_steps(run_root: Path) -> list[int]:
+    """Steps of the committed checkpoints (<run dir>/checkpoints/step_<n>/COMMITTED), sorted."""
+    return sorted(int(p.parent.name[5:]) for p in run_root.rglob("checkpoints/step_*/COMMITTED"))
+
+
+def _checkpoints_on_signal(repo: Path) -> bool:
+    """Whether train.py handles SIGUSR1 (checkpoint, then exit) - asked of the recipe."""
+    sources = [repo / "train.py", *sorted((repo / "recipes").glob("*.py"))]
+    return any("SIGUSR1" in p.read_text() for p in sources if p.exists())
+
+
 def _train_args(run_root: Path, name: str, steps: int, every: int) -> list[str]:
     return [
         *TRAIN_ARGS,
+        *SPEEDUP_ARGS,
         f"train.steps={steps}",
         f"checkpoint.every={every}",
         f"run.root={run_root}",
@@ -342,36 +369,46 @@ def test_sbatch_trains_to_completion(cluster, repo_env, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_path):
+    """USR1 to the batch script (what --signal=B:USR1@120 does): checkpoint, requeue, resume."""
     steps = 40
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
+    signal_ckpt = _checkpoints_on_signal(Path(repo_env["REPO_DIR"]))
+    # With the signal checkpoint there is no periodic one: the resume proves it was written.
+    # Without (recipe not there yet), the run can only resume from a periodic checkpoint.
+    every = 1000 if signal_ckpt else 2
     job = cluster.sbatch(
         [
             "--cpus-per-task=2",
             f"--output={log}",
             str(SLURM_DIR / "train.sbatch"),
-            *_train_args(run_root, "preempt", steps, every=1000),
+            *_train_args(run_root, "preempt", steps, every),
         ],
         repo_env,
     )
+    min_step = 1 if signal_ckpt else every + 1
 
-    def trained_a_step(info):
-        files = list(run_root.rglob("metrics.jsonl"))
-        return bool(files and files[0].read_text().strip()) or info.get("JobState") in _FINAL_STATES
+    def trained(info):
+        rows = _rows(run_root)
+        return (rows and rows[-1]["step"] >= min_step) or info.get("JobState") in _FINAL_STATES
 
-    info = cluster.wait(job, trained_a_step, 90, "past its first step", log)
+    info = cluster.wait(job, trained, 90, f"past step {min_step}", log)
     assert info.get("JobState") == "RUNNING", f"{info}\n{_tail(log)}"
-    # What Slurm does at --signal=B:USR1@120 before the time limit, sent now.
     cluster.run(["scancel", "--batch", "--signal=USR1", job])
-    # The run checkpoints, the batch script requeues it: the job comes back PENDING
-    # (held until its BeginTime), and we release it at once.
-    info = cluster.wait(
+    # The batch script forwards the signal, the step ends, the script requeues the job: it
+    # comes back PENDING (held until its BeginTime), and we release it at once.
+    cluster.wait(
         job,
         lambda i: i.get("JobState") == "PENDING" and i.get("Restarts") == "1",
         90,
         "requeued",
         log,
     )
+    last_logged = _rows(run_root)[-1]["step"]
+    ckpts = _committed_steps(run_root)
+    assert ckpts and ckpts[-1] > 0, f"no committed checkpoint to resume from\n{_tail(log)}"
+    k = ckpts[-1]
+    assert k < steps
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     cluster.wait_done(job, 120, log)
 
@@ -379,13 +416,19 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_p
     assert "[train.sbatch] got SIGUSR1" in text
     assert f"requeueing job {job}" in text
     assert f"[train.sbatch] job {job} restart 1 " in text
-    resumed = re.findall(r"resum\w*\D+(\d+)", text, re.I)
-    assert resumed and int(resumed[-1]) > 0, _tail(log)
+    resumed = re.findall(r"resumed from \S*step_(\d+)", text)
+    assert resumed and int(resumed[-1]) == k, _tail(log)
     rows = _metrics(run_root)
     assert rows[-1]["step"] == steps
-    k = int(resumed[-1])
-    # The second run starts right after the checkpoint it resumed from.
-    assert [r["step"] for r in rows if r["step"] > k] == list(range(k + 1, steps + 1))
+    # One uninterrupted run: the resumed run logs every step after its checkpoint.
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    if not signal_ckpt:
+        pytest.xfail(
+            f"train.py does not checkpoint on SIGUSR1/SIGTERM yet: resumed from the periodic "
+            f"checkpoint at step {k}, losing steps {k + 1}..{last_logged}"
+        )
+    # The checkpoint was written at the signal: no step trained before it was lost.
+    assert k >= last_logged, (k, last_logged)
 
 
 @pytest.mark.slurm
@@ -401,6 +444,7 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, repo_env, tmp_path
             f"--output={tmp_path}/%x-%j.out",
             "--",
             *TRAIN_ARGS,
+            *SPEEDUP_ARGS,
             f"train.steps={steps}",
             f"checkpoint.every={steps}",
             f"run.root={run_root}",
