@@ -1,0 +1,264 @@
+"""scripts/plan_memory.py: the dry-run planner at GLM-5.2 scale, and planned vs measured peaks.
+
+GLM-5.2 on 512 fake ranks, ep 8 (the seed's numbers): expert-aware, the fused gate+up weights
+are local and all 76 down weights take the sub-group path; with `--no-expert-aware` the down
+weights make a full batch of 64 and an AGRS remainder of 12 whose all-gather buffer is 9 GiB
+(FSDP-visible rows), not the 72 GiB of the global rows.
+
+Planned vs measured, on a 4-rank gloo world with two [1024, 512] fp32 matrices (a remainder of
+R=2 on W=4; nesterov=False and ns_dtype float32, so the step allocates no input copies and no
+dtype casts). Each rank measures the optimizer step's `peak_delta_bytes` with
+`recipes.memory.MemoryMeter` (median of 3 steps after a warm-up) on the rank that owns a
+remainder matrix (busy) and one that owns none (idle):
+
+- exchange only: Newton-Schulz replaced by a same-size copy (the plan's exchange accounting
+  includes the NS output), compared with `BatchPlan.exchange_buffer_bytes`. Tolerance: 5% + 64
+  KiB, plus, for AGRS, gloo's flat staging copy of the collective buffer (a real allocation of
+  gloo's CPU path that NCCL does not make; see recipes/memory.py).
+- the real step, compared with the planner's per-batch peak (`exchange_buffer_bytes +
+  ns_workspace_bytes`): the plan must be an upper bound within 10% (+ the gloo staging copy)
+  and not more than 1.6x the measured peak (the NS workspace is a rough estimate).
+
+Measured at commit time (MiB; planned / measured; busy, idle):
+  exchange only   agrs 6 / 13, 5 / 9     pad_all2all 6 / 6, 6 / 6   ragged 4 / 4, 1 / 1
+  real step       agrs 14 / 13, 5 / 9    pad_all2all 14 / 10, 6 / 10  ragged 12 / 8, 1 / 1
+(gloo stages a flat copy of the all-gather output and of the reduce-scatter input: 4 MiB
+here, measured on bare collectives; NCCL does not.)
+Known plan discrepancies (muon/plan.py; reported to its owner, marked xfail below):
+  agrs: `exchange_buffer_bytes` misses the reduce-scatter phase (the W*n padded-shard scatter
+  input + the owned matrices and their results + the output shards); pad_all2all: idle ranks
+  orthogonalize a zero matrix, but `ns_workspace_bytes` plans none for them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_world
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "plan_memory.py"
+GiB = 1 << 30
+MiB = 1 << 20
+W = 4
+SHAPE = (1024, 512)
+COUNT = 2
+STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("plan_memory", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("plan_memory", mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_planner(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", "glm52", "--world-size", "512", "--ep", "8"]
+    proc = subprocess.run(
+        [*cmd, *flags, "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    report["stdout"] = proc.stdout
+    return report
+
+
+def _expert_groups(report: dict) -> dict[tuple, dict]:
+    return {tuple(g["shape"]): g for g in report["groups"] if g["non_fsdp_shard_factor"] == 8}
+
+
+GATE_UP, DOWN = (256 * 2 * 2048, 6144), (256 * 6144, 2048)
+
+
+@pytest.mark.slow
+def test_glm52_expert_aware_paths(tmp_path):
+    report = _run_planner(tmp_path)
+    assert report["meta"]["build_s"] < 60
+    experts = _expert_groups(report)
+    for s in STRATEGIES:
+        gate_up, down = experts[GATE_UP]["strategies"][s], experts[DOWN]["strategies"][s]
+        assert gate_up["paths"] == ["local"] and experts[GATE_UP]["params"] == 76
+        # no parameter-count guard: all 76 down weights take the sub-group path
+        assert down["paths"] == ["subgroup"] and experts[DOWN]["params"] == 76
+        assert down["remainder"] == 0 and sum(n for _, n in down["batches"]) == 76
+        assert gate_up["group"]["view"]["bytes_sent"] == 0
+    assert experts[DOWN]["fsdp_visible_rows"] == 196608
+    assert "local:76" in report["stdout"] and "subgroup:64+12" in report["stdout"]
+
+
+@pytest.mark.slow
+def test_glm52_without_expert_paths_agrs_remainder_is_9_gib(tmp_path):
+    report = _run_planner(tmp_path, "--no-expert-aware", "--budget-gib", "80")
+    down = _expert_groups(report)[DOWN]
+    assert down["fsdp_visible_rows"] == 1572864 // 8
+    agrs = down["strategies"]["agrs"]
+    assert agrs["batches"] == [["full", 64], ["agrs", 12]] and agrs["remainder"] == 12
+    rem = agrs["remainder_batch"]
+    for role in ("busy", "idle"):
+        buf = rem[role]["collective_buffer_bytes"]
+        assert buf == 12 * 196608 * 2048 * 2  # all 12 FSDP-visible matrices, bf16
+        assert 8.9 * GiB < buf < 9.1 * GiB, buf  # the seed's 9 GiB, not 72 GiB
+    # the other strategies keep the busy rank at one matrix and the idle ranks near nothing
+    ragged = down["strategies"]["ragged_all_to_all"]["remainder_batch"]
+    pad = down["strategies"]["pad_all2all"]["remainder_batch"]
+    assert ragged["busy"]["collective_buffer_bytes"] == 196608 * 2048 * 2
+    assert ragged["idle"]["exchange_buffer_bytes"] < 0.2 * GiB
+    assert pad["idle"]["collective_buffer_bytes"] == 64 * 3072 * 2048 * 2
+    assert report["over_budget"] == []
+    assert "9.00 GiB" in report["stdout"]
+
+
+def test_budget_flags_what_does_not_fit():
+    """The budget check on a hand-made report (no world needed)."""
+    mod = _load_script()
+    fig = {"global_rank": 3, "collective_buffer_bytes": 9 * GiB, "peak_bytes": 10 * GiB}
+    small = {"global_rank": 5, "collective_buffer_bytes": MiB, "peak_bytes": 2 * MiB}
+    report = {
+        "meta": {"rank": 0, "max_inflight": 3},
+        "groups": [
+            {
+                "shape": [8, 4],
+                "strategies": {
+                    "agrs": {
+                        "remainder_batch": {"busy": fig, "idle": small},
+                        "group": {"view": small},
+                    },
+                    "ragged_all_to_all": {
+                        "remainder_batch": {"busy": small, "idle": None},
+                        "group": {"view": small},
+                    },
+                },
+            }
+        ],
+        "totals": {
+            "agrs": {"resident_bytes": 4 * GiB, "view_step_bound_bytes": 5 * GiB},
+            "ragged_all_to_all": {"resident_bytes": 4 * GiB, "view_step_bound_bytes": GiB},
+        },
+    }
+    over = mod.over_budget(report, 8 * GiB)
+    assert len(over) == 3, over
+    assert all("agrs" in o and "ragged" not in o for o in over)
+    assert mod.over_budget(report, None) == []
+    assert mod.fmt_bytes(9 * GiB) == "9.00 GiB" and mod.fmt_bytes(512) == "512 B"
+
+
+# --------------------------------------------------------------- planned vs measured, 4 ranks
+def _measured_world() -> dict:
+    """Per strategy: plan figures and measured optimizer-step peaks of this rank."""
+    import muon.optimizer as muon_optimizer
+    from muon import Muon
+    from recipes.memory import MemoryMeter
+    from tests.harness import init_mesh
+    from tests.test_muon_behaviour import _sharded
+
+    planner = _load_script()
+    mesh = init_mesh((W,), ("fsdp",))
+    meter = MemoryMeter("cpu")
+    real_orthogonalize = muon_optimizer._orthogonalize
+    out: dict[str, dict] = {}
+    for strategy in STRATEGIES:
+        params = _sharded([SHAPE] * COUNT, mesh)
+        opt = Muon(params, ns_dtype=torch.float32, nesterov=False, remainder_strategy=strategy)
+        ((mp, (batch,)),) = opt.plans
+        r = mp.fsdp_rank
+        row = {
+            "path": batch.path,
+            "matrices": batch.matrices_on(r),
+            "planned_exchange": batch.exchange_buffer_bytes(r),
+            "planned_peak": planner.batch_peak(batch, r, 4, nesterov=False),
+            "staging": batch.collective_buffer_bytes(r) if strategy == "agrs" else 0,
+            "planned_sent": batch.bytes_sent(r),
+        }
+        for mode in ("exchange", "step"):
+            # exchange only: NS becomes a same-size copy (its output is in the exchange count)
+            muon_optimizer._orthogonalize = (
+                (lambda m, **_: m.clone()) if mode == "exchange" else real_orthogonalize
+            )
+            try:
+                opt.step()  # warm-up
+                peaks = []
+                for _ in range(3):
+                    with meter.measure() as m, m.region("optim"):
+                        opt.step()
+                    peaks.append(m.peak_delta_bytes("optim"))
+            finally:
+                muon_optimizer._orthogonalize = real_orthogonalize
+            row[f"measured_{mode}"] = statistics.median(peaks)
+            row[f"measured_{mode}_all"] = peaks
+        row["measured_sent"] = opt.step_stats["muon/bytes_sent"]
+        out[strategy] = row
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    ranks = run_world(_measured_world, W, timeout_s=300)
+    table = []
+    for s in STRATEGIES:
+        for r, res in enumerate(ranks):
+            row = res[s]
+            table.append(
+                f"{s:<18} rank {r} {'busy' if row['matrices'] else 'idle'}: exchange planned "
+                f"{row['planned_exchange'] / MiB:.2f} measured {row['measured_exchange'] / MiB:.2f}"
+                f"; step planned {row['planned_peak'] / MiB:.2f} measured "
+                f"{row['measured_step'] / MiB:.2f} MiB"
+            )
+    print("\n".join(table))
+    return ranks
+
+
+def _by_role(ranks, strategy):
+    rows = [res[strategy] for res in ranks]
+    busy = [row for row in rows if row["matrices"]]
+    idle = [row for row in rows if not row["matrices"]]
+    assert len(busy) == COUNT and len(idle) == W - COUNT
+    return busy + idle
+
+
+def _xfail_for(strategy: str, known: dict[str, str]):
+    if strategy in known:
+        return pytest.param(strategy, marks=pytest.mark.xfail(reason=known[strategy]))
+    return strategy
+
+
+KNOWN_EXCHANGE = {
+    "agrs": "plan.exchange_buffer_bytes misses AGRS's reduce-scatter phase: the W*n padded "
+    "scatter input + owned matrices + their results + output shards (measured 13 MiB busy with "
+    "gloo's 4 MiB staging, planned 6)",
+}
+KNOWN_STEP = {
+    "pad_all2all": "idle ranks orthogonalize a zero matrix but plan.ns_workspace_bytes plans no "
+    "NS workspace for them (measured 10 MiB, planned 6)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [_xfail_for(s, KNOWN_EXCHANGE) for s in STRATEGIES])
+def test_planned_exchange_buffers_match_measured(measured, strategy):
+    for row in _by_role(measured, strategy):
+        assert row["planned_sent"] == row["measured_sent"]
+        expected = row["planned_exchange"] + row["staging"]
+        tolerance = 0.05 * expected + 64 * 1024
+        # gloo's staging copy is timing-dependent on the measuring thread: allow 0..staging
+        lo, hi = row["planned_exchange"] - tolerance, expected + tolerance
+        assert lo <= row["measured_exchange"] <= hi, row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [_xfail_for(s, KNOWN_STEP) for s in STRATEGIES])
+def test_planned_step_peak_bounds_measured(measured, strategy):
+    for row in _by_role(measured, strategy):
+        planned, got = row["planned_peak"], row["measured_step"]
+        assert got <= 1.10 * planned + row["staging"] + 64 * 1024, row
+        assert planned <= 1.6 * got + 64 * 1024, row
