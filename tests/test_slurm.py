@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -458,3 +459,37 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, repo_env, tmp_path
     for strategy in STRATEGIES:
         rows = _metrics(run_root / f"sweep-{strategy}")
         assert rows[-1]["step"] == steps
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_submitit_launcher_runs_a_job(cluster, tmp_path):
+    """`python train.py -m hydra/launcher=slurm ...`: one submitit job, trained to the end."""
+    if not (REPO / "recipes" / "launch.py").exists():
+        pytest.skip("needs the real train.py")
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    steps = 2
+    run_root = tmp_path / "runs"
+    out = _run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.partition=debug",
+            "hydra.launcher.timeout_min=5",
+            *TRAIN_ARGS,
+            *SPEEDUP_ARGS,
+            f"train.steps={steps}",
+            f"run.root={run_root}",
+            "run.name=submitit",
+            "optim.remainder_strategy=ragged_all_to_all",
+        ],
+        env=cluster.env,
+        timeout=150,
+    )
+    assert "Submitit 'slurm' sweep output dir" in out.stdout + out.stderr
+    rows = _metrics(run_root / "submitit")
+    assert rows[-1]["step"] == steps
+    logs = list((run_root / "submitit" / ".submitit").rglob("*_log.out"))
+    assert logs and "Job completed successfully" in logs[0].read_text()
