@@ -14,7 +14,7 @@ from recipes import config as _config  # registers the schema and the run-dir re
 
 if os.environ.get("RANK", "0") != "0" and __name__ == "__main__":
     # Under torchrun/SLURM every rank runs this file; only rank 0 writes Hydra's output.
-    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    sys.argv += ["hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)

@@ -52,6 +52,8 @@ def run(cfg: DictConfig) -> float | None:
         "config": OmegaConf.to_yaml(cfg, resolve=True),
         "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),
     }
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_run_config(Path(payload["run_dir"]), payload["config"])
     if env_world is not None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         payload["device"] = choose_device(str(cfg.mesh.device), local_ranks)
@@ -63,6 +65,23 @@ def run(cfg: DictConfig) -> float | None:
         return None
     print(f"[summary] {payload['run_dir']}: {result['text']}", flush=True)
     return result.get("loss_last")
+
+
+def write_run_config(run_dir: Path, resolved_yaml: str) -> None:
+    """Rank 0, after validation: the resolved config and the command's overrides.
+
+    Hydra's own `.hydra/` output is off (conf/train.yaml): it would be written before the
+    config is validated, over the files of the run being resumed. A restart whose config
+    differs (another world size, say) keeps the earlier config as `config.<n>.yaml`.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    if path.exists() and path.read_text() != resolved_yaml:
+        n = 1 + len(list(run_dir.glob("config.*.yaml")))
+        path.rename(run_dir / f"config.{n}.yaml")
+    path.write_text(resolved_yaml)
+    overrides = HydraConfig.get().overrides.task
+    (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
 def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | None:

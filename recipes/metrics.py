@@ -111,28 +111,35 @@ class Summary:
         self.step_s: list[float] = []
         self.optim_s: list[float] = []
         self.tokens_per_s: list[float] = []
+        self.measured: list[tuple[float, float, float]] = []
         self.peak_mib: dict[int, float] = {}
         self.skipped = 0
 
     def add(self, step: int, m: dict[str, float], measured: bool) -> None:
         self.losses.append((step, m["loss"]))
         self.skipped = int(m["skipped_steps"])
-        if not measured:  # profiled steps are slower; keep them out of the speed figures
-            self.step_s.append(m["step_s"])
-            self.optim_s.append(m["optim_s"])
-            self.tokens_per_s.append(m["tokens_per_s"])
+        timing = (m["step_s"], m["optim_s"], m["tokens_per_s"])
+        if measured:  # profiled steps are slower: used only when no other step was logged
+            self.measured.append(timing)
+        else:
+            self.step_s.append(timing[0])
+            self.optim_s.append(timing[1])
+            self.tokens_per_s.append(timing[2])
         for key, value in m.items():
             if key.startswith("memory/rank_") and key.endswith("/step_peak_mib"):
                 rank = int(key.split("/")[1][len("rank_") :])
                 self.peak_mib[rank] = max(self.peak_mib.get(rank, 0.0), value)
 
     def as_dict(self) -> dict[str, Any]:
-        speed = self.tokens_per_s[1:] or self.tokens_per_s  # step 1 builds optimizer state
+        step_s, optim_s, tokens_per_s = self.step_s, self.optim_s, self.tokens_per_s
+        if not step_s and self.measured:
+            step_s, optim_s, tokens_per_s = (list(t) for t in zip(*self.measured, strict=True))
+        speed = tokens_per_s[1:] or tokens_per_s  # step 1 builds optimizer state
         out: dict[str, Any] = {
             "steps_logged": len(self.losses),
             "skipped_steps": self.skipped,
             "tokens_per_s": statistics.median(speed) if speed else None,
-            "optim_share": sum(self.optim_s) / sum(self.step_s) if self.step_s else None,
+            "optim_share": sum(optim_s) / sum(step_s) if step_s else None,
             "peak_mib_per_rank": [self.peak_mib[r] for r in sorted(self.peak_mib)],
         }
         if self.losses:

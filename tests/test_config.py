@@ -1,0 +1,187 @@
+"""The Hydra config tree composes and validates; bad input fails early, naming the key."""
+
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from recipes import config as schema
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+GROUPS = ("model", "mesh", "optim", "data", "logger", "checkpoint", "experiment")
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="train", overrides=overrides)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _all_choices() -> list[list[str]]:
+    cases = [[]]
+    for group in GROUPS:
+        cases += [[f"{group}={name}"] for name in _options(group)]
+    return cases
+
+
+@pytest.mark.parametrize("overrides", _all_choices(), ids=lambda o: ",".join(o) or "default")
+def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if overrides == ["data=tokens"]:
+        token_file = tmp_path / "tokens.bin"
+        token_file.write_bytes(bytes(64))
+        overrides = [*overrides, f"data.path={token_file}"]
+    cfg = _compose(overrides)
+    schema.validate(cfg)
+    plain = schema.to_plain(cfg)
+    assert plain["optim"]["remainder_strategy"] in ("agrs", "pad_all2all", "ragged_all_to_all")
+    # What the workers receive round-trips into the typed schema.
+    again = schema.from_yaml(OmegaConf.to_yaml(cfg, resolve=True))
+    assert schema.to_plain(again) == plain
+
+
+def test_model_group_matches_presets():
+    from models.glm.config import PRESET_NAMES
+
+    assert _options("model") == sorted(PRESET_NAMES)
+    assert sorted(p.value for p in schema.ModelPreset) == sorted(PRESET_NAMES)
+
+
+def test_embedded_default():
+    cfg = schema.to_plain(_compose([]))
+    assert cfg["model"]["preset"] == "tiny"
+    assert (cfg["mesh"]["world_size"], cfg["mesh"]["ep"]) == (4, 2)
+    assert (cfg["optim"]["name"], cfg["optim"]["remainder_strategy"]) == ("muon", "pad_all2all")
+    assert (cfg["data"]["source"], cfg["data"]["vocab_size"]) == ("stdlib", 256)
+    assert (cfg["logger"]["backend"], cfg["logger"]["mode"]) == ("wandb", "offline")
+
+
+def test_user_keys_override():
+    keys = [
+        "optim.remainder_strategy=ragged_all_to_all",
+        "optim.enable_all2all=false",
+        "optim.lr=0.01",
+        "mesh.world_size=8",
+        "mesh.ep=4",
+        "model=small",
+        "train.steps=7",
+        "train.seed=3",
+        "logger=none",
+        "checkpoint.every=5",
+        "metrics.memory_every=2",
+        "+model.overrides.num_hidden_layers=2",
+    ]
+    cfg = _compose(keys)
+    schema.validate(cfg)
+    plain = schema.to_plain(cfg)
+    assert plain["optim"]["remainder_strategy"] == "ragged_all_to_all"
+    assert plain["optim"]["enable_all2all"] is False
+    assert (plain["mesh"]["world_size"], plain["mesh"]["ep"]) == (8, 4)
+    assert (plain["model"]["preset"], plain["logger"]["backend"]) == ("small", "none")
+    assert plain["model"]["overrides"] == {"num_hidden_layers": 2}
+    assert (plain["train"]["steps"], plain["checkpoint"]["every"]) == (7, 5)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optim.remainder_strategy=agsr", ["optim.remainder_strategy", "agrs, pad_all2all"]),
+        ("optim.lr=oops", ["optim.lr", "oops"]),
+        ("optim.nonexistent=1", ["nonexistent"]),
+        ("model=huge", ["model", "tiny"]),
+        ("logger=neptune", ["logger", "wandb"]),
+    ],
+)
+def test_compose_rejects(override, expected):
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose([override])
+    text = f"{err.value} {err.value.__cause__}"
+    for fragment in expected:
+        assert fragment in text
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["optim.lr=-0.1"], "optim.lr=-0.1: must be > 0"),
+        (["mesh.ep=3"], "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
+        (["mesh.world_size=0"], "mesh.world_size=0: must be > 0"),
+        (["data=tokens"], "data.path=None: data.source=tokens needs a token file"),
+        (["data=tokens", "data.path=/nonexistent/tok.bin"], "data.path=/nonexistent/tok.bin"),
+        (["data.path=/nonexistent/src"], "no such source directory"),
+        (["train.inject_nan_at_step=99", "train.steps=5"], "must be in [1, 5]"),
+        (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
+        (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
+        (["data.vocab_size=300"], "does not fit data.dtype=uint8"),
+    ],
+)
+def test_validate_rejects(overrides, expected):
+    with pytest.raises(schema.ConfigError) as err:
+        schema.validate(_compose(overrides))
+    assert expected in str(err.value)
+
+
+def test_validate_checks_the_launcher_world():
+    with pytest.raises(schema.ConfigError, match="WORLD_SIZE=8"):
+        schema.validate(_compose([]), env_world_size=8)
+
+
+def test_every_field_has_help():
+    lines = schema.describe()
+    assert any(line.startswith("optim.remainder_strategy = 'pad_all2all'  # ") for line in lines)
+    leaves = [line.split(" = ")[0] for line in lines]
+    assert len(leaves) == len(set(leaves)) > 40
+    for line in lines:
+        assert line.split("  # ", 1)[1].strip(), line
+
+    def walk(node):
+        for f in dataclasses.fields(node):
+            assert f.metadata.get("help"), f"{node.__name__}.{f.name} has no help"
+            if dataclasses.is_dataclass(f.default_factory):
+                walk(f.default_factory)
+
+    walk(schema.Config)
+
+
+def test_run_dir_is_stable_per_command():
+    assert schema.run_id("") == "base"
+    assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
+
+
+def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"run.root={cwd}", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optim.remainder_strategy=agsr", "expected one of [agrs, pad_all2all, ragged_all_to_all]"),
+        ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
+    ],
+)
+def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
+    proc, elapsed = _train_py(override, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    assert override.split("=")[0] in proc.stderr
+    assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
+    assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("checkpoints"))
+    assert elapsed < 30, elapsed  # compose + validate only (Python + torch import)

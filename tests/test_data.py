@@ -1,0 +1,68 @@
+"""Token files and the resumable sample stream."""
+
+import numpy as np
+import pytest
+
+from recipes import data
+
+
+@pytest.fixture
+def source(tmp_path):
+    root = tmp_path / "src"
+    (root / "pkg").mkdir(parents=True)
+    (root / "site-packages").mkdir()
+    (root / "a.py").write_text("print('a')\n" * 50)
+    (root / "pkg" / "b.py").write_text("x = 1\n" * 80)
+    (root / "site-packages" / "skip.py").write_text("installed = True\n")
+    (root / "notes.txt").write_text("not python")
+    return root
+
+
+def test_stdlib_corpus_built_once_and_reused(source, tmp_path):
+    cache = tmp_path / "cache"
+    path = data.build_stdlib_tokens(str(cache), str(source))
+    tokens = np.memmap(path, dtype=np.uint8, mode="r")
+    expected = (source / "a.py").read_bytes() + b"\n\n" + (source / "pkg" / "b.py").read_bytes()
+    assert tokens.tobytes() == expected  # sorted files, installed packages left out
+    mtime = path.stat().st_mtime_ns
+    assert data.build_stdlib_tokens(str(cache), str(source)) == path
+    assert path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    (source / "a.py").write_text("changed\n" * 50)
+    assert data.build_stdlib_tokens(str(cache), str(source)) != path  # sources changed
+    assert not list(cache.glob(".*.tmp"))
+
+
+def test_running_pythons_stdlib_is_found():
+    files = data.stdlib_files(data.stdlib_dir())
+    assert len(files) > 500
+    assert not any("site-packages" in p.parts for p in files)
+
+
+def test_stream_is_deterministic_and_covers_each_epoch(tmp_path):
+    path = data.write_tokens(tmp_path / "t.bin", np.arange(1001, dtype=np.uint16) % 97)
+    stream = data.TokenStream(path, "uint16", seq_len=10, seed=3, vocab_size=97)
+    assert stream.n_chunks == 100
+    x, y = stream.batch(0, 100)
+    assert x.shape == (100, 10) and bool((x[:, 1:] == y[:, :-1]).all())
+    starts = sorted(int(v) for v in x[:, 0])
+    assert starts == sorted((np.arange(100) * 10) % 97)  # every chunk once per epoch
+    again = data.TokenStream(path, "uint16", seq_len=10, seed=3, vocab_size=97)
+    assert bool((again.batch(0, 100)[0] == x).all())
+    other_seed = data.TokenStream(path, "uint16", seq_len=10, seed=4, vocab_size=97)
+    assert not bool((other_seed.batch(0, 100)[0] == x).all())
+
+
+def test_step_layout_consumes_the_same_stream_on_any_world(tmp_path):
+    path = data.write_tokens(tmp_path / "t.bin", np.arange(5001, dtype=np.uint16))
+    stream = data.TokenStream(path, "uint16", seq_len=8, seed=0, vocab_size=2**16)
+    four = [stream.micro_batch(16, m, r, 4, 2)[0] for m in range(2) for r in range(4)]
+    two = [stream.micro_batch(16, m, r, 2, 4)[0] for m in range(2) for r in range(2)]
+    rows = lambda batches: sorted(tuple(row.tolist()) for b in batches for row in b)  # noqa: E731
+    assert rows(four) == rows(two) == rows([stream.batch(16, 16)[0]])
+
+
+def test_token_ids_beyond_vocab_are_rejected(tmp_path):
+    path = data.write_tokens(tmp_path / "t.bin", np.full(100, 300, dtype=np.uint16))
+    stream = data.TokenStream(path, "uint16", seq_len=8, seed=0, vocab_size=256)
+    with pytest.raises(ValueError, match="vocab_size=256"):
+        stream.batch(0, 1)
