@@ -30,8 +30,13 @@ SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 # A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
 TRAIN_ARGS = ["mesh.world_size=2", "mesh.ep=1", "logger=none"]
-# Saves a second per job; the transformers export is not what these tests are about.
-SPEEDUP_ARGS = ["checkpoint.export_hf=false", "metrics.progress=false"]
+# Smaller steps, no transformers export: launching is what these tests are about.
+SPEEDUP_ARGS = [
+    "checkpoint.export_hf=false",
+    "metrics.progress=false",
+    "data.seq_len=32",
+    "data.batch_size=2",
+]
 
 
 def _run(cmd, env=None, timeout=60, check=True, cwd=REPO) -> subprocess.CompletedProcess:
@@ -237,70 +242,6 @@ def cluster(tmp_path_factory):
         _run([script, "stop", str(root)], env=env, timeout=90, check=False)
 
 
-# Until the real recipe lands, a stand-in train.py with the same contract: joins the torchrun
-# world, appends {"step": k} to <run.root>/<run.name>/<id>/metrics.jsonl, checkpoints every
-# checkpoint.every steps, resumes from the latest checkpoint, and on SIGUSR1/SIGTERM finishes
-# the step, checkpoints and exits.
-STAND_IN = r"""
-import json, os, signal, sys, time
-from pathlib import Path
-import torch
-import torch.distributed as dist
-
-kv = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
-steps, every = int(kv["train.steps"]), int(kv.get("checkpoint.every", 100))
-run_dir = Path(kv["run.root"]) / kv["run.name"] / "base"
-ckpts = run_dir / "checkpoints"
-ckpts.mkdir(parents=True, exist_ok=True)
-stop = []
-signal.signal(signal.SIGUSR1, lambda s, f: stop.append(s))
-signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-done = sorted(p.parent for p in ckpts.glob("step_*/COMMITTED"))
-start = int(done[-1].name[5:]) if done else 0
-metrics = run_dir / "metrics.jsonl"
-if rank == 0 and start:
-    print(f"[rank0] resumed from {done[-1]}", flush=True)
-    rows = [r for r in metrics.read_text().splitlines() if json.loads(r)["step"] <= start]
-    metrics.write_text("".join(r + "\n" for r in rows))
-
-def save(step):
-    if rank == 0:
-        d = ckpts / f"step_{step:08d}"
-        d.mkdir()
-        (d / "COMMITTED").write_text("")
-    dist.barrier()
-
-for step in range(start + 1, steps + 1):
-    time.sleep(0.3)
-    t = torch.ones(1) * step
-    dist.all_reduce(t)
-    if rank == 0:
-        with open(metrics, "a") as f:
-            f.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\n")
-    flag = torch.tensor([float(bool(stop))])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if step % every == 0 or step == steps or flag.item():
-        save(step)
-    if flag.item() and step < steps:
-        print(f"[rank{rank}] signal: checkpointed at step {step}", flush=True)
-        dist.destroy_process_group()
-        sys.exit(75)
-dist.destroy_process_group()
-"""
-
-
-@pytest.fixture(scope="session")
-def repo_env(cluster, tmp_path_factory):
-    """Cluster env with REPO_DIR: this repo once train.py is the real recipe, else a stand-in."""
-    if (REPO / "recipes" / "launch.py").exists():
-        return dict(cluster.env, REPO_DIR=str(REPO))
-    stand_in = tmp_path_factory.mktemp("stand_in")
-    (stand_in / "train.py").write_text(STAND_IN)
-    return dict(cluster.env, REPO_DIR=str(stand_in))
-
-
 def _metrics(run_root: Path) -> list[dict]:
     """The rows of the one metrics.jsonl under `run_root` (the run dir is <root>/<name>/<id>)."""
     files = sorted(run_root.rglob("metrics.jsonl"))
@@ -347,7 +288,7 @@ def test_cluster_status(cluster):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_sbatch_trains_to_completion(cluster, repo_env, tmp_path):
+def test_sbatch_trains_to_completion(cluster, tmp_path):
     steps = 3
     log = tmp_path / "train.out"
     job = cluster.sbatch(
@@ -357,7 +298,6 @@ def test_sbatch_trains_to_completion(cluster, repo_env, tmp_path):
             str(SLURM_DIR / "train.sbatch"),
             *_train_args(tmp_path / "runs", "sbatch", steps, every=steps),
         ],
-        repo_env,
     )
     cluster.wait_done(job, 120, log)
     text = log.read_text()
@@ -369,12 +309,12 @@ def test_sbatch_trains_to_completion(cluster, repo_env, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_path):
+def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
     """USR1 to the batch script (what --signal=B:USR1@120 does): checkpoint, requeue, resume."""
     steps = 40
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
-    signal_ckpt = _checkpoints_on_signal(Path(repo_env["REPO_DIR"]))
+    signal_ckpt = _checkpoints_on_signal(REPO)
     # With the signal checkpoint there is no periodic one: the resume proves it was written.
     # Without (recipe not there yet), the run can only resume from a periodic checkpoint.
     every = 1000 if signal_ckpt else 2
@@ -385,7 +325,6 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_p
             str(SLURM_DIR / "train.sbatch"),
             *_train_args(run_root, "preempt", steps, every),
         ],
-        repo_env,
     )
     min_step = 1 if signal_ckpt else every + 1
 
@@ -415,6 +354,7 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_p
 
     text = log.read_text()
     assert "[train.sbatch] got SIGUSR1" in text
+    assert "closing signal SIGUSR1" in text  # torchrun passed it on to the ranks
     assert f"requeueing job {job}" in text
     assert f"[train.sbatch] job {job} restart 1 " in text
     resumed = re.findall(r"resumed from \S*step_(\d+)", text)
@@ -434,10 +374,10 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, repo_env, tmp_p
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_sweep_submits_one_finished_job_per_strategy(cluster, repo_env, tmp_path):
+def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
     steps = 2
     run_root = tmp_path / "runs"
-    env = dict(repo_env, SWEEP_NAME="sweep")
+    env = dict(cluster.env, SWEEP_NAME="sweep")
     out = _run(
         [
             str(SLURM_DIR / "sweep_strategies.sh"),
@@ -465,8 +405,6 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, repo_env, tmp_path
 @pytest.mark.slow
 def test_submitit_launcher_runs_a_job(cluster, tmp_path):
     """`python train.py -m hydra/launcher=slurm ...`: one submitit job, trained to the end."""
-    if not (REPO / "recipes" / "launch.py").exists():
-        pytest.skip("needs the real train.py")
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     steps = 2
     run_root = tmp_path / "runs"
