@@ -272,9 +272,10 @@ class BatchPlan:
             gathered = self.subgroup_size * n * padded
             return gathered + n * padded
         if self.path == "agrs":
-            gathered = w * n * padded
-            # send + gathered, then gathered + the owned matrices copied out of it
-            return gathered + max(n * padded, owned * full)
+            slab = w * n * padded  # the gathered batch, later the reduce-scatter input
+            # send + gathered; gathered + owned matrices copied out of it; then the scatter
+            # input + owned matrices + one NS result; finally the scatter input + output shards
+            return slab + max(n * padded, owned * full + (full if owned else 0))
         if self.path == "pad_all2all":
             # the received slab, the result slab and the NS output being copied into it
             return 2 * w * padded + full
@@ -284,15 +285,19 @@ class BatchPlan:
 
     def ns_workspace_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
         """Rough peak Newton-Schulz temporaries for the matrices this rank orthogonalizes."""
-        count = self.matrices_on(fsdp_rank)
+        # under pad_all2all every rank orthogonalizes its slot, real or zero
+        count = 1 if self.path == "pad_all2all" else self.matrices_on(fsdp_rank)
         if not count:
             return 0
         rows = self.global_shard_dim_size // self.blocks_per_matrix
         cols = self.other_numel
         small = min(rows, cols)
         per_block = 3 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
-        if self.path in ("local", "subgroup"):
-            return count * per_block
+        # one NS call at a time: a parameter's local blocks, one sub-group block, or one matrix
+        if self.path == "local":
+            return count // self.size * per_block
+        if self.path == "subgroup":
+            return per_block
         return self.blocks_per_matrix * per_block
 
 
