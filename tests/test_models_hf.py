@@ -109,7 +109,8 @@ def _expected_hf_shapes(c: GLMConfig) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_layout_and_exact_round_trip(tmp_path, tied):
-    cfg = GLMConfig(**{**CFG.to_dict(), "tie_word_embeddings": tied})
+    head_dim = None if tied else CFG.head_dim  # None: derived from hidden / heads (4)
+    cfg = GLMConfig(**{**CFG.to_dict(), "tie_word_embeddings": tied, "head_dim": head_dim})
     model = _model(cfg)
     export_hf(model, cfg, str(tmp_path))
 
@@ -119,6 +120,8 @@ def test_export_layout_and_exact_round_trip(tmp_path, tied):
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     assert shapes == _expected_hf_shapes(cfg)
     assert ("lm_head.weight" in shapes) is not tied
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    assert ("head_dim" in hf_cfg) is not tied
 
     # Fused weights split as documented: gate rows then up rows per expert.
     on_disk = load_safetensors(str(tmp_path / "model.safetensors"))

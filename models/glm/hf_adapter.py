@@ -117,7 +117,7 @@ def load_safetensors(path: str) -> dict[str, torch.Tensor]:
 def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json dict of `config` for transformers' Glm4MoeConfig."""
     c = config
-    return {
+    out = {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
         "dtype": str(dtype).removeprefix("torch."),
@@ -128,7 +128,6 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
         "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim_resolved,
         "partial_rotary_factor": c.partial_rotary_factor,
         "rope_theta": c.rope_theta,
         "rope_parameters": {
@@ -159,6 +158,9 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
     }
+    if c.head_dim is not None:  # absent means hidden_size // num_attention_heads, as in HF
+        out["head_dim"] = c.head_dim
+    return out
 
 
 def config_from_hf(hf: dict) -> GLMConfig:
