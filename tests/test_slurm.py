@@ -288,6 +288,25 @@ def test_cluster_status(cluster):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_train_sbatch_dry_run_three_nodes(cluster):
+    """The rendezvous host is the first node of the job's node list, as scontrol expands it."""
+    env = dict(
+        cluster.env,
+        DRY_RUN="1",
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="3",
+        SLURM_JOB_NODELIST="gpu[07-09]",
+        NPROC_PER_NODE="8",
+    )
+    out = _run(["bash", str(SLURM_DIR / "train.sbatch")], env=env).stdout
+    cmd = next(line for line in out.splitlines() if line.startswith("srun "))
+    assert "--nodes=3" in cmd and "--nnodes 3 --nproc_per_node 8" in cmd
+    assert f"--rdzv_endpoint gpu07:{20000 + 77} --rdzv_id 77" in cmd
+    assert cmd.endswith("train.py mesh.world_size=24")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_sbatch_trains_to_completion(cluster, tmp_path):
     steps = 3
     log = tmp_path / "train.out"

@@ -30,8 +30,7 @@ done
 [[ ${#args[@]} -eq 2 ]] || usage
 action=${args[0]}
 dir=${args[1]}
-mkdir -p "$dir"
-dir=$(cd "$dir" && pwd)
+dir=$(realpath -m "$dir")
 
 conf=$dir/etc/slurm.conf
 run_dir=$dir/run
@@ -86,7 +85,7 @@ write_config() {
     local host node_line ctld_port slurmd_port mem first_job_id
     host=$(hostname -s)
     # Node line from slurmd -C (CPUs and topology), RealMemory a little below what it reports.
-    node_line=$(slurmd -C | head -1)
+    node_line=$(slurmd -C | sed -n 1p)
     mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$node_line")
     node_line=${node_line/RealMemory=$mem/RealMemory=$((mem * 9 / 10))}
     ctld_port=${LOCAL_SLURM_CTLD_PORT:-$(free_port)}
