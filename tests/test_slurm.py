@@ -101,7 +101,7 @@ def test_train_sbatch_dry_run_in_a_job():
     cmd = next(line for line in out.splitlines() if line.startswith("srun "))
     assert "--nodes=2" in cmd and "--nnodes 2 --nproc_per_node 4" in cmd
     assert "--cpus-per-task=16" in cmd  # srun does not inherit it since Slurm 22.05
-    assert "--rdzv_id 4242" in cmd and f":{20000 + 4242} " in cmd
+    assert "--rdzv_id 4242" in cmd and f":{20000 + 4242 % 10000} " in cmd
     assert cmd.endswith("train.py mesh.ep=4 mesh.world_size=8")
     # NPROC_PER_NODE wins over the GPU count.
     env["NPROC_PER_NODE"] = "3"
@@ -301,7 +301,7 @@ def test_train_sbatch_dry_run_three_nodes(cluster):
     out = _run(["bash", str(SLURM_DIR / "train.sbatch")], env=env).stdout
     cmd = next(line for line in out.splitlines() if line.startswith("srun "))
     assert "--nodes=3" in cmd and "--nnodes 3 --nproc_per_node 8" in cmd
-    assert f"--rdzv_endpoint gpu07:{20000 + 77} --rdzv_id 77" in cmd
+    assert f"--rdzv_endpoint gpu07:{20000 + 77 % 10000} --rdzv_id 77" in cmd
     assert cmd.endswith("train.py mesh.world_size=24")
 
 
