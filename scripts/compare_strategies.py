@@ -1,0 +1,457 @@
+"""Compare Muon remainder strategies across training runs: a table (markdown + CSV) and plots.
+
+    python scripts/compare_strategies.py outputs/strategies --out compare/
+    python scripts/compare_strategies.py RUN_DIR [RUN_DIR ...] --out compare/
+    python scripts/compare_strategies.py --wandb ENTITY/PROJECT --group strategies --out compare/
+
+Inputs (any mix):
+- Hydra run directories of `train.py` (`metrics.jsonl` + `config.yaml`, or `.hydra/config.yaml`);
+  a directory above them (a sweep, `run.root`) is searched for them.
+- W&B offline run directories (`wandb/offline-run-*`, or a `run-*.wandb` file), read without
+  the network; one inside a Hydra run directory that was found is skipped (same run).
+- `--wandb ENTITY/PROJECT` (optionally `--group`): runs from the W&B API (online).
+
+Runs are grouped by `optim.remainder_strategy` of their resolved config (`--key` picks another
+config key). Per run, from the logged steps (step 1, which builds optimizer state, is left out
+when later steps exist; so are memory-profiled steps for the timings, when unprofiled ones
+exist):
+- step time, optimizer time: median over steps of `step_s/max` / `optim_s/max` (slowest rank)
+- per-rank peak memory: each rank's largest `memory/rank_<k>/<key>` over the profiled steps,
+  then max and min over ranks, for `step_peak_mib` and `optim_peak_delta_mib` (the optimizer
+  step's transient: what the strategy changes)
+- bytes moved: `muon/bytes_sent/max` and `/min` over ranks (per step), in MiB
+Runs of one strategy are averaged (`runs` column).
+
+Output in `--out`: `comparison.md`, `comparison.csv` (per strategy), `runs.csv` (per run),
+`step_time.png`, `optim_time.png`, `memory_per_rank.png`, `bytes_sent.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_KEY = "optim.remainder_strategy"
+STRATEGY_ORDER = ("agrs", "pad_all2all", "ragged_all_to_all")
+MiB = 1 << 20
+
+#: (column, help) of the per-strategy table, in order
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step_s", "median step time of the slowest rank (s)"),
+    ("optim_s", "median optimizer-step time of the slowest rank (s)"),
+    ("step_peak_mib_max", "largest per-rank step peak (MiB)"),
+    ("step_peak_mib_min", "smallest per-rank step peak (MiB)"),
+    ("optim_peak_delta_mib_max", "largest per-rank optimizer-step transient (MiB)"),
+    ("optim_peak_delta_mib_min", "smallest per-rank optimizer-step transient (MiB)"),
+    ("bytes_sent_mib_max", "Muon bytes sent per step, busiest rank (MiB)"),
+    ("bytes_sent_mib_min", "Muon bytes sent per step, least busy rank (MiB)"),
+    ("tokens_per_s", "median tokens/s"),
+    ("loss_last", "last logged loss"),
+)
+MEMORY_KEYS = ("step_peak_mib", "optim_peak_delta_mib", "optim_peak_mib")
+
+
+@dataclass
+class Run:
+    """One training run: its resolved config and its logged steps."""
+
+    name: str
+    source: str  # "jsonl", "wandb-offline" or "wandb-api"
+    path: str
+    config: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def config_value(self, dotted: str) -> Any:
+        return lookup(self.config, dotted)
+
+
+def lookup(config: dict[str, Any], dotted: str) -> Any:
+    """`optim.remainder_strategy` from a nested config, a flat one, or W&B's {value: ...}."""
+    if dotted in config:
+        return _unwrap(config[dotted])
+    node: Any = config
+    for part in dotted.split("."):
+        node = _unwrap(node)
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return _unwrap(node)
+
+
+def _unwrap(v: Any) -> Any:
+    if isinstance(v, dict) and "value" in v and set(v) <= {"value", "desc"}:
+        return v["value"]
+    return v
+
+
+# -------------------------------------------------------------------------------- reading
+def read_hydra_run(run_dir: Path) -> Run:
+    """A `train.py` run directory: metrics.jsonl and the resolved config."""
+    import yaml
+
+    for name in ("config.yaml", ".hydra/config.yaml"):
+        if (run_dir / name).exists():
+            config = yaml.safe_load((run_dir / name).read_text()) or {}
+            break
+    else:
+        raise FileNotFoundError(f"{run_dir}: no config.yaml or .hydra/config.yaml")
+    history = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
+    ]
+    return Run(run_dir.name, "jsonl", str(run_dir), config, history)
+
+
+_BLOCK = 32768
+_HEADER = 7  # file header "<4sHB" (":W&B", magic, version) and record header "<IHB"
+
+
+def _wandb_records(path: Path):
+    """Records of a W&B transaction log (`run-<id>.wandb`, LevelDB log framing)."""
+    data = path.read_bytes()
+    ident, _magic, _version = struct.unpack("<4sHB", data[:_HEADER])
+    if ident != b":W&B":
+        raise ValueError(f"{path}: not a W&B run file")
+    pos, pending = _HEADER, b""
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        if length == 0 and kind == 0:  # zero padding up to the block end
+            pos += left
+            continue
+        chunk = data[pos + _HEADER : pos + _HEADER + length]
+        pos += _HEADER + length
+        if kind == 1:  # FULL
+            yield chunk
+        elif kind == 2:  # FIRST
+            pending = chunk
+        elif kind == 3:  # MIDDLE
+            pending += chunk
+        elif kind == 4:  # LAST
+            yield pending + chunk
+            pending = b""
+
+
+def _item_key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def read_wandb_offline(path: Path) -> Run:
+    """A W&B offline run directory (or its `run-*.wandb` file), without the network."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    files = [path] if path.is_file() else sorted(path.glob("run-*.wandb"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no run-*.wandb file")
+    config: dict[str, Any] = {}
+    history: list[dict[str, Any]] = []
+    name = path.name
+    for raw in _wandb_records(files[0]):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            name = record.run.display_name or record.run.run_id
+            updates = record.run.config.update
+        elif kind == "config":
+            updates = record.config.update
+        elif kind == "history":
+            row = {_item_key(i): json.loads(i.value_json) for i in record.history.item}
+            if "step" not in row and "_step" in row:
+                row["step"] = row["_step"]
+            history.append(row)
+            continue
+        else:
+            continue
+        for u in updates:
+            config[_item_key(u)] = json.loads(u.value_json)
+    config.pop("_wandb", None)
+    run_dir = path if path.is_dir() else path.parent
+    return Run(name, "wandb-offline", str(run_dir), config, history)
+
+
+def read_wandb_api(project_path: str, group: str | None = None, api=None) -> list[Run]:
+    """Runs of `entity/project` (optionally one group) from the W&B API."""
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
+    filters = {"group": group} if group else None
+    runs = []
+    for r in api.runs(project_path, filters=filters):
+        config = {k: v for k, v in dict(r.config).items() if not k.startswith("_")}
+        history = [dict(row) for row in r.scan_history()]
+        for row in history:
+            if "step" not in row and "_step" in row:
+                row["step"] = row["_step"]
+        runs.append(Run(r.name, "wandb-api", f"{project_path}/{r.id}", config, history))
+    return runs
+
+
+def discover(paths: list[Path]) -> list[Run]:
+    """Hydra run dirs and W&B offline runs under `paths` (offline runs of a found Hydra run
+    directory are the same run and are skipped)."""
+    hydra_dirs: list[Path] = []
+    offline: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_file() and p.suffix == ".wandb":
+            offline.append(p)
+            continue
+        if not p.exists():
+            raise FileNotFoundError(p)
+        if (p / "metrics.jsonl").exists():
+            hydra_dirs.append(p)
+        elif list(p.glob("run-*.wandb")):
+            offline.append(p)
+        else:
+            hydra_dirs += sorted(m.parent for m in p.rglob("metrics.jsonl"))
+            offline += sorted(f.parent for f in p.rglob("run-*.wandb"))
+    hydra_dirs = sorted(set(hydra_dirs))
+    resolved = [h.resolve() for h in hydra_dirs]
+    offline = [
+        o for o in dict.fromkeys(offline) if not any(h in o.resolve().parents for h in resolved)
+    ]
+    return [read_hydra_run(h) for h in hydra_dirs] + [read_wandb_offline(o) for o in offline]
+
+
+# ---------------------------------------------------------------------------- aggregating
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else None
+
+
+def _is_profiled(row: dict) -> bool:
+    return any(k.startswith("memory/") for k in row)
+
+
+def _timing_rows(history: list[dict]) -> list[dict]:
+    rows = [r for r in history if "step_s" in r or "step_s/max" in r]
+    later = [r for r in rows if r.get("step", 0) > 1] or rows  # step 1 builds optimizer state
+    return [r for r in later if not _is_profiled(r)] or later
+
+
+def _get(row: dict, key: str) -> float | None:
+    return row.get(f"{key}/max", row.get(key))
+
+
+def per_rank_peaks(history: list[dict], key: str) -> dict[int, float]:
+    """Each rank's largest `memory/rank_<k>/<key>` over the run."""
+    peaks: dict[int, float] = {}
+    for row in history:
+        for k, v in row.items():
+            parts = k.split("/")
+            is_rank = len(parts) == 3 and parts[0] == "memory" and parts[1].startswith("rank_")
+            if is_rank and parts[2] == key and v is not None:
+                rank = int(parts[1][len("rank_") :])
+                peaks[rank] = max(peaks.get(rank, -math.inf), float(v))
+    return peaks
+
+
+def summarize_run(run: Run, key: str = DEFAULT_KEY) -> dict[str, Any]:
+    """One row of figures for a run (see the module docstring)."""
+    timing = _timing_rows(run.history)
+    out: dict[str, Any] = {
+        "run": run.name,
+        "strategy": run.config_value(key),
+        "source": run.source,
+        "steps_logged": len(run.history),
+        "step_s": _median([_get(r, "step_s") for r in timing]),
+        "optim_s": _median([_get(r, "optim_s") for r in timing]),
+        "tokens_per_s": _median([r.get("tokens_per_s") for r in timing]),
+        "loss_last": next((r["loss"] for r in reversed(run.history) if "loss" in r), None),
+        "path": run.path,
+    }
+    for mkey in MEMORY_KEYS:
+        peaks = per_rank_peaks(run.history, mkey)
+        if not peaks:  # only the over-rank extremes were logged
+            hi = [r[f"memory/{mkey}/max"] for r in run.history if f"memory/{mkey}/max" in r]
+            lo = [r[f"memory/{mkey}/min"] for r in run.history if f"memory/{mkey}/min" in r]
+            out[f"{mkey}_max"] = max(hi) if hi else None
+            out[f"{mkey}_min"] = max(lo) if lo else None
+        else:
+            out[f"{mkey}_max"], out[f"{mkey}_min"] = max(peaks.values()), min(peaks.values())
+        out[f"{mkey}_per_rank"] = [peaks[r] for r in sorted(peaks)]
+    later = [r for r in run.history if r.get("step", 0) > 1] or run.history
+    for side in ("max", "min"):
+        values = [r.get(f"muon/bytes_sent/{side}", r.get("muon/bytes_sent")) for r in later]
+        value = _median(values)
+        out[f"bytes_sent_mib_{side}"] = None if value is None else value / MiB
+    return out
+
+
+def by_strategy(rows: list[dict]) -> list[dict]:
+    """Rows averaged per strategy, in the order agrs, pad_all2all, ragged_all_to_all, others."""
+    groups: dict[Any, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["strategy"], []).append(row)
+
+    def order(s):
+        return (STRATEGY_ORDER.index(s) if s in STRATEGY_ORDER else len(STRATEGY_ORDER), str(s))
+
+    out = []
+    for strategy in sorted(groups, key=order):
+        members = groups[strategy]
+        agg: dict[str, Any] = {"strategy": strategy, "runs": len(members)}
+        for col, _ in COLUMNS:
+            values = [m[col] for m in members if m.get(col) is not None]
+            agg[col] = statistics.fmean(values) if values else None
+        ranks = [
+            m["optim_peak_delta_mib_per_rank"]
+            for m in members
+            if m["optim_peak_delta_mib_per_rank"]
+        ]
+        agg["optim_peak_delta_mib_per_rank"] = (
+            [statistics.fmean(v) for v in zip(*ranks, strict=False)] if ranks else []
+        )
+        out.append(agg)
+    return out
+
+
+# ------------------------------------------------------------------------------ writing
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown(table: list[dict], rows: list[dict], key: str) -> str:
+    cols = ["strategy", "runs", *(c for c, _ in COLUMNS)]
+    lines = [
+        f"# Muon remainder strategies, grouped by `{key}`",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" for _ in cols) + "|",
+    ]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in table]
+    lines += ["", *(f"- `{c}`: {h}" for c, h in COLUMNS), "", "## Runs", ""]
+    run_cols = ["strategy", "run", "source", "steps_logged", "step_s", "optim_s"]
+    run_cols += ["optim_peak_delta_mib_max", "optim_peak_delta_mib_min", "bytes_sent_mib_max"]
+    lines += ["| " + " | ".join(run_cols) + " |", "|" + "|".join("---" for _ in run_cols) + "|"]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in run_cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: "" if r.get(c) is None else r.get(c) for c in cols})
+
+
+def plot(runs: list[Run], rows: list[dict], table: list[dict], out: Path, key: str) -> list[Path]:
+    """The PNGs; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    strategies = [t["strategy"] for t in table]
+    colors = {s: f"C{i}" for i, s in enumerate(strategies)}
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(out / name)
+
+    for metric, name, label in (
+        ("step_s", "step_time.png", "step time, slowest rank (s)"),
+        ("optim_s", "optim_time.png", "optimizer time, slowest rank (s)"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        seen = set()
+        for run, row in zip(runs, rows, strict=True):
+            rows_ = [r for r in run.history if r.get("step", 0) > 1] or run.history
+            pts = [(r["step"], _get(r, metric)) for r in rows_ if _get(r, metric) is not None]
+            if not pts:
+                continue
+            s = row["strategy"]
+            ax.plot(*zip(*pts, strict=True), marker=".", color=colors[s],
+                    label=None if s in seen else str(s))  # fmt: skip
+            seen.add(s)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="step (from 2: step 1 builds state)", ylabel=label, title=f"by {key}")
+        ax.legend()
+        save(fig, name)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(table))
+    for i, t in enumerate(table):
+        per_rank = t["optim_peak_delta_mib_per_rank"]
+        xs = [r + i * width for r in range(len(per_rank))]
+        ax.bar(xs, per_rank, width, color=colors[t["strategy"]], label=str(t["strategy"]))
+    ranks = max((len(t["optim_peak_delta_mib_per_rank"]) for t in table), default=0)
+    ax.set_xticks([r + 0.4 - width / 2 for r in range(ranks)], [str(r) for r in range(ranks)])
+    ax.set(xlabel="rank", ylabel="optimizer-step peak delta (MiB)", title="per-rank memory")
+    ax.legend()
+    save(fig, "memory_per_rank.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(table))
+    hi = [t["bytes_sent_mib_max"] or 0 for t in table]
+    lo = [t["bytes_sent_mib_min"] or 0 for t in table]
+    ax.bar([x - 0.2 for x in xs], hi, 0.4, label="busiest rank", color="C0")
+    ax.bar([x + 0.2 for x in xs], lo, 0.4, label="least busy rank", color="C1")
+    ax.set_xticks(list(xs), [str(s) for s in strategies])
+    ax.set(ylabel="Muon MiB sent per step", title="bytes moved")
+    ax.legend()
+    save(fig, "bytes_sent.png")
+    return written
+
+
+def compare(runs: list[Run], out: Path, key: str = DEFAULT_KEY) -> dict[str, Any]:
+    """Write the tables and plots for `runs` into `out`; return the per-strategy table."""
+    if not runs:
+        raise ValueError("no runs found")
+    missing = [r.path for r in runs if r.config_value(key) is None]
+    if missing:
+        raise ValueError(f"runs without {key} in their config: {missing}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [summarize_run(r, key) for r in runs]
+    rows_sorted = sorted(rows, key=lambda r: (str(r["strategy"]), r["run"]))
+    table = by_strategy(rows)
+    (out / "comparison.md").write_text(markdown(table, rows_sorted, key))
+    write_csv(out / "comparison.csv", table, ["strategy", "runs", *(c for c, _ in COLUMNS)])
+    run_cols = ["strategy", "run", "source", "steps_logged", *(c for c, _ in COLUMNS), "path"]
+    write_csv(out / "runs.csv", rows_sorted, run_cols)
+    pngs = plot(runs, rows, table, out, key)
+    return {"table": table, "runs": rows_sorted, "files": [str(p) for p in pngs]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="*", type=Path, help="run dirs, sweep dirs, W&B offline runs")
+    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
+    ap.add_argument("--group", help="with --wandb: only this W&B group")
+    ap.add_argument("--key", default=DEFAULT_KEY, help=f"config key to group by ({DEFAULT_KEY})")
+    ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
+    args = ap.parse_args(argv)
+    if not args.paths and not args.wandb:
+        ap.error("give run directories or --wandb ENTITY/PROJECT")
+    runs = discover(args.paths) if args.paths else []
+    if args.wandb:
+        runs += read_wandb_api(args.wandb, args.group)
+    result = compare(runs, args.out, args.key)
+    print((args.out / "comparison.md").read_text())
+    print("wrote", ", ".join(result["files"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
