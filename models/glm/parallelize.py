@@ -75,7 +75,6 @@ def parallelize(
     `reduce_dtype` set FSDP2 mixed precision; with a `param_dtype` the routers keep float32
     parameters (their own FSDP unit), as GLM checkpoints keep `gate.weight` in float32."""
     E, ep, W = model.config.n_routed_experts, meshes.ep, meshes.world_size
-    # (validated before any mesh is touched)
     if E % ep:
         raise ValueError(
             f"n_routed_experts ({E}) must be divisible by ep ({ep}); allowed ep: "
