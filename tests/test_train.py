@@ -1,0 +1,206 @@
+"""`python train.py` end to end, the way users run it: 4 CPU ranks, multirun, kill and resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from recipes import checkpoint
+from recipes.config import Config
+from tests.harness import run_world
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    """A token cache built once here, so the runs below only read it."""
+    from recipes.data import build_stdlib_tokens
+
+    path = tmp_path_factory.mktemp("token-cache")
+    build_stdlib_tokens(str(path))
+    return str(path)
+
+
+def _small(cache: str) -> list[str]:
+    return [
+        "data.seq_len=32",
+        "data.batch_size=2",
+        f"data.cache_dir={cache}",
+        "train.warmup_steps=1",
+    ]
+
+
+def _train_py(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
+    env = dict(os.environ, WANDB_MODE="offline")  # belt and braces: never the network here
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _optim_state(ckpt: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt / "optim"), str(out))
+    return torch.load(out, weights_only=False)["state"]
+
+
+def _assert_same(a, b, path=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.slow
+def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
+    """One `-m` sweep: a world per remainder strategy (4 ranks, ep=2), W&B offline; a NaN
+    gradient injected at step 2 is skipped and leaves parameters and Muon state unchanged."""
+    args = [
+        "-m",
+        f"optim.remainder_strategy={','.join(STRATEGIES)}",
+        "train.steps=3",
+        "train.inject_nan_at_step=2",
+        "metrics.memory_every=2",
+        "checkpoint.every=1",
+        "checkpoint.keep=3",
+        "checkpoint.export_hf=false",
+        *_small(cache),
+    ]
+    out = _finish(_train_py(args, tmp_path))
+    assert out.count("[summary]") == 3
+    runs = {s: next((tmp_path / "default").glob(f"*remainder_strategy={s},*")) for s in STRATEGIES}
+    losses = {}
+    for strategy, run_dir in runs.items():
+        lines = _metrics(run_dir)
+        assert [m["step"] for m in lines] == [1, 2, 3]
+        assert [m["skipped"] for m in lines] == [0.0, 1.0, 0.0]
+        assert lines[-1]["skipped_steps"] == 1.0
+        losses[strategy] = [m["loss"] for m in lines]
+        for m in (lines[0], lines[2]):  # measured: steps 1 and 3
+            for rank in range(4):
+                for key in ("step_peak_mib", "optim_peak_mib"):
+                    assert m[f"memory/rank_{rank}/{key}"] > 0, (strategy, rank, key)
+            assert m["memory/step_peak_mib/max"] >= m["memory/step_peak_mib/min"] > 0
+        assert not any(k.startswith("memory/rank_") for k in lines[1])
+        assert {"muon/bytes_sent", "muon/wait_s", "step_s", "optim_s", "lr"} <= lines[0].keys()
+        # W&B offline: one run in the run dir, with per-rank memory and the grouping key.
+        (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+        blob = wandb_file.read_bytes()
+        assert b"memory/rank_3/optim_peak_mib" in blob and strategy.encode() in blob
+        assert OmegaConf.load(run_dir / "config.yaml").optim.remainder_strategy == strategy
+        # The skipped step changed nothing: step 1 and step 2 checkpoints hold the same state.
+        ckpts = checkpoint.committed(run_dir / "checkpoints")
+        assert [c.name for c in ckpts] == ["step_00000001", "step_00000002", "step_00000003"]
+        m1, m2, m3 = (load_file(checkpoint.model_file(c)) for c in ckpts)
+        _assert_same(m1, m2)
+        assert any(not torch.equal(m2[k], m3[k]) for k in m2)
+        _assert_same(_optim_state(ckpts[0], tmp_path), _optim_state(ckpts[1], tmp_path))
+    # The strategies move data differently but compute the same update.
+    np.testing.assert_allclose(losses["agrs"], losses["pad_all2all"], rtol=1e-5)
+    np.testing.assert_allclose(losses["agrs"], losses["ragged_all_to_all"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
+    """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again: the
+    losses and final parameters equal an uninterrupted run's (4 ranks, ep=1)."""
+    args = ["mesh.ep=1", "train.steps=4", "checkpoint.every=2", "logger=none", *_small(cache)]
+    args += ["metrics.memory_every=2"]
+    _finish(_train_py([*args, "run.name=reference"], tmp_path))
+
+    def run_dir(name):
+        return next((tmp_path / name).iterdir())
+
+    proc = _train_py([*args, "run.name=resumed"], tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list((tmp_path / "resumed").glob("*/checkpoints/step_00000002/COMMITTED"))
+        if found:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
+            break
+        time.sleep(0.02)
+    proc.communicate(timeout=60)
+    assert found and proc.returncode == -signal.SIGKILL
+    assert checkpoint.latest(run_dir("resumed") / "checkpoints").name == "step_00000002"
+
+    out = _finish(_train_py([*args, "run.name=resumed"], tmp_path))
+    assert "resumed from" in out
+    ref, res = run_dir("reference"), run_dir("resumed")
+    assert ref.name == res.name  # the run dir depends on the overrides, not on run.name
+    ref_lines, res_lines = _metrics(ref), _metrics(res)
+    assert [m["step"] for m in res_lines] == [1, 2, 3, 4]
+    assert [m["loss"] for m in res_lines] == [m["loss"] for m in ref_lines]
+    assert ref_lines[-1]["loss"] < ref_lines[0]["loss"]
+    final = [checkpoint.latest(d / "checkpoints") for d in (ref, res)]
+    assert [c.name for c in final] == ["step_00000004"] * 2
+    _assert_same(*(load_file(checkpoint.model_file(c)) for c in final))
+    _assert_same(*(_optim_state(c, tmp_path) for c in final))
+    # The transformers-layout export of the final model holds the same weights.
+    from models.glm.hf_adapter import import_hf
+
+    _, exported = import_hf(str(res / "hf"))
+    weights = load_file(checkpoint.model_file(final[1]))
+    for name, tensor in exported.items():
+        if name in weights:
+            assert torch.equal(tensor, weights[name]), name
+
+
+def _nan_world(config_yaml: str, run_dir: str):
+    from recipes.config import from_yaml
+    from recipes.trainer import Trainer
+
+    cfg = from_yaml(config_yaml)
+    return Trainer(cfg, Path(run_dir), torch.device("cpu")).train() is not None
+
+
+@pytest.mark.slow
+def test_nan_step_skipped_with_adamw(cache, tmp_path):
+    """optim=adamw: the loop itself skips the poisoned step (2 ranks, ep=1, Trainer direct)."""
+    cfg = OmegaConf.structured(Config)
+    overrides = ["optim.name=adamw", "optim.lr=0.003", "mesh.world_size=2", "mesh.ep=1"]
+    overrides += ["train.steps=3", "train.inject_nan_at_step=2", "checkpoint.every=1"]
+    overrides += ["checkpoint.keep=3", "checkpoint.export_hf=false", "logger.backend=none"]
+    overrides += ["metrics.memory_every=100", *_small(cache)]
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    run_world(_nan_world, 2, OmegaConf.to_yaml(cfg), str(tmp_path))
+    lines = _metrics(tmp_path)
+    assert [m["skipped"] for m in lines] == [0.0, 1.0, 0.0]
+    assert np.isnan(lines[1]["grad_norm"]) and np.isfinite(lines[2]["grad_norm"])
+    ckpts = checkpoint.committed(tmp_path / "checkpoints")
+    m1, m2, m3 = (load_file(checkpoint.model_file(c)) for c in ckpts)
+    _assert_same(m1, m2)
+    assert any(not torch.equal(m2[k], m3[k]) for k in m2)
+    o1, o2 = (_optim_state(c, tmp_path) for c in ckpts[:2])
+    _assert_same(o1, o2)  # AdamW moments and step counts untouched
