@@ -203,17 +203,19 @@ class Muon(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- planning
     def _build_plans(self) -> None:
         """Group Muon params by (mesh, placements), plan their batches, create sub-groups."""
-        self._muon_params: list[tuple[torch.Tensor, dict]] = []
+        # (param, index of its group): groups are looked up at step time, because
+        # load_state_dict and schedulers may replace the group dicts
+        self._muon_params: list[tuple[torch.Tensor, int]] = []
         names: list[str] = []
         mesh_groups: dict[tuple, list[int]] = {}
         mesh_of: dict[tuple, tuple] = {}
-        for g in self.param_groups:
+        for gi, g in enumerate(self.param_groups):
             if g["algorithm"] != "muon":
                 continue
             pnames = g.get("param_names") or [None] * len(g["params"])
             for p, name in zip(g["params"], pnames, strict=True):
                 idx = len(self._muon_params)
-                self._muon_params.append((p, g))
+                self._muon_params.append((p, gi))
                 names.append(name or f"{tuple(p.shape)}")
                 key = self._mesh_key(p)
                 mesh_groups.setdefault(key, []).append(idx)
@@ -226,9 +228,9 @@ class Muon(torch.optim.Optimizer):
                 ParamMeta(
                     i,
                     tuple(self._muon_params[i][0].shape),
-                    self._muon_params[i][1]["num_experts"],
+                    self.param_groups[self._muon_params[i][1]]["num_experts"],
                     self._muon_params[i][0].element_size(),
-                    _ns_settings(self._muon_params[i][1]),
+                    _ns_settings(self.param_groups[self._muon_params[i][1]]),
                 )
                 for i in indices
             ]
@@ -368,7 +370,8 @@ class Muon(torch.optim.Optimizer):
                 yield self._task(mp, b, stats)
 
     def _task(self, mp: MeshCommPlan, b: BatchPlan, stats: comm.StepStats):
-        params = [self._muon_params[i] for i in b.param_indices]
+        entries = [self._muon_params[i] for i in b.param_indices]
+        params = [(p, self.param_groups[gi]) for p, gi in entries]
         shards = [self._momentum_update(p, g, mp) for p, g in params]
         g0 = params[0][1]
         block_rows = b.global_shard_dim_size // b.blocks_per_matrix

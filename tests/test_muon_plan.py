@@ -114,3 +114,18 @@ def test_owner_cursor_balances_remainders_across_batches():
         counts = [sum(b.matrices_on(r) for b in batches) for r in range(w)]
         assert max(counts) - min(counts) <= 1, (strategy, counts)
         assert sum(counts) == len(metas)
+
+
+def test_groups_replaced_by_load_state_dict_are_used():
+    """Muon looks groups up at step time: an lr set after load_state_dict takes effect."""
+    import torch
+
+    from muon import Muon
+
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    opt = Muon([p], lr=0.1)
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["lr"] = 1e-30
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    assert torch.allclose(p, torch.ones(4, 4))
