@@ -1,0 +1,258 @@
+"""scripts/compare_strategies.py: runs grouped by optim.remainder_strategy into tables and plots.
+
+Fast tests use hand-written run directories (both config layouts), a W&B transaction log framed
+here (records spanning 32 KiB blocks) and a stand-in for the W&B API. The slow test trains
+three short real runs (`python train.py -m optim.remainder_strategy=agrs,pad_all2all,
+ragged_all_to_all` on 2 CPU ranks, W&B offline) and compares them from metrics.jsonl and from
+the W&B offline files, which must agree.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compare_strategies.py"
+STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
+MiB = 1 << 20
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("compare_strategies", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("compare_strategies", mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _history(strategy: str, world: int = 2) -> list[dict]:
+    """Four logged steps like recipes.trainer writes them; steps 1 and 3 are memory-profiled."""
+    scale = {"agrs": 3.0, "pad_all2all": 2.0, "ragged_all_to_all": 1.0}[strategy]
+    rows = []
+    for step in (1, 2, 3, 4):
+        row = {
+            "step": step,
+            "loss": 5.0 - 0.1 * step,
+            "step_s": 0.5,
+            "optim_s": 0.1,
+            # step 1 (state building) and profiled step 3 are slow and must not count
+            "step_s/max": 9.0 if step in (1, 3) else 1.0 * scale + 0.1 * step,
+            "optim_s/max": 9.0 if step in (1, 3) else 0.1 * scale,
+            "tokens_per_s": 100.0,
+            "muon/bytes_sent": scale * MiB,
+            "muon/bytes_sent/max": scale * MiB,
+            "muon/bytes_sent/min": scale * MiB / 2,
+        }
+        if step in (1, 3):
+            for k in range(world):
+                row[f"memory/rank_{k}/step_peak_mib"] = 10.0 * scale + k + step
+                row[f"memory/rank_{k}/optim_peak_delta_mib"] = scale * (k + 1)
+                row[f"memory/rank_{k}/optim_peak_mib"] = 5.0
+        rows.append(row)
+    return rows
+
+
+def _hydra_run(root: Path, name: str, strategy: str, hydra_layout: bool = False) -> Path:
+    run = root / name
+    cfg = {"optim": {"name": "muon", "remainder_strategy": strategy}, "mesh": {"world_size": 2}}
+    cfg_path = run / (".hydra/config.yaml" if hydra_layout else "config.yaml")
+    cfg_path.parent.mkdir(parents=True)
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _history(strategy)))
+    return run
+
+
+def test_table_groups_by_strategy_and_skips_warmup_and_profiled_steps(tmp_path):
+    mod = _load()
+    sweep = tmp_path / "sweep"
+    _hydra_run(sweep, "a1", "agrs")
+    _hydra_run(sweep, "a2", "agrs", hydra_layout=True)
+    _hydra_run(sweep, "p", "pad_all2all")
+    _hydra_run(sweep, "r", "ragged_all_to_all")
+    runs = mod.discover([sweep])
+    assert sorted(r.name for r in runs) == ["a1", "a2", "p", "r"]
+    out = tmp_path / "out"
+    result = mod.compare(runs, out)
+    table = {row["strategy"]: row for row in result["table"]}
+    assert list(table) == list(STRATEGIES)
+    assert table["agrs"]["runs"] == 2
+    # median of steps 2 and 4 only (step 1 builds state, step 3 was profiled)
+    assert table["agrs"]["step_s"] == pytest.approx(3.3)
+    assert table["ragged_all_to_all"]["optim_s"] == pytest.approx(0.1)
+    # per-rank peaks: each rank's max over profiled steps, then max/min over ranks
+    assert table["agrs"]["step_peak_mib_max"] == pytest.approx(30 + 1 + 3)
+    assert table["agrs"]["step_peak_mib_min"] == pytest.approx(30 + 0 + 3)
+    assert table["pad_all2all"]["optim_peak_delta_mib_max"] == pytest.approx(4.0)
+    assert table["pad_all2all"]["optim_peak_delta_mib_min"] == pytest.approx(2.0)
+    assert table["agrs"]["bytes_sent_mib_max"] == pytest.approx(3.0)
+    assert table["agrs"]["bytes_sent_mib_min"] == pytest.approx(1.5)
+    with open(out / "comparison.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["strategy"] for r in rows] == list(STRATEGIES)
+    assert float(rows[0]["step_s"]) == pytest.approx(3.3)
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    md = (out / "comparison.md").read_text()
+    assert "| agrs | 2 |" in md and "optim.remainder_strategy" in md
+    for png in ("step_time.png", "optim_time.png", "memory_per_rank.png", "bytes_sent.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+
+
+def test_missing_strategy_key_is_an_error(tmp_path):
+    mod = _load()
+    run = _hydra_run(tmp_path, "x", "agrs")
+    (run / "config.yaml").write_text(yaml.safe_dump({"optim": {"name": "adamw"}}))
+    with pytest.raises(ValueError, match="optim.remainder_strategy"):
+        mod.compare(mod.discover([run]), tmp_path / "out")
+
+
+def _frame(records: list[bytes]) -> bytes:
+    """LevelDB log framing as W&B writes `run-<id>.wandb` (checksums are not checked)."""
+    block, out = 32768, bytearray(struct.pack("<4sHB", b":W&B", 0xBEE1, 0))
+    for data in records:
+        first = True
+        while True:
+            left = block - len(out) % block
+            if left < 7:
+                out += b"\0" * left
+                continue
+            chunk, data = data[: left - 7], data[left - 7 :]
+            kind = (1 if not data else 2) if first else (4 if not data else 3)
+            out += struct.pack("<IHB", 0, len(chunk), kind) + chunk
+            first = False
+            if not data:
+                break
+    return bytes(out)
+
+
+def test_wandb_offline_file_is_read_without_the_network(tmp_path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    mod = _load()
+    records = []
+    run = pb.Record()
+    run.run.run_id, run.run.display_name = "abc123", "strategies/agrs"
+    config = {"optim": {"remainder_strategy": "agrs"}, "big": "x" * 70000}  # spans 3 blocks
+    for key, value in config.items():
+        item = run.run.config.update.add()
+        item.key, item.value_json = key, json.dumps(value)
+    records.append(run.SerializeToString())
+    for row in _history("agrs"):
+        rec = pb.Record()
+        for key, value in {**row, "_step": row["step"]}.items():
+            if key == "step":
+                continue
+            item = rec.history.item.add()
+            item.nested_key.append(key)  # W&B stores slash-containing keys as nested_key
+            item.value_json = json.dumps(value)
+        records.append(rec.SerializeToString())
+    offline = tmp_path / "wandb" / "offline-run-20260101_000000-abc123"
+    offline.mkdir(parents=True)
+    (offline / "run-abc123.wandb").write_bytes(_frame(records))
+    runs = mod.discover([tmp_path])
+    assert len(runs) == 1 and runs[0].source == "wandb-offline"
+    assert runs[0].name == "strategies/agrs" and runs[0].config["big"] == "x" * 70000
+    row = mod.summarize_run(runs[0])
+    assert row["strategy"] == "agrs" and row["step_s"] == pytest.approx(3.3)
+    assert row["optim_peak_delta_mib_per_rank"] == [3.0, 6.0]
+
+
+def test_wandb_api_runs(tmp_path):
+    mod = _load()
+
+    class FakeRun:
+        def __init__(self, i, strategy):
+            self.id, self.name = f"id{i}", f"run-{strategy}"
+            self.config = {"optim": {"remainder_strategy": strategy}, "_wandb": {}}
+            self._rows = [
+                {**{k: v for k, v in r.items() if k != "step"}, "_step": r["step"]}
+                for r in _history(strategy)
+            ]
+
+        def scan_history(self):
+            return iter(self._rows)
+
+    class FakeApi:
+        def runs(self, path, filters=None):
+            assert path == "team/proj" and filters == {"group": "strategies"}
+            return [FakeRun(i, s) for i, s in enumerate(STRATEGIES)]
+
+    runs = mod.read_wandb_api("team/proj", "strategies", api=FakeApi())
+    result = mod.compare(runs, tmp_path / "out")
+    assert [r["strategy"] for r in result["table"]] == list(STRATEGIES)
+    assert result["table"][0]["step_s"] == pytest.approx(3.3)
+
+
+# ------------------------------------------------------------------ three short real runs
+@pytest.mark.slow
+def test_three_real_runs_make_a_table_and_plots(tmp_path):
+    runs_root = tmp_path / "runs"
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        f"run.root={runs_root}",
+        "run.name=cmp",
+        "mesh.world_size=2",
+        "mesh.ep=2",
+        "train.steps=3",
+        "train.warmup_steps=1",
+        "metrics.memory_every=2",
+        "metrics.progress=false",
+        "data.seq_len=16",
+        "data.batch_size=1",
+        "checkpoint.every=0",
+        "checkpoint.export_hf=false",
+        "logger=wandb",
+        "logger.mode=offline",
+        f"optim.remainder_strategy={','.join(STRATEGIES)}",
+    ]
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    out = tmp_path / "out"
+    cmp = subprocess.run(
+        [sys.executable, str(SCRIPT), str(runs_root / "cmp"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    with open(out / "comparison.csv") as f:
+        table = {r["strategy"]: r for r in csv.DictReader(f)}
+    assert list(table) == list(STRATEGIES)
+    for s, row in table.items():
+        assert row["runs"] == "1", s
+        for col in ("step_s", "optim_s", "step_peak_mib_max", "optim_peak_delta_mib_max"):
+            assert float(row[col]) > 0, (s, col, row)
+        assert float(row["step_peak_mib_max"]) >= float(row["step_peak_mib_min"]) > 0
+    sent = {s: float(table[s]["bytes_sent_mib_max"]) for s in STRATEGIES}
+    # AGRS gathers the whole remainder on every rank, the padded all-to-all sends every slot,
+    # the ragged one only real shards (at W=2 the remainder is one matrix: agrs == pad)
+    assert sent["agrs"] >= sent["pad_all2all"] >= sent["ragged_all_to_all"] > 0, sent
+    assert sent["agrs"] > sent["ragged_all_to_all"], sent
+    for png in ("step_time.png", "optim_time.png", "memory_per_rank.png", "bytes_sent.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+
+    # the same runs from their W&B offline files alone agree with metrics.jsonl
+    mod = _load()
+    offline = sorted((runs_root / "cmp").glob("*/wandb/offline-run-*"))
+    assert len(offline) == 3
+    from_wandb = mod.compare(mod.discover(offline), tmp_path / "out_wandb")
+    for row in from_wandb["table"]:
+        ref = table[row["strategy"]]
+        assert row["runs"] == 1
+        for col in ("step_s", "optim_s", "optim_peak_delta_mib_max", "bytes_sent_mib_max"):
+            assert row[col] == pytest.approx(float(ref[col]), rel=1e-9), col
