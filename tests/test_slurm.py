@@ -284,6 +284,9 @@ def _train_args(run_root: Path, name: str, steps: int, every: int) -> list[str]:
 def test_cluster_status(cluster):
     out = cluster.run([str(SLURM_DIR / "local_cluster.sh"), "status", str(cluster.root)]).stdout
     assert "slurmctld: running" in out and "slurmd: running" in out and "idle" in out
+    # Starting again is harmless: it finds the daemons alive and prints the same export.
+    again = cluster.run([str(SLURM_DIR / "local_cluster.sh"), "start", str(cluster.root)])
+    assert again.stdout.strip() == f"export SLURM_CONF={cluster.env['SLURM_CONF']}"
 
 
 @pytest.mark.slurm

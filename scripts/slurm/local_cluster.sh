@@ -191,22 +191,29 @@ start() {
     echo "export SLURM_CONF=$conf"
 }
 
-# Send TERM to the daemon recorded in $1, then KILL after a bounded wait.
-stop_pid() {
-    local file=$1 pid i
-    alive "$file" || {
-        rm -f "$file"
-        return 0
-    }
-    pid=$(<"$file")
-    run kill -TERM "$pid"
-    [[ $DRY_RUN == 1 ]] && return 0
-    for ((i = 0; i < 100; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
+# Send TERM to the daemons recorded in the given pid files, then KILL after a bounded wait.
+stop_pids() {
+    local file pid i pids=()
+    for file in "$@"; do
+        if alive "$file"; then
+            pid=$(<"$file")
+            run kill -TERM "$pid"
+            pids+=("$pid")
+        fi
     done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
-    rm -f "$file"
+    if [[ $DRY_RUN == 1 ]]; then
+        return 0
+    fi
+    for pid in ${pids[@]+"${pids[@]}"}; do
+        for ((i = 0; i < 100; i++)); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    done
+    rm -f "$@"
 }
 
 stop() {
@@ -224,9 +231,8 @@ stop() {
             done
         fi
     fi
-    stop_pid "$pid_slurmd"
-    stop_pid "$pid_slurmctld"
-    stop_pid "$pid_munged"
+    stop_pids "$pid_slurmd" "$pid_slurmctld"
+    stop_pids "$pid_munged" # last: the Slurm daemons authenticate through it
     echo "local_cluster: stopped ($dir)" >&2
 }
 
