@@ -57,65 +57,50 @@ def _full(model, opt):
     return params, moments
 
 
-def _save_then_fail(root: str):
+def _save_fail_load_prune(root: str):
+    """Save at 2; die in the middle of saving 3; load (into a fresh model) what 2 held;
+    then saves at 3, 4, 5 and a rerun of 5 with keep=2."""
+    root = Path(root)
     model, opt = _build()
     _train(model, opt, 2)
-    checkpoint.save(Path(root), 2, model, opt, {"samples": 8}, keep=2)
+    checkpoint.save(root, 2, model, opt, {"samples": 8}, keep=2)
     expected = _full(model, opt)
     _train(model, opt, 1, start=2)
-    # A write interrupted on every rank after model and optimizer, before the commit.
+    # Interrupted on every rank after model and optimizer were written, before the commit.
     real_rng_state = checkpoint.rng_state
     checkpoint.rng_state = lambda: (_ for _ in ()).throw(OSError("killed"))
     try:
-        checkpoint.save(Path(root), 3, model, opt, {"samples": 12}, keep=2)
+        checkpoint.save(root, 3, model, opt, {"samples": 12}, keep=2)
     except OSError:
         pass
     finally:
         checkpoint.rng_state = real_rng_state
-    return expected
-
-
-def _load(root: str):
-    model, opt = _build(seed=1)  # different init: everything must come from the checkpoint
-    ckpt = checkpoint.latest(Path(root))
-    state = checkpoint.load(ckpt, model, opt)
-    return ckpt.name, state["samples"], state["rng"] is not None, _full(model, opt)
-
-
-def _save_many(root: str):
-    model, opt = _build()
-    for step in (1, 2, 3):
+    after_failure = [p.name for p in checkpoint.committed(root)]
+    fresh, fresh_opt = _build(seed=1)  # different init: everything must come from the file
+    state = checkpoint.load(checkpoint.latest(root), fresh, fresh_opt)
+    state["rng"] = state["rng"] is not None  # tensors do not cross the result queue
+    loaded = _full(fresh, fresh_opt)
+    for step in (3, 4, 5):
         _train(model, opt, 1, start=step)
-        checkpoint.save(Path(root), step, model, opt, {"samples": step}, keep=2)
-    _train(model, opt, 1, start=4)
-    checkpoint.save(Path(root), 3, model, opt, {"samples": 33}, keep=2)  # rerun of a step
-    return True
+        checkpoint.save(root, step, model, opt, {"samples": step}, keep=2)
+    checkpoint.save(root, 5, model, opt, {"samples": 55}, keep=2)  # a rerun of a step
+    return after_failure, state, expected, loaded
 
 
 @pytest.mark.slow
-def test_interrupted_save_keeps_previous_and_resume_reshards(tmp_path):
-    """4 ranks save at step 2, die mid-save at step 3; 4 and 2 ranks load step 2 exactly."""
-    root = tmp_path / "ckpt"
-    (expected_params, expected_moments), *_ = run_world(_save_then_fail, 4, str(root))
-    assert [p.name for p in checkpoint.committed(root)] == ["step_00000002"]
-    trainer = json.loads((root / "step_00000002" / "trainer.json").read_text())
-    assert trainer == {"samples": 8, "step": 2, "world_size": 4}
-    for world, same_world in ((4, True), (2, False)):
-        name, samples, rng_restored, (params, moments) = run_world(_load, world, str(root))[0]
-        assert (name, samples, rng_restored) == ("step_00000002", 8, same_world)
-        for key, value in expected_params.items():
-            np.testing.assert_array_equal(params[key], value)
-        for got, want in zip(moments, expected_moments, strict=True):
-            np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.slow
-def test_keep_prunes_and_rerun_replaces(tmp_path):
-    run_world(_save_many, 2, str(tmp_path))
-    assert [p.name for p in checkpoint.committed(tmp_path)] == ["step_00000002", "step_00000003"]
-    assert json.loads((tmp_path / "step_00000003" / "trainer.json").read_text())["samples"] == 33
+def test_interrupted_save_keeps_previous_then_keep_prunes(tmp_path):
+    after_failure, state, expected, loaded = run_world(_save_fail_load_prune, 4, str(tmp_path))[0]
+    assert after_failure == ["step_00000002"]
+    assert state["step"] == 2 and state["samples"] == 8 and state["world_size"] == 4
+    assert state["rng"]  # same world size: this rank's RNG comes back
+    for key, value in expected[0].items():
+        np.testing.assert_array_equal(loaded[0][key], value)
+    for got, want in zip(loaded[1], expected[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert [p.name for p in checkpoint.committed(tmp_path)] == ["step_00000004", "step_00000005"]
+    assert json.loads((tmp_path / "step_00000005" / "trainer.json").read_text())["samples"] == 55
     assert not list(tmp_path.glob(".tmp-*"))
-    assert checkpoint.model_file(tmp_path / "step_00000003").suffix == ".safetensors"
+    assert checkpoint.model_file(tmp_path / "step_00000005").suffix == ".safetensors"
 
 
 def test_latest_ignores_uncommitted(tmp_path):
