@@ -217,6 +217,7 @@ class Trainer:
 
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=None)
         every = cfg.checkpoint.every
+        report_every = max(1, cfg.train.steps // 10)
         while self.step < cfg.train.steps:
             measure = self.step % cfg.metrics.memory_every == 0
             metrics = self.train_step(measure)
@@ -225,6 +226,15 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            if self.rank == 0 and self.step % report_every == 0:
+                line = (
+                    f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f} "
+                    f"lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tokens/s"
+                )
+                if bar is not None and not bar.disable:
+                    bar.write(f"[rank0] {line}")  # above the bar, not through it
+                else:
+                    log.info(line)
             if (every and self.step % every == 0) or self.step == cfg.train.steps:
                 self.save()
         if bar is not None:
