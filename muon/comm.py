@@ -95,6 +95,7 @@ def subgroup_all_gather(
     k, n = plan.subgroup_size, len(shards)
     rows, cols = shards[0].shape
     send = torch.stack(shards)  # [n, c, C]
+    shards.clear()  # packed: the NS inputs are not needed any more
     gathered = send.new_empty(k * n, rows, cols)  # gloo wants the ranks' inputs stacked on dim 0
     work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
     gathered = gathered.view(k, n, rows, cols)
@@ -102,14 +103,12 @@ def subgroup_all_gather(
     stats.bytes_recv["subgroup"] += _nbytes(send.numel() * (k - 1), send)
     yield
     stats.wait(work)
-    del work, send  # a finished Work still references its buffers
+    del work  # a finished Work still references its buffers
     mine = me % k
-    out = []
-    for j in range(n):
+    for j in range(n):  # each result's rows go back into the send buffer, now free
         block = gathered[:, j].reshape(k * rows, cols)
-        result = stats.orthogonalize(ortho, block, "subgroup", 1)
-        out.append(result[mine * rows : (mine + 1) * rows].clone())
-    return out
+        send[j] = stats.orthogonalize(ortho, block, "subgroup", 1)[mine * rows : (mine + 1) * rows]
+    return list(send.unbind(0))
 
 
 def ragged_all_to_all(
@@ -119,7 +118,8 @@ def ragged_all_to_all(
 
     Serves full batches (n = W, every rank owns one) and the ragged remainder (n < W: ranks that
     own nothing receive nothing and allocate no full-matrix buffer). Split sizes follow the shard
-    sizes, so uneven and empty shards need no padding.
+    sizes, so uneven and empty shards need no padding. The send buffer, which has exactly the
+    return's size and layout, receives the returned shards.
     """
     path = "full" if plan.size == plan.fsdp_size else "ragged_all_to_all"
     W, C = plan.fsdp_size, plan.other_numel
@@ -131,32 +131,30 @@ def ragged_all_to_all(
     for j in order:
         send_splits[plan.owners[j]] += sizes[me] * C
     recv_splits = [sizes[r] * C * len(owned) for r in range(W)]
-    ref = shards[0]
-    send = torch.cat([shards[j].reshape(-1) for j in order]) if order else ref.new_empty(0)
-    full = ref.new_empty(sum(recv_splits))
+    send = torch.cat([shards[j].reshape(-1) for j in order])
+    shards.clear()  # packed: the NS inputs are not needed any more
+    full = send.new_empty(sum(recv_splits))
     work = _a2a(full, send, recv_splits, send_splits, group)
-    stats.bytes_sent[path] += _nbytes(sum(send_splits) - send_splits[me], ref)
-    stats.bytes_recv[path] += _nbytes(sum(recv_splits) - recv_splits[me], ref)
+    stats.bytes_sent[path] += _nbytes(sum(send_splits) - send_splits[me], send)
+    stats.bytes_recv[path] += _nbytes(sum(recv_splits) - recv_splits[me], send)
     yield
     stats.wait(work)
-    del work, send  # a finished Work still references its buffers
+    del work  # a finished Work still references its buffers
     if owned:
-        result = stats.orthogonalize(ortho, full.view(-1, C), path, plan.blocks_per_matrix).reshape(
-            -1
-        )
+        matrix = full.view(-1, C)
+        result = stats.orthogonalize(ortho, matrix, path, plan.blocks_per_matrix).reshape(-1)
+        del matrix
     else:
         result = full  # empty
     del full
-    back = ref.new_empty(sum(send_splits))
-    work = _a2a(back, result, send_splits, recv_splits, group)
-    stats.bytes_sent[path] += _nbytes(sum(recv_splits) - recv_splits[me], ref)
-    stats.bytes_recv[path] += _nbytes(sum(send_splits) - send_splits[me], ref)
+    work = _a2a(send, result, send_splits, recv_splits, group)
+    stats.bytes_sent[path] += _nbytes(sum(recv_splits) - recv_splits[me], send)
+    stats.bytes_recv[path] += _nbytes(sum(send_splits) - send_splits[me], send)
     yield
     stats.wait(work)
     del work, result
-    pieces = back.split([sizes[me] * C] * plan.size) if plan.size else []
-    out: Shards = [torch.empty(0)] * plan.size
-    for piece, j in zip(pieces, order, strict=True):
+    out: Shards = [send] * plan.size
+    for piece, j in zip(send.split([sizes[me] * C] * plan.size), order, strict=True):
         out[j] = piece.view(sizes[me], C)
     return out
 
@@ -170,32 +168,30 @@ def pad_all_to_all(
     flat in R and the same on busy and idle ranks.
     """
     W, C, c = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows
-    ref = shards[0]
-    send = ref.new_zeros(W, c, C)  # slot s goes to rank owners[s]
+    N = plan.global_shard_dim_size
+    send = shards[0].new_zeros(W, c, C)  # slot s goes to rank owners[s]
     for j, s in enumerate(shards):
         send[plan.owners[j], : s.size(0)] = s
+    shards.clear()  # packed: the NS inputs are not needed any more
     full = torch.empty_like(send)
     work = _a2a(full, send, None, None, group)
-    stats.bytes_sent["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), ref)
-    stats.bytes_recv["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), ref)
+    stats.bytes_sent["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), send)
+    stats.bytes_recv["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), send)
     yield
     stats.wait(work)
-    del work, send  # a finished Work still references its buffers
-    matrix = full.view(W * c, C)[: plan.global_shard_dim_size]
-    result = full.new_zeros(W, c, C)
-    result.view(W * c, C)[: plan.global_shard_dim_size] = stats.orthogonalize(
-        ortho, matrix, "pad_all2all", plan.blocks_per_matrix
-    )
-    del full, matrix
-    back = torch.empty_like(result)
-    work = _a2a(back, result, None, None, group)
-    stats.bytes_sent["pad_all2all"] += _nbytes(result.numel() // W * (W - 1), ref)
-    stats.bytes_recv["pad_all2all"] += _nbytes(result.numel() // W * (W - 1), ref)
+    del work  # a finished Work still references its buffers
+    # the padding rows past N arrived as zeros; the result overwrites the N real rows in place
+    matrix = full.view(W * c, C)[:N]
+    matrix.copy_(stats.orthogonalize(ortho, matrix, "pad_all2all", plan.blocks_per_matrix))
+    del matrix
+    work = _a2a(send, full, None, None, group)
+    stats.bytes_sent["pad_all2all"] += _nbytes(full.numel() // W * (W - 1), send)
+    stats.bytes_recv["pad_all2all"] += _nbytes(full.numel() // W * (W - 1), send)
     yield
     stats.wait(work)
-    del work, result
+    del work, full
     rows = plan.shard_sizes[me]
-    return [back[plan.owners[j], :rows] for j in range(plan.size)]
+    return [send[plan.owners[j], :rows] for j in range(plan.size)]
 
 
 def agrs(
@@ -203,44 +199,46 @@ def agrs(
 ) -> Task:
     """All-gather the batch onto every rank, orthogonalize the owned share, reduce-scatter back.
 
-    Buffers are sized from the FSDP-visible dim (`global_shard_dim_size`), never the global one;
-    both the gathered batch and the reduce-scatter input hold all n matrices, so memory and time
-    grow with n.
+    Buffers are sized from the FSDP-visible dim (`global_shard_dim_size`), never the global one.
+    The gathered batch, zeroed, becomes the reduce-scatter input and the send buffer its output,
+    but the gathered buffer alone holds all n matrices, so memory and time grow with n.
     """
     W, C, c, n = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows, plan.size
     N = plan.global_shard_dim_size
-    ref = shards[0]
-    send = ref.new_zeros(n, c, C)
+    send = shards[0].new_zeros(n, c, C)
     for j, s in enumerate(shards):
         send[j, : s.size(0)] = s
-    gathered = ref.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
+    shards.clear()  # packed: the NS inputs are not needed any more
+    gathered = send.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
     work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
-    gathered = gathered.view(W, n, c, C)
-    stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), ref)
-    stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), ref)
+    stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), send)
+    stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), send)
     yield
     stats.wait(work)
-    del work, send  # a finished Work still references its buffers
-    owned = [j for j in range(n) if plan.owners[j] == me]
-    mats = {j: gathered[:, j].reshape(W * c, C)[:N] for j in owned}
-    del gathered  # the owned matrices were copied out by reshape
-    scatter_in = ref.new_zeros(W, n, c, C)
-    for j, m in mats.items():
-        result = stats.orthogonalize(ortho, m, "agrs", plan.blocks_per_matrix)
+    del work  # a finished Work still references its buffers
+    slab = gathered.view(W, n, c, C)
+    results = {
+        j: stats.orthogonalize(
+            ortho, slab[:, j].reshape(W * c, C)[:N], "agrs", plan.blocks_per_matrix
+        )
+        for j in range(n)
+        if plan.owners[j] == me
+    }
+    gathered.zero_()
+    for j, result in results.items():
         for r, piece in enumerate(result.split(list(plan.shard_sizes))):
-            scatter_in[r, j, : piece.size(0)] = piece
-    del mats
-    out = ref.new_empty(n, c, C)
+            slab[r, j, : piece.size(0)] = piece
+    del results, slab
     work = dist.reduce_scatter_tensor(
-        out, scatter_in.view(W * n, c, C), op=dist.ReduceOp.SUM, group=group, async_op=True
+        send, gathered, op=dist.ReduceOp.SUM, group=group, async_op=True
     )
-    stats.bytes_sent["agrs"] += _nbytes(out.numel() * (W - 1), ref)
-    stats.bytes_recv["agrs"] += _nbytes(out.numel() * (W - 1), ref)
+    stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), send)
+    stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), send)
     yield
     stats.wait(work)
-    del work, scatter_in
+    del work, gathered
     rows = plan.shard_sizes[me]
-    return [out[j, :rows] for j in range(n)]
+    return [send[j, :rows] for j in range(n)]
 
 
 EXCHANGES = {

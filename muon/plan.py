@@ -269,19 +269,16 @@ class BatchPlan:
         if self.path == "local":
             return 0
         if self.path == "subgroup":
-            gathered = self.subgroup_size * n * padded
-            return gathered + n * padded
+            # send + gathered + one block's NS output (its rows go back into send)
+            return (self.subgroup_size + 1) * n * padded + self.subgroup_size * padded
         if self.path == "agrs":
-            slab = w * n * padded  # the gathered batch, later the reduce-scatter input
-            # send + gathered; gathered + owned matrices copied out of it; then the scatter
-            # input + owned matrices + one NS result; finally the scatter input + output shards
-            return slab + max(n * padded, owned * full + (full if owned else 0))
+            # send (later the reduce-scatter output) + gathered (later its input) + owned results
+            return n * padded + w * n * padded + owned * full
         if self.path == "pad_all2all":
-            # the received slab, the result slab and the NS output being copied into it
+            # send (later the return) + received slab + the NS output copied back into it
             return 2 * w * padded + full
-        # send + assembled matrix, then assembled + its NS output (owners only)
-        recv = full if owned else 0
-        return max(n * mine, recv) + recv
+        # send (later the return) + assembled matrix + its NS output (owners only)
+        return n * mine + 2 * (full if owned else 0)
 
     def ns_workspace_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
         """Rough peak Newton-Schulz temporaries for the matrices this rank orthogonalizes."""
@@ -292,7 +289,8 @@ class BatchPlan:
         rows = self.global_shard_dim_size // self.blocks_per_matrix
         cols = self.other_numel
         small = min(rows, cols)
-        per_block = 3 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
+        # the normalized X and the next X, plus the two square Gram products
+        per_block = 2 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
         # one NS call at a time: a parameter's local blocks, one sub-group block, or one matrix
         if self.path == "local":
             return count // self.size * per_block
