@@ -15,6 +15,8 @@ an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its 
 """
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,28 @@ def _groups_by_algorithm(opt: torch.optim.Optimizer) -> dict[str, list[torch.Ten
     for g in opt.param_groups:
         out[g.get("algorithm", "adamw")] += list(g["params"])
     return out
+
+
+class StopSignal:
+    """SIGUSR1 (Slurm's warning before a time limit or preemption, forwarded to every rank by
+    torchrun's --signals-to-handle) asks for a checkpoint and a clean exit at the next step
+    boundary. Ranks may get it at different moments, so they agree with one MAX all-reduce
+    per step (a single int) before acting."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.received = False
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def requested(self) -> bool:
+        """Collective: did any rank receive the signal?"""
+        self.flag.fill_(int(self.received))
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        return bool(self.flag.item())
 
 
 def _broadcast(obj: Any) -> Any:
@@ -218,6 +242,7 @@ class Trainer:
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=None)
         every = cfg.checkpoint.every
         report_every = max(1, cfg.train.steps // 10)
+        stop = StopSignal(self.device)
         while self.step < cfg.train.steps:
             measure = self.step % cfg.metrics.memory_every == 0
             metrics = self.train_step(measure)
@@ -235,11 +260,17 @@ class Trainer:
                     bar.write(f"[rank0] {line}")  # above the bar, not through it
                 else:
                     log.info(line)
-            if (every and self.step % every == 0) or self.step == cfg.train.steps:
-                self.save()
+            due = (every and self.step % every == 0) or self.step == cfg.train.steps
+            stopping = self.step < cfg.train.steps and stop.requested()
+            if due or stopping:
+                path = self.save()
+            if stopping:
+                if self.rank == 0:
+                    log.info("SIGUSR1: stopped at step %d, checkpoint %s", self.step, path)
+                break
         if bar is not None:
             bar.close()
-        if self.rank == 0 and cfg.checkpoint.export_hf:
+        if self.rank == 0 and cfg.checkpoint.export_hf and self.step == cfg.train.steps:
             self._export_hf()
         if self.rank != 0:
             return None

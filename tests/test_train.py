@@ -204,3 +204,36 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     assert any(not torch.equal(m2[k], m3[k]) for k in m2)
     o1, o2 = (_optim_state(c, tmp_path) for c in ckpts[:2])
     _assert_same(o1, o2)  # AdamW moments and step counts untouched
+
+
+@pytest.mark.slow
+def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
+    """Under torchrun (the SLURM path) every rank runs train.py and joins the launcher's world;
+    SIGUSR1, forwarded to the ranks, commits a checkpoint and ends the run cleanly."""
+    args = ["mesh.world_size=2", "mesh.ep=1", "train.steps=500", "checkpoint.every=0"]
+    args += ["logger=none", "metrics.memory_every=1000", *_small(cache), f"run.root={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--signals-to-handle=SIGUSR1"]
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    metrics = []
+    while time.monotonic() < deadline and proc.poll() is None and len(metrics) < 3:
+        metrics = list(tmp_path.glob("default/*/metrics.jsonl"))
+        metrics = metrics and metrics[0].read_text().splitlines()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGUSR1)  # torchrun forwards it to both ranks
+    out, _ = proc.communicate(timeout=120)  # torchrun itself then exits with SignalException
+    assert "SIGUSR1: stopped at step" in out and "[summary]" in out, out[-4000:]
+    (run_dir,) = (tmp_path / "default").iterdir()
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    steps = [m["step"] for m in _metrics(run_dir)]
+    assert 3 <= steps[-1] < 500 and ckpt.name == f"step_{steps[-1]:08d}"
+    assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
+    assert (run_dir / "config.yaml").is_file() and not (run_dir / "hf").exists()
