@@ -8,7 +8,7 @@ weights make a full batch of 64 and an AGRS remainder of 12 whose all-gather buf
 Planned vs measured, on a 4-rank gloo world with two [1024, 512] fp32 matrices (a remainder of
 R=2 on W=4; nesterov=False and ns_dtype float32, so the step allocates no input copies and no
 dtype casts). Each rank measures the optimizer step's `peak_delta_bytes` with
-`recipes.memory.MemoryMeter` (the median of 5 steps after a warm-up, each started after a
+`recipes.memory.MemoryMeter` (the median of 3 steps after a warm-up, each started after a
 barrier) on the ranks that own a remainder matrix (busy) and those that own none (idle):
 
 - exchange only: Newton-Schulz replaced by a same-size copy (the plan's exchange accounting
@@ -200,7 +200,7 @@ def _measured_world() -> dict:
             try:
                 opt.step()  # warm-up
                 peaks = []
-                for _ in range(5):
+                for _ in range(3):
                     # let gloo's worker threads free the previous step's buffers first, so they
                     # are not in the baseline (they would lower the measured delta)
                     dist.barrier()
