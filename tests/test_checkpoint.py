@@ -177,6 +177,8 @@ def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     ]
     assert step == 3 and loaded.keys() == saved.keys()
     assert any(k.endswith(":momentum_buffer") for k in saved)
+    biases = [v for k, v in saved.items() if k.endswith("e_score_correction_bias")]
+    assert biases and all(np.abs(b).max() > 0 for b in biases)  # router bias updates ran
     for key, value in saved.items():
         np.testing.assert_array_equal(loaded[key], value, err_msg=key)
     # One more step on the other layout: same update up to reduction order. (A stale learning

@@ -182,7 +182,11 @@ def _nan_world(config_yaml: str, run_dir: str):
     from recipes.trainer import Trainer
 
     cfg = from_yaml(config_yaml)
-    return Trainer(cfg, Path(run_dir), torch.device("cpu")).train() is not None
+    finished = Trainer(cfg, Path(run_dir), torch.device("cpu")).train() is not None
+    cfg.checkpoint.resume = False  # a restart that starts over ignores the checkpoints
+    fresh = Trainer(cfg, Path(run_dir), torch.device("cpu"))
+    fresh.resume()
+    return finished, fresh.step
 
 
 @pytest.mark.slow
@@ -190,16 +194,18 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     """optim=adamw: the loop itself skips the poisoned step (2 ranks, ep=1, Trainer direct)."""
     cfg = OmegaConf.structured(Config)
     overrides = ["optim.name=adamw", "optim.lr=0.003", "mesh.world_size=2", "mesh.ep=1"]
-    overrides += ["train.steps=3", "train.inject_nan_at_step=2", "checkpoint.every=1"]
-    overrides += ["checkpoint.keep=3", "checkpoint.export_hf=false", "logger.backend=none"]
-    overrides += ["metrics.memory_every=100", *_small(cache)]
+    overrides += ["train.steps=4", "train.inject_nan_at_step=2", "checkpoint.every=1"]
+    overrides += ["checkpoint.keep=4", "checkpoint.export_hf=false", "logger.backend=none"]
+    overrides += ["metrics.memory_every=100", "metrics.log_every=2", *_small(cache)]
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    run_world(_nan_world, 2, OmegaConf.to_yaml(cfg), str(tmp_path))
+    (finished, fresh_step), _ = run_world(_nan_world, 2, OmegaConf.to_yaml(cfg), str(tmp_path))
+    assert finished and fresh_step == 0
     lines = _metrics(tmp_path)
+    assert [m["step"] for m in lines] == [1, 2, 4]  # log_every=2, plus the measured step 1
     assert [m["skipped"] for m in lines] == [0.0, 1.0, 0.0]
     assert np.isnan(lines[1]["grad_norm"]) and np.isfinite(lines[2]["grad_norm"])
     ckpts = checkpoint.committed(tmp_path / "checkpoints")
-    m1, m2, m3 = (load_file(checkpoint.model_file(c)) for c in ckpts)
+    m1, m2, m3, _ = (load_file(checkpoint.model_file(c)) for c in ckpts)
     _assert_same(m1, m2)
     assert any(not torch.equal(m2[k], m3[k]) for k in m2)
     o1, o2 = (_optim_state(c, tmp_path) for c in ckpts[:2])
@@ -211,6 +217,9 @@ def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
     """Under torchrun (the SLURM path) every rank runs train.py and joins the launcher's world;
     SIGUSR1, forwarded to the ranks, commits a checkpoint and ends the run cleanly."""
     args = ["mesh.world_size=2", "mesh.ep=1", "train.steps=500", "checkpoint.every=0"]
+    # Muon knobs that only pass through, run once end to end here.
+    args += ["optim.router=muon", "optim.max_inflight=1", "optim.enable_all2all=false"]
+    args += ["optim.remainder_strategy=agrs", "optim.nesterov=false", "optim.adjust_lr=original"]
     args += ["logger=none", "metrics.memory_every=1000", *_small(cache), f"run.root={tmp_path}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--signals-to-handle=SIGUSR1"]
@@ -236,4 +245,5 @@ def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
     steps = [m["step"] for m in _metrics(run_dir)]
     assert 3 <= steps[-1] < 500 and ckpt.name == f"step_{steps[-1]:08d}"
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
-    assert (run_dir / "config.yaml").is_file() and not (run_dir / "hf").exists()
+    assert not (run_dir / "hf").exists()  # exported only when the run completes
+    assert OmegaConf.load(run_dir / "config.yaml").optim.router == "muon"
