@@ -3,8 +3,9 @@
 Every function here is the body of one batch's AsyncTask: a generator that launches a collective
 with `async_op=True`, yields so other batches can run, waits, orthogonalizes, launches the return
 collective, yields, and finally returns this rank's orthogonalized shards (`yield from` gives
-them to the caller). The number of yields depends only on the batch plan, never on the rank, so
-every rank issues the same collectives in the same order.
+them to the caller). Matrices already whole on a rank (the `local` path) need none of this; the
+optimizer orthogonalizes them directly. The number of yields depends only on the batch plan,
+never on the rank, so every rank issues the same collectives in the same order.
 
 Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved first) and C the
 product of the other dims; a full matrix is `[N, C]` with N the FSDP-visible size; W is the FSDP
@@ -69,19 +70,6 @@ def _a2a(out, inp, out_splits, in_splits, group):
 
 def _nbytes(numel: int, t: torch.Tensor) -> int:
     return numel * t.element_size()
-
-
-def local_blocks(plan: BatchPlan, shards: Shards, ortho: Orthogonalize, stats: StepStats) -> Task:
-    """Whole matrices or whole expert blocks are on this rank: orthogonalize them in place."""
-    out = []
-    for s in shards:
-        blocks = s.size(0) // (plan.global_shard_dim_size // plan.blocks_per_matrix)
-        if s.numel() == 0:
-            out.append(s)
-            continue
-        out.append(stats.orthogonalize(ortho, s, "local", blocks))
-    return out
-    yield  # a generator with no collective: finishes on its first resume
 
 
 def subgroup_all_gather(
@@ -225,10 +213,9 @@ def agrs(
         if plan.owners[j] == me
     }
     gathered.zero_()
-    for j, result in results.items():
-        for r, piece in enumerate(result.split(list(plan.shard_sizes))):
-            slab[r, j, : piece.size(0)] = piece
-    del results, slab
+    for j in list(results):
+        _scatter_rows(slab, j, results.pop(j), plan.shard_sizes)
+    del slab
     work = dist.reduce_scatter_tensor(
         send, gathered, op=dist.ReduceOp.SUM, group=group, async_op=True
     )
@@ -239,6 +226,12 @@ def agrs(
     del work, gathered
     rows = plan.shard_sizes[me]
     return [send[j, :rows] for j in range(n)]
+
+
+def _scatter_rows(slab: torch.Tensor, j: int, matrix: torch.Tensor, sizes) -> None:
+    """Write matrix j's rows into the `[W, n, c, C]` slab, rank r's shard at r (refs die here)."""
+    for r, piece in enumerate(matrix.split(list(sizes))):
+        slab[r, j, : piece.size(0)] = piece
 
 
 EXCHANGES = {

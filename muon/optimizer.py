@@ -370,9 +370,9 @@ class Muon(torch.optim.Optimizer):
                 yield self._task(mp, b, stats)
 
     def _task(self, mp: MeshCommPlan, b: BatchPlan, stats: comm.StepStats):
+        """One batch: momentum on local shards -> exchange + NS -> apply the returned shards."""
         entries = [self._muon_params[i] for i in b.param_indices]
         params = [(p, self.param_groups[gi]) for p, gi in entries]
-        shards = [self._momentum_update(p, g, mp) for p, g in params]
         g0 = params[0][1]
         block_rows = b.global_shard_dim_size // b.blocks_per_matrix
         ortho = partial(
@@ -383,9 +383,17 @@ class Muon(torch.optim.Optimizer):
             dtype=_DTYPES[g0["ns_dtype"]],
             eps=g0["eps"],
         )
-        if b.path == "local":
-            results = yield from comm.local_blocks(b, shards, ortho, stats)
-        elif b.path == "subgroup":
+        rows = b.global_shape[0] // g0["num_experts"]
+        cols = math.prod(b.global_shape) // b.global_shape[0]
+        if b.path == "local":  # no exchange: one parameter at a time, nothing held across
+            for p, g in params:
+                shard = self._momentum_update(p, g, mp)
+                if shard.numel():
+                    shard = stats.orthogonalize(ortho, shard, "local", shard.size(0) // block_rows)
+                self._apply(p, g, shard, rows, cols, mp.shard_tensor_dim)
+            return
+        shards = [self._momentum_update(p, g, mp) for p, g in params]
+        if b.path == "subgroup":
             group = self._groups[(mp, b.subgroup_size)]
             results = yield from comm.subgroup_all_gather(
                 b, shards, mp.fsdp_rank, group, ortho, stats
@@ -394,13 +402,16 @@ class Muon(torch.optim.Optimizer):
             group = self._groups[(mp, 0)]
             exchange = comm.EXCHANGES[b.path]
             results = yield from exchange(b, shards, mp.fsdp_rank, group, ortho, stats)
-        rows = b.global_shape[0] // params[0][1]["num_experts"]
-        cols = math.prod(b.global_shape) // b.global_shape[0]
         for (p, g), o in zip(params, results, strict=True):
-            lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
-            x = _local(p)
-            x.mul_(1 - g["lr"] * g["weight_decay"])
-            x.add_(_from_rows(o, x, mp.shard_tensor_dim), alpha=-lr)
+            self._apply(p, g, o, rows, cols, mp.shard_tensor_dim)
+
+    @staticmethod
+    def _apply(p, g: dict, o: torch.Tensor, rows: int, cols: int, shard_dim: int) -> None:
+        """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
+        lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
+        x = _local(p)
+        x.mul_(1 - g["lr"] * g["weight_decay"])
+        x.add_(_from_rows(o, x, shard_dim), alpha=-lr)
 
     def _momentum_update(self, p: torch.Tensor, g: dict, mp: MeshCommPlan) -> torch.Tensor:
         """Update the momentum buffer; return the NS input shard as [rows, C], sharded dim first."""

@@ -293,7 +293,9 @@ class BatchPlan:
         per_block = 2 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
         # one NS call at a time: a parameter's local blocks, one sub-group block, or one matrix
         if self.path == "local":
-            return count // self.size * per_block
+            # one parameter's local blocks at a time, plus its NS output until applied
+            local_rows = self.shard_sizes[fsdp_rank if self.fsdp_size > 1 else 0]
+            return count // self.size * per_block + local_rows * cols * self.itemsize
         if self.path == "subgroup":
             return per_block
         return self.blocks_per_matrix * per_block
