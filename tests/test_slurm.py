@@ -8,7 +8,8 @@ directory (skipped, saying why, where the Slurm daemons are not installed or we 
 `.ci/run` installs them) and stops it at the end. Then `sbatch scripts/slurm/train.sbatch` runs a
 2-rank CPU training through srun + torchrun to completion; a USR1 to the batch script makes the
 run checkpoint and requeue, and the requeued run resumes from that checkpoint and finishes; the
-sweep script submits one job per remainder strategy and each finishes. Every wait is bounded.
+sweep script submits one job per remainder strategy and each finishes; `python train.py -m
+hydra/launcher=slurm` runs a job through submitit. Every wait is bounded.
 """
 
 from __future__ import annotations
