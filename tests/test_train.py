@@ -220,7 +220,8 @@ def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
     # Muon knobs that only pass through, run once end to end here.
     args += ["optim.router=muon", "optim.max_inflight=1", "optim.enable_all2all=false"]
     args += ["optim.remainder_strategy=agrs", "optim.nesterov=false", "optim.adjust_lr=original"]
-    args += ["logger=none", "metrics.memory_every=1000", *_small(cache), f"run.root={tmp_path}"]
+    args += ["logger=none", "metrics.memory_every=1000", "metrics.progress=false"]
+    args += [*_small(cache), f"run.root={tmp_path}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--signals-to-handle=SIGUSR1"]
     proc = subprocess.Popen(
