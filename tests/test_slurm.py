@@ -110,6 +110,18 @@ def test_train_sbatch_dry_run_in_a_job():
     assert "--nproc_per_node 3" in out and "mesh.world_size=6" in out
 
 
+def test_train_sbatch_dry_run_knobs():
+    """RDZV_PORT, REPO_DIR, TORCHRUN and SHUTDOWN_TIMEOUT reach the printed command."""
+    env = _dry_env(
+        RDZV_PORT="23456", REPO_DIR="/src/repo", TORCHRUN="/venv/bin/torchrun", SHUTDOWN_TIMEOUT="7"
+    )
+    out = _run(["bash", str(SLURM_DIR / "train.sbatch"), "mesh.world_size=1"], env=env).stdout
+    assert out.startswith("cd /src/repo\n")
+    cmd = next(line for line in out.splitlines() if line.startswith("srun "))
+    assert " /venv/bin/torchrun --nnodes 1 " in cmd
+    assert ":23456 " in cmd and "--shutdown-timeout 7 " in cmd
+
+
 def test_sweep_dry_run():
     env = _dry_env(SWEEP_NAME="cmp")
     cmd = [str(SLURM_DIR / "sweep_strategies.sh"), "--dry-run", "-N", "1", "--", *TRAIN_ARGS]
@@ -120,6 +132,15 @@ def test_sweep_dry_run():
         assert f"train.sbatch optim.remainder_strategy={strategy} " in line
         assert f"run.name=cmp-{strategy} logger.group=cmp " in line
         assert line.endswith(" ".join(TRAIN_ARGS))
+
+
+def test_sweep_dry_run_strategies_subset():
+    env = _dry_env(SWEEP_NAME="one", STRATEGIES="agrs")
+    out = _run([str(SLURM_DIR / "sweep_strategies.sh"), "train.steps=5"], env=env).stdout
+    assert out.strip().splitlines() == [
+        f"sbatch --parsable --job-name=muon-one-agrs {SLURM_DIR}/train.sbatch "
+        "optim.remainder_strategy=agrs run.name=one-agrs logger.group=one train.steps=5"
+    ]
 
 
 def test_local_cluster_dry_run(tmp_path):

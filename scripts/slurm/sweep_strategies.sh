@@ -10,18 +10,14 @@
 # train.py. Prints one "<strategy> <job id>" line per job.
 #
 # Environment: STRATEGIES (default "agrs pad_all2all ragged_all_to_all"), SWEEP_NAME (default
-# strategies-<date>-<time>), RUN_NAME_KEY / WANDB_GROUP_KEY (the Hydra keys that name the run and
-# the W&B group), SBATCH (default sbatch), TRAIN_SBATCH (default: train.sbatch next to this
-# script), DRY_RUN=1 or --dry-run to print the sbatch commands instead of submitting.
+# strategies-<date>-<time>), DRY_RUN=1 or --dry-run to print the sbatch commands instead of
+# submitting them.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 strategies=${STRATEGIES:-"agrs pad_all2all ragged_all_to_all"}
 sweep=${SWEEP_NAME:-strategies-$(date +%Y%m%d-%H%M%S)}
-run_name_key=${RUN_NAME_KEY:-run.name}
-group_key=${WANDB_GROUP_KEY:-logger.group}
-train_sbatch=${TRAIN_SBATCH:-$here/train.sbatch}
 
 sbatch_args=()
 train_args=()
@@ -57,12 +53,12 @@ show() {
 
 for strategy in $strategies; do
     cmd=(
-        "${SBATCH:-sbatch}" --parsable --job-name="muon-$sweep-$strategy"
+        sbatch --parsable --job-name="muon-$sweep-$strategy"
         ${sbatch_args[@]+"${sbatch_args[@]}"}
-        "$train_sbatch"
+        "$here/train.sbatch"
         "optim.remainder_strategy=$strategy"
-        "$run_name_key=$sweep-$strategy"
-        "$group_key=$sweep"
+        "run.name=$sweep-$strategy"
+        "logger.group=$sweep"
         ${train_args[@]+"${train_args[@]}"}
     )
     if [[ $DRY_RUN == 1 ]]; then
