@@ -7,7 +7,8 @@
 # Each job gets its own name (muon-<sweep>-<strategy>), its own run name (hence its own run and
 # checkpoint directory) and the sweep's W&B group, so the runs sit side by side in W&B.
 # Arguments before `--` go to sbatch, those after it to train.py; without `--` all go to
-# train.py. Prints one "<strategy> <job id>" line per job.
+# train.py. Prints one "<strategy> <job id>" line per job. Requeued jobs resume by themselves;
+# to restart a whole sweep where it stopped, submit it again with the same SWEEP_NAME.
 #
 # Environment: STRATEGIES (default "agrs pad_all2all ragged_all_to_all"), SWEEP_NAME (default
 # strategies-<date>-<time>), DRY_RUN=1 or --dry-run to print the sbatch commands instead of
