@@ -28,6 +28,22 @@ Orthogonalize = Callable[[torch.Tensor], torch.Tensor]
 Task = Generator[None, None, Shards]
 
 
+class NSInputs:
+    """A batch's Newton-Schulz inputs, produced straight into the exchange's send buffer.
+
+    `fill(j, out)` writes matrix j's input shard (`[rows, C]`) into `out`, a slot of the send
+    buffer, so no separate copy of the momentum updates is ever held next to it.
+    """
+
+    def __init__(self, fill: Callable[[int, torch.Tensor], None], dtype, device) -> None:
+        self.fill = fill
+        self.dtype, self.device = dtype, device
+
+    def new_buffer(self, shape: tuple[int, ...], zero: bool = False) -> torch.Tensor:
+        make = torch.zeros if zero else torch.empty
+        return make(shape, dtype=self.dtype, device=self.device)
+
+
 class StepStats:
     """Per-step counters of this rank: bytes, matrices, and time in NS and in waiting."""
 
@@ -73,17 +89,18 @@ def _nbytes(numel: int, t: torch.Tensor) -> int:
 
 
 def subgroup_all_gather(
-    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
 ) -> Task:
     """Each expert block spans k consecutive FSDP ranks: gather the block within those k only.
 
     Every rank of the sub-group orthogonalizes the same block and keeps its own rows, so there is
     no return trip. `ortho` here orthogonalizes one `[k*c, C]` block.
     """
-    k, n = plan.subgroup_size, len(shards)
-    rows, cols = shards[0].shape
-    send = torch.stack(shards)  # [n, c, C]
-    shards.clear()  # packed: the NS inputs are not needed any more
+    k, n = plan.subgroup_size, plan.size
+    rows, cols = plan.shard_sizes[me], plan.other_numel
+    send = inputs.new_buffer((n, rows, cols))
+    for j in range(n):
+        inputs.fill(j, send[j])
     gathered = send.new_empty(k * n, rows, cols)  # gloo wants the ranks' inputs stacked on dim 0
     work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
     gathered = gathered.view(k, n, rows, cols)
@@ -100,7 +117,7 @@ def subgroup_all_gather(
 
 
 def ragged_all_to_all(
-    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
 ) -> Task:
     """all_to_all_single with per-rank split sizes: matrix j is assembled on rank owners[j] only.
 
@@ -119,8 +136,9 @@ def ragged_all_to_all(
     for j in order:
         send_splits[plan.owners[j]] += sizes[me] * C
     recv_splits = [sizes[r] * C * len(owned) for r in range(W)]
-    send = torch.cat([shards[j].reshape(-1) for j in order])
-    shards.clear()  # packed: the NS inputs are not needed any more
+    send = inputs.new_buffer((plan.size * sizes[me] * C,))
+    for slot, j in enumerate(order):
+        inputs.fill(j, send[slot * sizes[me] * C : (slot + 1) * sizes[me] * C].view(sizes[me], C))
     full = send.new_empty(sum(recv_splits))
     work = _a2a(full, send, recv_splits, send_splits, group)
     stats.bytes_sent[path] += _nbytes(sum(send_splits) - send_splits[me], send)
@@ -148,7 +166,7 @@ def ragged_all_to_all(
 
 
 def pad_all_to_all(
-    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
 ) -> Task:
     """Pad the batch with zero matrices to W and every shard to c rows: a uniform all-to-all.
 
@@ -157,10 +175,9 @@ def pad_all_to_all(
     """
     W, C, c = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows
     N = plan.global_shard_dim_size
-    send = shards[0].new_zeros(W, c, C)  # slot s goes to rank owners[s]
-    for j, s in enumerate(shards):
-        send[plan.owners[j], : s.size(0)] = s
-    shards.clear()  # packed: the NS inputs are not needed any more
+    send = inputs.new_buffer((W, c, C), zero=True)  # slot s goes to rank owners[s]
+    for j in range(plan.size):
+        inputs.fill(j, send[plan.owners[j], : plan.shard_sizes[me]])
     full = torch.empty_like(send)
     work = _a2a(full, send, None, None, group)
     stats.bytes_sent["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), send)
@@ -183,7 +200,7 @@ def pad_all_to_all(
 
 
 def agrs(
-    plan: BatchPlan, shards: Shards, me: int, group, ortho: Orthogonalize, stats: StepStats
+    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
 ) -> Task:
     """All-gather the batch onto every rank, orthogonalize the owned share, reduce-scatter back.
 
@@ -193,10 +210,9 @@ def agrs(
     """
     W, C, c, n = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows, plan.size
     N = plan.global_shard_dim_size
-    send = shards[0].new_zeros(n, c, C)
-    for j, s in enumerate(shards):
-        send[j, : s.size(0)] = s
-    shards.clear()  # packed: the NS inputs are not needed any more
+    send = inputs.new_buffer((n, c, C), zero=True)
+    for j in range(n):
+        inputs.fill(j, send[j, : plan.shard_sizes[me]])
     gathered = send.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
     work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
     stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), send)

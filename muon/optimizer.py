@@ -392,16 +392,17 @@ class Muon(torch.optim.Optimizer):
                     shard = stats.orthogonalize(ortho, shard, "local", shard.size(0) // block_rows)
                 self._apply(p, g, shard, rows, cols, mp.shard_tensor_dim)
             return
-        shards = [self._momentum_update(p, g, mp) for p, g in params]
+        like = _local(self.state[params[0][0]]["momentum_buffer"])
+        inputs = comm.NSInputs(
+            lambda j, out: self._momentum_update(*params[j], mp, out), like.dtype, like.device
+        )
         if b.path == "subgroup":
             group = self._groups[(mp, b.subgroup_size)]
-            results = yield from comm.subgroup_all_gather(
-                b, shards, mp.fsdp_rank, group, ortho, stats
-            )
+            exchange = comm.subgroup_all_gather
         else:
             group = self._groups[(mp, 0)]
             exchange = comm.EXCHANGES[b.path]
-            results = yield from exchange(b, shards, mp.fsdp_rank, group, ortho, stats)
+        results = yield from exchange(b, inputs, mp.fsdp_rank, group, ortho, stats)
         for (p, g), o in zip(params, results, strict=True):
             self._apply(p, g, o, rows, cols, mp.shard_tensor_dim)
 
@@ -413,14 +414,24 @@ class Muon(torch.optim.Optimizer):
         x.mul_(1 - g["lr"] * g["weight_decay"])
         x.add_(_from_rows(o, x, shard_dim), alpha=-lr)
 
-    def _momentum_update(self, p: torch.Tensor, g: dict, mp: MeshCommPlan) -> torch.Tensor:
-        """Update the momentum buffer; return the NS input shard as [rows, C], sharded dim first."""
+    def _momentum_update(
+        self, p: torch.Tensor, g: dict, mp: MeshCommPlan, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Update the momentum buffer and produce the NS input shard as [rows, C], sharded dim
+        first: written into `out` (a send-buffer slot) when given, else returned."""
         buf = _local(self.state[p]["momentum_buffer"])
         grad = _local(p.grad) if p.grad is not None else torch.zeros_like(buf)
         mu = g["momentum"]
         buf.lerp_(grad, 1 - mu)
-        update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-        return _to_rows(update, mp.shard_tensor_dim)
+        if out is None:
+            update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
+            return _to_rows(update, mp.shard_tensor_dim)
+        target = _from_rows(out, buf, mp.shard_tensor_dim)
+        if g["nesterov"]:
+            torch.lerp(grad, buf, mu, out=target)
+        else:
+            target.copy_(buf)
+        return out
 
 
 def _ns_settings(g: dict) -> tuple:

@@ -258,8 +258,8 @@ class BatchPlan:
         """Peak bytes of exchange buffers alive at once on this rank, phase by phase, as
         `muon.comm` allocates and frees them (send, receive, assembled, result, return).
 
-        The NS input shards and Newton-Schulz temporaries are not included; see
-        `ns_workspace_bytes`.
+        The NS inputs are produced straight into the send buffer, so they are included;
+        Newton-Schulz temporaries are not (see `ns_workspace_bytes`).
         """
         w, n = self.fsdp_size, self.size
         padded = self.padded_shard_rows * self.other_numel * self.itemsize

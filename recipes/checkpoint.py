@@ -156,14 +156,7 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")))
     dcp.load(optim_sd, checkpoint_id=str(ckpt / "optim"))
-    groups = optimizer.param_groups
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    # load_state_dict replaces each param-group dict; an optimizer that holds on to its
-    # groups (muon.Muon keeps (param, group) pairs) would keep stepping with the old lr.
-    # Put the loaded values into the original dicts and keep those.
-    for kept, loaded in zip(groups, optimizer.param_groups, strict=True):
-        kept.update({k: v for k, v in loaded.items() if k != "params"})
-    optimizer.param_groups = groups
     state = json.loads((ckpt / "trainer.json").read_text())
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
