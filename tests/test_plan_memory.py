@@ -17,19 +17,12 @@ barrier) on the ranks that own a remainder matrix (busy) and those that own none
   (n padded shards): gloo stages a flat copy of the all-gather output and of the
   reduce-scatter input (4 MiB here, measured on bare collectives; NCCL does not), a gloo
   worker thread can free the all-gather's send buffer and slab only after the reduce-scatter
-  buffers exist, and the output-shard gap described below.
+  buffers exist.
 - the real step, compared with the planner's per-batch peak (`exchange_buffer_bytes +
   ns_workspace_bytes`): the plan must be an upper bound within 10% (+ the AGRS gloo slack) and
   not more than 1.6x the measured peak (the NS workspace is a rough, conservative estimate).
 
-Measured with muon/plan.py of 7d57fce (MiB; planned / measured, busy | idle):
-  exchange only   agrs 8 / 13-18 | 5 / 9-14   pad_all2all 6 / 6 | 6 / 6    ragged 4 / 4 | 1 / 1
-  real step       agrs 16 / 13-14 | 5 / 9-14  pad_all2all 14 / 10 | 14 / 10  ragged 12 / 8 | 1 / 1
-AGRS busy without gloo's 4 MiB staging is 9 MiB against 8 planned: muon.comm.agrs allocates the
-n*padded output shards while the last owned matrix and its NS result are still referenced (the
-loop variables survive `del mats`). The NS workspace plans 3 rows x cols per block; beyond the
-exchange buffers (which hold the NS output) the step measured 1 rows x cols + 2 small^2 (the
-normalized input, X X^T and its polynomial), so busy peaks are planned 4 MiB high here.
+Any gap between muon/plan.py's phase accounting and muon/comm.py's allocations fails here.
 """
 
 from __future__ import annotations
@@ -244,18 +237,8 @@ def _by_role(ranks, strategy):
     return busy + idle
 
 
-def _xfail_for(strategy: str, known: dict[str, str]):
-    if strategy in known:
-        return pytest.param(strategy, marks=pytest.mark.xfail(reason=known[strategy]))
-    return strategy
-
-
-KNOWN_EXCHANGE: dict[str, str] = {}  # strategy -> reason, for plan gaps reported upstream
-KNOWN_STEP: dict[str, str] = {}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [_xfail_for(s, KNOWN_EXCHANGE) for s in STRATEGIES])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_exchange_buffers_match_measured(measured, strategy):
     for row in _by_role(measured, strategy):
         assert row["planned_sent"] == row["measured_sent"]
@@ -267,7 +250,7 @@ def test_planned_exchange_buffers_match_measured(measured, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [_xfail_for(s, KNOWN_STEP) for s in STRATEGIES])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_step_peak_bounds_measured(measured, strategy):
     for row in _by_role(measured, strategy):
         planned, got = row["planned_peak"], row["measured_step"]
