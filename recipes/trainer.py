@@ -51,18 +51,24 @@ def _groups_by_algorithm(opt: torch.optim.Optimizer) -> dict[str, list[torch.Ten
 
 class StopSignal:
     """SIGUSR1 (Slurm's warning before a time limit or preemption, forwarded to every rank by
-    torchrun's --signals-to-handle) asks for a checkpoint and a clean exit at the next step
+    torchrun's --signals-to-handle) or SIGTERM (Slurm's own preemption and time limit, which
+    torchrun forwards by default) asks for a checkpoint and a clean exit at the next step
     boundary. Ranks may get it at different moments, so they agree with one MAX all-reduce
     per step (a single int) before acting."""
 
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
     def __init__(self, device: torch.device) -> None:
         self.received = False
+        self.name = ""
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, self._handle)
+            for sig in self.SIGNALS:
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+        self.name = signal.Signals(signum).name
 
     def requested(self) -> bool:
         """Collective: did any rank receive the signal?"""
@@ -266,7 +272,8 @@ class Trainer:
                 path = self.save()
             if stopping:
                 if self.rank == 0:
-                    log.info("SIGUSR1: stopped at step %d, checkpoint %s", self.step, path)
+                    by = stop.name or "a peer rank's signal"
+                    log.info("%s: stopped at step %d, checkpoint %s", by, self.step, path)
                 break
         if bar is not None:
             bar.close()

@@ -213,9 +213,11 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
+def test_torchrun_world_checkpoints_and_stops_on_sigterm(cache, tmp_path):
     """Under torchrun (the SLURM path) every rank runs train.py and joins the launcher's world;
-    SIGUSR1, forwarded to the ranks, commits a checkpoint and ends the run cleanly."""
+    SIGTERM (Slurm's preemption), forwarded to the ranks, commits a checkpoint and ends the run
+    cleanly. SIGUSR1, the batch script's early warning, takes the same path
+    (tests/test_slurm.py sends it through a real Slurm)."""
     args = ["mesh.world_size=2", "mesh.ep=1", "train.steps=500", "checkpoint.every=0"]
     # Muon knobs that only pass through, run once end to end here.
     args += ["optim.router=muon", "optim.max_inflight=1", "optim.enable_all2all=false"]
@@ -223,7 +225,7 @@ def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
     args += ["logger=none", "metrics.memory_every=1000", "metrics.progress=false"]
     args += [*_small(cache), f"run.root={tmp_path}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--signals-to-handle=SIGUSR1"]
+    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
     proc = subprocess.Popen(
         [*cmd, str(ROOT / "train.py"), *args],
         cwd=tmp_path,
@@ -238,9 +240,9 @@ def test_torchrun_world_checkpoints_and_stops_on_sigusr1(cache, tmp_path):
         metrics = list(tmp_path.glob("default/*/metrics.jsonl"))
         metrics = metrics and metrics[0].read_text().splitlines()
         time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGUSR1)  # torchrun forwards it to both ranks
+    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to both ranks
     out, _ = proc.communicate(timeout=120)  # torchrun itself then exits with SignalException
-    assert "SIGUSR1: stopped at step" in out and "[summary]" in out, out[-4000:]
+    assert "SIGTERM: stopped at step" in out and "[summary]" in out, out[-4000:]
     (run_dir,) = (tmp_path / "default").iterdir()
     ckpt = checkpoint.latest(run_dir / "checkpoints")
     steps = [m["step"] for m in _metrics(run_dir)]
