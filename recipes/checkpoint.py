@@ -4,7 +4,8 @@ One checkpoint is a directory `<root>/step_<step:08d>/`:
 
     model/      the model state dict through HuggingFaceStorageWriter(save_distributed=True,
                 enable_consolidation=True): full tensors in safetensors, any world can read it
-    optim/      the optimizer state dict (Muon momentum included) as DCP files
+    optim/      the optimizer's tensors (Muon momentum, AdamW moments and steps) the same way,
+                keyed `state.<param FQN>.<name>`; param groups and scalar state in plain.json
     trainer.json  step, samples consumed, scheduler state, counters, the world that wrote it
     rng/rank_<r>.pt  each rank's RNG states (restored only on a world of the same size)
     COMMITTED   written last; a directory without it is not a checkpoint
@@ -110,12 +111,20 @@ def save(
             str(tmp / "model"), save_distributed=True, enable_consolidation=True
         ),
     )
-    dcp.save(optim_sd, checkpoint_id=str(tmp / "optim"))
+    tensors, plain = _split_optim(optim_sd)
+    dcp.save(
+        tensors,
+        storage_writer=HuggingFaceStorageWriter(
+            str(tmp / "optim"), save_distributed=True, enable_consolidation=True
+        ),
+    )
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     _barrier()  # every rank's files are in place
     if rank == 0:
-        # The consolidated file holds the whole model; the per-rank pieces are redundant.
-        shutil.rmtree(tmp / "model" / "sharded", ignore_errors=True)
+        # The consolidated files hold the whole state; the per-rank pieces are redundant.
+        for part in ("model", "optim"):
+            shutil.rmtree(tmp / part / "sharded", ignore_errors=True)
+        (tmp / "optim" / "plain.json").write_text(json.dumps(plain, indent=1))
         world = dist.get_world_size() if dist.is_initialized() else 1
         state = dict(trainer_state, step=step, world_size=world)
         (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
@@ -126,6 +135,46 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _split_optim(optim_sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An FQN-keyed optimizer state dict as flat tensors (for safetensors) and plain data.
+
+    Scalar state (AdamW's per-parameter `step`) goes with the param groups into JSON: the same
+    on every rank, and the Hugging Face storage layer does not round-trip 0-dim tensors.
+    """
+    tensors, scalars = {}, {}
+    for fqn, state in optim_sd["state"].items():
+        for name, value in state.items():
+            key = f"state.{fqn}.{name}"
+            if value.ndim == 0:
+                scalars[key] = [value.item(), str(value.dtype).removeprefix("torch.")]
+            else:
+                tensors[key] = value
+    return tensors, {"param_groups": optim_sd["param_groups"], "scalars": scalars}
+
+
+def _join_optim(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
+    """Inverse of `_split_optim`: back to {"state": {fqn: {name: t}}, "param_groups": [...]}."""
+    scalars = {
+        key: torch.tensor(value, dtype=getattr(torch, dtype))
+        for key, (value, dtype) in plain["scalars"].items()
+    }
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in {**tensors, **scalars}.items():
+        fqn, name = key.removeprefix("state.").rsplit(".", 1)
+        state.setdefault(fqn, {})[name] = value
+    return {"state": state, "param_groups": plain["param_groups"]}
+
+
+def read_optimizer_state(ckpt: Path) -> dict:
+    """A checkpoint's optimizer state dict with full tensors, in one process (for inspection)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted((Path(ckpt) / "optim").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return _join_optim(tensors, json.loads((Path(ckpt) / "optim" / "plain.json").read_text()))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -155,7 +204,9 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     ckpt = Path(ckpt)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")))
-    dcp.load(optim_sd, checkpoint_id=str(ckpt / "optim"))
+    tensors, _ = _split_optim(optim_sd)
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(ckpt / "optim")))
+    optim_sd = _join_optim(tensors, json.loads((ckpt / "optim" / "plain.json").read_text()))
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     state = json.loads((ckpt / "trainer.json").read_text())
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -65,11 +65,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _optim_state(ckpt: Path, tmp: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt / "optim"), str(out))
-    return torch.load(out, weights_only=False)["state"]
+    return checkpoint.read_optimizer_state(ckpt)["state"]
 
 
 def _assert_same(a, b, path=""):
