@@ -18,8 +18,8 @@ has none) and an idle rank (one that does not) of the FSDP group:
 - sent:   bytes the rank sends for all the group's batches, both directions (`bytes_sent`)
 - coll:   the largest receive buffer of one collective (`collective_buffer_bytes`); for AGRS
           the all-gather output, the buffer of the GLM-5.2 out-of-memory
-- peak:   the largest per-batch peak: NS input shards (a Nesterov copy of the rank's shards)
-          + exchange buffers alive at once (`exchange_buffer_bytes`)
+- peak:   the largest per-batch peak: exchange buffers alive at once, NS inputs included
+          (`exchange_buffer_bytes`) + on the local path one parameter's Nesterov input
           + Newton-Schulz temporaries (`ns_workspace_bytes`)
 
 The footer adds, for the `--rank` view, the resident parameter + gradient + optimizer-state
@@ -122,8 +122,12 @@ def resident_bytes(opt) -> int:
 
 # --------------------------------------------------------------------------- reading the plans
 def input_bytes(b: BatchPlan, r: int, nesterov: bool) -> int:
-    """NS input shards the step allocates for a batch: Nesterov's `grad.lerp(buf)` copies."""
-    return b.size * b.shard_bytes(r) if nesterov and b.fsdp_size > 1 else 0
+    """NS input the step allocates outside the exchange buffers: on the local path, Nesterov's
+    `grad.lerp(buf)` of the one parameter being stepped (exchanges write their inputs straight
+    into the send buffer, which `exchange_buffer_bytes` counts)."""
+    if b.path != "local" or not nesterov:
+        return 0
+    return b.shard_bytes(r) if b.fsdp_size > 1 else b.matrix_bytes
 
 
 def batch_peak(b: BatchPlan, r: int, ns_itemsize: int, nesterov: bool) -> int:
