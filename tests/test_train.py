@@ -64,7 +64,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _optim_state(ckpt: Path, tmp: Path) -> dict:
+def _optim_state(ckpt: Path) -> dict:
     return checkpoint.read_optimizer_state(ckpt)["state"]
 
 
@@ -122,7 +122,7 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
         m1, m2, m3 = (load_file(checkpoint.model_file(c)) for c in ckpts)
         _assert_same(m1, m2)
         assert any(not torch.equal(m2[k], m3[k]) for k in m2)
-        _assert_same(_optim_state(ckpts[0], tmp_path), _optim_state(ckpts[1], tmp_path))
+        _assert_same(_optim_state(ckpts[0]), _optim_state(ckpts[1]))
     # The strategies move data differently but compute the same update.
     np.testing.assert_allclose(losses["agrs"], losses["pad_all2all"], rtol=1e-5)
     np.testing.assert_allclose(losses["agrs"], losses["ragged_all_to_all"], rtol=1e-5)
@@ -162,7 +162,7 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     final = [checkpoint.latest(d / "checkpoints") for d in (ref, res)]
     assert [c.name for c in final] == ["step_00000004"] * 2
     _assert_same(*(load_file(checkpoint.model_file(c)) for c in final))
-    _assert_same(*(_optim_state(c, tmp_path) for c in final))
+    _assert_same(*(_optim_state(c) for c in final))
     # The transformers-layout export of the final model holds the same weights.
     from models.glm.hf_adapter import import_hf
 
@@ -204,7 +204,7 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     m1, m2, m3, _ = (load_file(checkpoint.model_file(c)) for c in ckpts)
     _assert_same(m1, m2)
     assert any(not torch.equal(m2[k], m3[k]) for k in m2)
-    o1, o2 = (_optim_state(c, tmp_path) for c in ckpts[:2])
+    o1, o2 = (_optim_state(c) for c in ckpts[:2])
     _assert_same(o1, o2)  # AdamW moments and step counts untouched
 
 
