@@ -216,6 +216,17 @@ class Cluster:
         tail = _tail(log)
         pytest.fail(f"job {job_id}: not {what} after {deadline_s}s: {info}\n--- log ---\n{tail}")
 
+    def wait_idle(self, deadline_s: float) -> None:
+        """Wait until every node is idle (no job still completing on it)."""
+        end = time.monotonic() + deadline_s
+        states: list[str] = []
+        while time.monotonic() < end:
+            states = self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.split()
+            if states and all(s == "idle" for s in states):
+                return
+            time.sleep(0.3)
+        pytest.fail(f"nodes not idle after {deadline_s}s: {states}")
+
     def wait_done(self, job_id: str, deadline_s: float, log: Path | None = None):
         info = self.wait(
             job_id,
@@ -383,6 +394,11 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert ckpts and ckpts[-1] > 0, f"no committed checkpoint to resume from\n{_tail(log)}"
     k = ckpts[-1]
     assert k < steps
+    # Releasing at once can start the job in the same second its previous run's credential was
+    # revoked, which slurmd compares at one-second resolution ("Job credential revoked"): wait
+    # for the node to be idle and that second to pass. (A real requeue is held ~120 s anyway.)
+    cluster.wait_idle(30)
+    time.sleep(1.5)
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     cluster.wait_done(job, 120, log)
 
