@@ -24,6 +24,7 @@ from torch import nn
 
 import muon
 from muon import Muon, param_groups
+from tests.reference import ref_ns
 
 FIXED = [(3.4445, -4.7750, 2.0315)]
 TUNED = [
@@ -43,21 +44,6 @@ BF16_PARITY_TOL = 0.06
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def ref_ns(G, coefficients, steps=5, eps=1e-7):
-    X = G.double()
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT
-    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for i in range(steps):
-        a, b, c = coefficients[min(i, len(coefficients) - 1)]
-        A = X @ X.mT
-        X = a * X + (b * A + c * (A @ A)) @ X
-    if tall:
-        X = X.mT
-    return X
 
 
 def ref_adjusted_lr(lr, mode, rows, cols):

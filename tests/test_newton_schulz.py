@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from muon.newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize_blocks
+from tests.reference import ref_ns
 
 FIXED = (3.4445, -4.7750, 2.0315)
 TUNED = [
@@ -33,22 +34,6 @@ TUNED = [
 FIXED_BAND = (0.6818, 1.1344)
 TUNED_BAND = (0.9778, 1.0318)
 MIN_NORMALIZED_SV = 0.01
-
-
-def ref_ns(G, coefficients, steps=5, eps=1e-7):
-    """float64 reference of the spec's Newton-Schulz on [..., rows, cols]."""
-    X = G.double()
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT
-    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for i in range(steps):
-        a, b, c = coefficients[min(i, len(coefficients) - 1)]
-        A = X @ X.mT
-        X = a * X + (b * A + c * (A @ A)) @ X
-    if tall:
-        X = X.mT
-    return X
 
 
 def scalar_map(x, coefficients, steps=5):
