@@ -24,11 +24,9 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-RemainderStrategy = Literal["agrs", "pad_all2all", "ragged_all_to_all"]
 REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
 PATHS: tuple[str, ...] = ("local", "subgroup", "full", *REMAINDER_STRATEGIES)
 
