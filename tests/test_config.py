@@ -173,7 +173,10 @@ def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("optim.remainder_strategy=agsr", "expected one of [agrs, pad_all2all, ragged_all_to_all]"),
+        (
+            "optim.remainder_strategy=agsr",
+            "expected one of [agrs, pad_all2all, ragged_all_to_all, auto]",
+        ),
         ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
     ],
 )
