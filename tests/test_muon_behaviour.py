@@ -85,6 +85,16 @@ def _behaviour_world():
         AsyncRuntime.run = real_run
     out["peak_inflight"] = seen[0]
 
+    # auto: link constants measured at construction (the same on every rank), a choice per
+    # remainder batch, visible in step_stats
+    opt = Muon(_sharded(shapes, mesh), remainder_strategy="auto")
+    opt.step()
+    out["auto"] = (
+        opt.plan.link,
+        sorted({b.path for _, bs in opt.plans for b in bs}),
+        {k: v for k, v in opt.step_stats.items() if k.endswith("/batches")},
+    )
+
     # padding slots run no Newton-Schulz: one real matrix on W=4 is orthogonalized once
     calls: list[bool] = []
     real_orthogonalize = muon_optimizer._orthogonalize
@@ -140,6 +150,11 @@ def test_memory_balance_inflight_and_fingerprint():
         # LPT by cost: no rank more than the largest matrix's cost above the least loaded
         assert max(loads) - min(loads) <= ns_flops(24, 4), (strategy, loads)
     assert all(r["peak_inflight"] == 2 for r in results)
+    link, paths, batches = results[0]["auto"]
+    assert all(r["auto"][0] == link for r in results)
+    assert link.latency_s > 0 and link.bytes_per_s > 0
+    assert paths == ["full", "ragged_all_to_all"]  # one full batch, five remainders on W=4
+    assert batches == {"muon/full/batches": 1.0, "muon/ragged_all_to_all/batches": 5.0}
     calls = [c for r in results for c in r["pad_ns_calls"]]
     assert calls == [False], f"pad_all2all ran Newton-Schulz on padding slots: {calls}"
     for r in results:

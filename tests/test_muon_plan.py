@@ -3,6 +3,8 @@
 No collectives: these run in-process. The GLM-5.2 numbers come from the seed discussion.
 """
 
+from dataclasses import replace
+
 import pytest
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
@@ -192,3 +194,46 @@ def test_groups_replaced_by_load_state_dict_are_used():
     p.grad = torch.randn(4, 4)
     opt.step()
     assert torch.allclose(p, torch.ones(4, 4))
+
+
+def test_auto_picks_the_fastest_remainder_that_fits_the_budget():
+    """`remainder_strategy="auto"`: per remainder batch, the lowest modelled time among the
+    strategies whose planned peak fits; with no strategy fitting, the smallest peak."""
+    from muon.cost import LinkModel
+    from muon.plan import choose_remainder
+
+    mp = _flat_mesh(8)
+    metas = [_meta(i, (1024, 256), dtype="float32", itemsize=4) for i in range(11)]
+    link = LinkModel(latency_s=1e-5, bytes_per_s=1e10, flops_per_s=1e12)
+    full, rem = _plan(metas, mp, "auto", link=link)
+    assert (full.path, full.size, rem.size) == ("full", 8, 3)
+    # the ragged exchange sends the fewest bytes from its busiest rank and holds the least
+    assert rem.path == "ragged_all_to_all"
+    times = {
+        s: _plan(metas, mp, s)[1].modelled_s(link)
+        for s in ("agrs", "pad_all2all", "ragged_all_to_all")
+    }
+    assert min(times, key=times.get) == "ragged_all_to_all", times
+    # a budget only agrs-sized batches would exceed leaves the choice alone; one nothing fits
+    # picks the smallest planned peak
+    probe = replace(rem, owners=(0, 1, 2))
+    peaks = {
+        s: max(replace(probe, path=s).peak_bytes(r, 4) for r in range(8))
+        for s in ("agrs", "pad_all2all", "ragged_all_to_all")
+    }
+    assert choose_remainder(probe, link=link, memory_budget=max(peaks.values())) == rem.path
+    smallest = min(peaks, key=peaks.get)
+    assert choose_remainder(probe, link=link, memory_budget=1) == smallest
+    # without all-to-all, auto means agrs (no warning: nothing the user asked for is dropped)
+    import warnings
+
+    import torch
+
+    from muon import Muon
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = Muon(
+            [torch.nn.Parameter(torch.ones(4, 4))], remainder_strategy="auto", enable_all2all=False
+        )
+    assert opt.remainder_strategy == "agrs"
