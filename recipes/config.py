@@ -206,10 +206,14 @@ class Config:
 
 
 def register() -> None:
-    """Register the schema and the run-dir resolver (idempotent)."""
+    """Register the schema and the resolvers of conf/train.yaml (idempotent)."""
+    from recipes.help import schema_help
+
     ConfigStore.instance().store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id)
+    if not OmegaConf.has_resolver("schema_help"):
+        OmegaConf.register_new_resolver("schema_help", schema_help)
 
 
 def run_id(override_dirname: str) -> str:

@@ -161,6 +161,22 @@ def test_every_field_has_help():
     walk(schema.Config)
 
 
+def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
+    """`--help` renders the schema for the composed config (here optim=adamw's values)."""
+    proc, _ = _train_py("optim=adamw", "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
+    assert "[agrs, pad_all2all, ragged_all_to_all]" in strategy
+    assert "# Muon exchange for batches smaller than the FSDP group" in strategy
+    for start in ("optim.lr = 0.003  # ", "optim.nesterov = true  [true, false]  # "):
+        assert any(line.startswith(start) for line in lines), start
+    keys = {line.split(" = ")[0] for line in lines if line[:1].islower() and "  # " in line}
+    assert keys == {line.split(" = ")[0] for line in schema.describe()}
+    assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
