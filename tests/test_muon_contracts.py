@@ -152,10 +152,16 @@ def _add_group_case(flat):
 def _grad_none_cases(flat):
     """Parameters without a grad on every rank are left as they are, momentum and step too."""
     rank = dist.get_rank()
-    # a full batch + R=1 of (10, 7), fused experts whole on each rank, an AdamW matrix
-    shapes = [(10, 7)] * 5 + [(16, 6)] * 2 + [(6, 3)]
-    spec = [({}, range(5)), ({"num_experts": 4}, [5, 6]), ({"algorithm": "adamw"}, [7])]
-    skip = {1, 4, 6, 7}  # one in the full batch, the remainder, one expert matrix, the AdamW one
+    # a full batch + R=1 of (10, 7); fused experts whole on each rank (local) and spanning two
+    # ranks (sub-group); an AdamW matrix. Skipped: one of each kind.
+    shapes = [(10, 7)] * 5 + [(16, 6)] * 2 + [(6, 3)] + [(16, 5)] * 2
+    spec = [
+        ({}, range(5)),
+        ({"num_experts": 4}, [5, 6]),
+        ({"algorithm": "adamw"}, [7]),
+        ({"num_experts": 2}, [8, 9]),
+    ]
+    skip = {1, 4, 6, 7, 9}
     out = {}
     for s in STRATEGIES:
         init = _tensors(shapes, 3)
