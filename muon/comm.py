@@ -37,7 +37,7 @@ def _a2a(out, inp, out_splits, in_splits, group):
 
 def _ns_block_bytes(b, ns_itemsize: int) -> int:
     """Newton-Schulz temporaries of one block: X and the next X, plus two square Grams."""
-    rows, cols = b.block_rows, b.other_numel
+    rows, cols = b.block_rows, b.block_cols
     small = min(rows, cols)
     return 2 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
 

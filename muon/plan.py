@@ -85,8 +85,10 @@ def resolve_mesh_comm_plan(
 
     `mesh_ranks` is the mesh's rank grid as nested lists (`mesh.mesh.tolist()`), `coordinate`
     this rank's coordinate in it. Size-1 mesh dims count as replicated. One active shard dim is
-    the comm group; two must be exactly FSDP + EP on the same tensor dim: the FSDP dim is the one
-    FSDP2 marks as `_StridedShard` (else the outer one) and EP is the other, by elimination.
+    the comm group; two must be exactly FSDP + EP on tensor dim 0. The FSDP dim is the one whose
+    ranks together hold one contiguous EP-local slab: the one FSDP2 marks `_StridedShard` (its
+    split applies after the EP split), and with two plain `Shard(0)`s the inner (later) mesh dim,
+    since DTensor splits along the mesh dims in order. EP is the other, by elimination.
     """
     active = [
         (d, _shard_dim(p))
@@ -100,7 +102,14 @@ def resolve_mesh_comm_plan(
         ep_dim, factor = None, 1
     elif len(active) == 2 and active[0][1] == active[1][1] == 0:
         strided = [d for d, _ in active if isinstance(placements[d], _StridedShard)]
-        fsdp_dim = strided[0] if len(strided) == 1 else active[0][0]
+        if len(strided) > 1:
+            raise NotImplementedError(
+                f"Muon: placements {placements} stride both sharded mesh dims; expected FSDP2's "
+                "(_StridedShard(0), Shard(0)) or a plain (Shard(0), Shard(0)) expert layout"
+            )
+        # with plain Shard(0)s the outer mesh dim cuts the contiguous EP slabs and the inner one
+        # splits each slab: the inner one is FSDP
+        fsdp_dim = strided[0] if strided else active[-1][0]
         (ep_dim,) = (d for d, _ in active if d != fsdp_dim)
         tensor_dim, factor = 0, mesh_shape[ep_dim]
     else:
@@ -199,11 +208,14 @@ class BatchPlan:
 
     @property
     def block_rows(self) -> int:
-        return self.fsdp_visible_rows // self.num_blocks
+        """Rows of one block: blocks are runs of the parameter's dim 0 (a matrix sharded on
+        another dim is orthogonalized in its own `[dim 0, rest]` layout)."""
+        rows = self.fsdp_visible_rows if self.shard_tensor_dim == 0 else self.global_shape[0]
+        return rows // self.num_blocks
 
     @property
-    def unit_rows(self) -> int:
-        return self.block_rows if self.path == "subgroup" else self.fsdp_visible_rows
+    def block_cols(self) -> int:
+        return self.fsdp_visible_rows * self.other_numel // (self.block_rows * self.num_blocks)
 
     @property
     def blocks_per_unit(self) -> int:
@@ -230,7 +242,7 @@ class BatchPlan:
 
     def block_flops(self) -> int:
         """Newton-Schulz FLOPs of one `[block_rows, other_numel]` block (`muon.cost`)."""
-        return ns_flops(self.block_rows, self.other_numel, steps=self.ns_steps)
+        return ns_flops(self.block_rows, self.block_cols, steps=self.ns_steps)
 
     # the path object in `muon.comm` owns every cost; these forward to it
     @property
