@@ -100,7 +100,9 @@ def test_interrupted_save_keeps_previous_then_keep_prunes(tmp_path):
     assert [p.name for p in checkpoint.committed(tmp_path)] == ["step_00000004", "step_00000005"]
     assert json.loads((tmp_path / "step_00000005" / "trainer.json").read_text())["samples"] == 55
     assert not list(tmp_path.glob(".tmp-*"))
-    assert checkpoint.model_file(tmp_path / "step_00000005").suffix == ".safetensors"
+    assert sorted(p.name for p in (tmp_path / "step_00000005" / "model").iterdir()) == [
+        ".metadata", *(f"__{r}_0.distcp" for r in range(4))
+    ]
 
 
 def test_latest_ignores_uncommitted(tmp_path):

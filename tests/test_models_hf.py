@@ -1,5 +1,6 @@
-"""Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields
-(checked against hf-glm4moe.md; transformers itself is not a dependency), fused 3-D import."""
+"""Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields,
+multi-file export split by size, fused 3-D import, sharded import on a mesh, and parity with
+transformers itself (when installed: the dev extra pins it)."""
 
 import json
 import os
@@ -7,10 +8,10 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.hf_adapter import export_hf, import_hf, load_safetensors, save_safetensors
+from models.glm.hf_adapter import INDEX, export_hf, import_hf
 
 CFG = GLMConfig(
     vocab_size=40,
@@ -107,24 +108,59 @@ def _expected_hf_shapes(c: GLMConfig) -> dict[str, tuple]:
     return shapes
 
 
+def _read_dir(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported directory, through its index (the safetensors library)."""
+    index = json.loads((path / INDEX).read_text())
+    out = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(path / name)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def _write_single(path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace a directory's weights by one `model.safetensors` (transformers' small layout)."""
+    for old in [*path.glob("*.safetensors"), path / INDEX]:
+        old.unlink(missing_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_layout_and_exact_round_trip(tmp_path, tied):
     head_dim = None if tied else CFG.head_dim  # None: derived from hidden / heads (4)
     cfg = GLMConfig(**{**CFG.to_dict(), "tie_word_embeddings": tied, "head_dim": head_dim})
     model = _model(cfg)
-    export_hf(model, cfg, str(tmp_path))
+    # Files of at most 4 KiB: several files, each tensor whole in one of them.
+    written = export_hf(model, cfg, str(tmp_path), max_shard_bytes=4096)
+    files = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(files) > 3 and sorted(written) == sorted(
+        [f.name for f in files] + [INDEX, "config.json"]
+    )
+    n = len(files)
+    assert [f.name for f in files] == [
+        f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)
+    ]
+    assert not list(tmp_path.glob(".*"))  # no staging or temporary files left
 
     # Key names and shapes as transformers writes them; read with the real safetensors library.
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "pt"}
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    shapes, sizes = {}, {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for k in f.keys():  # noqa: SIM118
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+                sizes[path.name] = sizes.get(path.name, 0) + f.get_tensor(k).nbytes
     assert shapes == _expected_hf_shapes(cfg)
+    assert all(v <= 4096 for v in sizes.values())  # no tensor here is larger than 4 KiB
+    assert json.loads((tmp_path / INDEX).read_text())["metadata"]["total_size"] == sum(
+        sizes.values()
+    )
     assert ("lm_head.weight" in shapes) is not tied
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
     assert ("head_dim" in hf_cfg) is not tied
 
     # Fused weights split as documented: gate rows then up rows per expert.
-    on_disk = load_safetensors(str(tmp_path / "model.safetensors"))
+    on_disk = _read_dir(tmp_path)
     gu = model.model.layers[1].mlp.experts.gate_up_proj.detach().view(4, 16, 16)
     assert torch.equal(on_disk["model.layers.1.mlp.experts.2.gate_proj.weight"], gu[2, :8])
     assert torch.equal(on_disk["model.layers.1.mlp.experts.2.up_proj.weight"], gu[2, 8:])
@@ -143,6 +179,21 @@ def test_export_layout_and_exact_round_trip(tmp_path, tied):
     other.load_state_dict(sd, strict=True)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
     assert torch.equal(other(ids), model(ids))
+
+
+def test_bf16_export_keeps_router_fp32(tmp_path):
+    """bf16 export: matrices rounded to bf16, the router weight and bias kept in float32."""
+    model = _model(CFG)
+    export_hf(model, CFG, str(tmp_path), dtype=torch.bfloat16)
+    on_disk = _read_dir(tmp_path)
+    assert on_disk["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert on_disk["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    q = on_disk["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q, model.model.layers[0].self_attn.q_proj.weight.detach().bfloat16())
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    _, sd = import_hf(str(tmp_path))  # bf16 files load into float32 weights
+    assert torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], q.float())
 
 
 def test_config_json_fields(tmp_path):
@@ -190,7 +241,7 @@ def test_config_json_fields(tmp_path):
 def test_import_fused_3d_layout_and_sharded_index(tmp_path):
     model = _model(CFG)
     export_hf(model, CFG, str(tmp_path / "a"))
-    hf = load_safetensors(str(tmp_path / "a" / "model.safetensors"))
+    hf = _read_dir(tmp_path / "a")
     E, I, H = 4, 8, 16
     fused = {}
     for k, v in hf.items():
@@ -225,29 +276,18 @@ def test_import_fused_3d_layout_and_sharded_index(tmp_path):
         assert torch.equal(sd[k], v), k
 
 
-def test_bf16_round_trip_and_safetensors_compat(tmp_path):
-    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.arange(7), "c": torch.zeros(0, 4)}
-    save_safetensors(tensors, str(tmp_path / "x.safetensors"))
-    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
-        for k, v in tensors.items():
-            assert torch.equal(f.get_tensor(k), v), k
-    back = load_safetensors(str(tmp_path / "x.safetensors"))
-    for k, v in tensors.items():
-        assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
-
-
 def test_import_errors_and_hf_defaults(tmp_path):
     model = _model(CFG)
     export_hf(model, CFG, str(tmp_path))
-    hf = load_safetensors(str(tmp_path / "model.safetensors"))
+    hf = _read_dir(tmp_path)
     # A missing correction bias loads as zeros (as transformers does).
     del hf["model.layers.2.mlp.gate.e_score_correction_bias"]
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _write_single(tmp_path, hf)
     _, sd = import_hf(str(tmp_path))
     assert torch.equal(sd["model.layers.2.mlp.gate.e_score_correction_bias"], torch.zeros(4))
     # A missing piece of one expert is an error naming it.
     del hf["model.layers.1.mlp.experts.3.up_proj.weight"]
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _write_single(tmp_path, hf)
     with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight"):
         import_hf(str(tmp_path))
     # A config.json key left out means transformers' default, not ours.
@@ -255,12 +295,14 @@ def test_import_errors_and_hf_defaults(tmp_path):
     del hf_cfg["rope_parameters"], hf_cfg["rope_theta"], hf_cfg["routed_scaling_factor"]
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     hf["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(8, 16)
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _write_single(tmp_path, hf)
     cfg, _ = import_hf(str(tmp_path))
     assert cfg.routed_scaling_factor == 1.0 and cfg.rope_theta == 10000.0
-    # A shape that does not fit the config is an error.
+    # A shape that does not fit the config is an error naming the key and both shapes.
     hf["model.norm.weight"] = torch.ones(17)
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(17,\) != \(16,\)"):
+    _write_single(tmp_path, hf)
+    with pytest.raises(
+        ValueError, match=r"model\.norm\.weight: \(17,\) in the files, the model needs \(16,\)"
+    ):
         import_hf(str(tmp_path))
     assert os.path.exists(tmp_path / "config.json")
