@@ -23,7 +23,7 @@ Asynchronous saves (`Checkpointer(async_mode=True)`, DCP's async_save): the call
 copy of this rank's state (so it costs the rank's own shards once more while the write runs),
 writes it on a background thread and returns; training goes on. The commit (trainer.json,
 COMMITTED, rename) happens at the next `save` or at `wait()`, after every rank's write has
-finished. The background writes coordinate over a dedicated gloo group, so they never
+finished. The background writes coordinate over dedicated gloo groups, so they never
 interleave with the training collectives on the default group.
 """
 
@@ -104,10 +104,11 @@ class Checkpointer:
     def __init__(self, root: Path, *, keep: int, async_mode: bool = False) -> None:
         self.root, self.keep, self.async_mode = Path(root), keep, async_mode
         self._pending: tuple[Path, int, dict, list[Future]] | None = None
-        self._group = None
+        self._groups = {"model": None, "optim": None}
         if async_mode and dist.is_initialized():
-            # Background writes gather their plans over this group, never the default one.
-            self._group = dist.new_group(backend="gloo")
+            # The two background writes (model, optimizer) run concurrently, each gathering its
+            # plans over its own group: never the default group, never each other's.
+            self._groups = {part: dist.new_group(backend="gloo") for part in self._groups}
 
     def save(
         self,
@@ -131,11 +132,12 @@ class Checkpointer:
         state = dict(trainer_state, step=step, world_size=_world())
         if self.async_mode:
             futures = [
-                dcp.async_save(sd, storage_writer=FileSystemWriter(tmp / part), process_group=g)
-                for part, sd, g in (
-                    ("model", model_sd, self._group),
-                    ("optim", optim_sd, self._group),
+                dcp.async_save(
+                    sd,
+                    storage_writer=FileSystemWriter(tmp / part),
+                    process_group=self._groups[part],
                 )
+                for part, sd in (("model", model_sd), ("optim", optim_sd))
             ]
             self._pending = (tmp, step, state, futures)
         else:
