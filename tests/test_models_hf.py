@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.hf_adapter import INDEX, export_hf, import_hf
+from tests.harness import run_world
 
 CFG = GLMConfig(
     vocab_size=40,
@@ -306,3 +307,156 @@ def test_import_errors_and_hf_defaults(tmp_path):
     ):
         import_hf(str(tmp_path))
     assert os.path.exists(tmp_path / "config.json")
+
+
+# ---------------------------------------------------------------- transformers itself (W=4, ep 2)
+
+HF_KW = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rope_theta=5000.0,
+    num_nextn_predict_layers=0,
+)
+
+
+def _transformers_bf16_dir(path) -> None:
+    """A random Glm4Moe saved by transformers in bf16 over several files: norms away from 1,
+    non-zero biases and router correction bias, so a swapped or dropped tensor shows."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**HF_KW))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.to(torch.bfloat16).save_pretrained(str(path), max_shard_size="40KB")
+
+
+def _transformers_logits(path, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """transformers' own float32 forward of a directory (eager attention and experts)."""
+    from transformers import Glm4MoeForCausalLM
+
+    model, info = Glm4MoeForCausalLM.from_pretrained(
+        str(path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+    )
+    with torch.no_grad():
+        return model(ids).logits, info
+
+
+def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, ids):
+    """Start from the transformers directory as a run does (checks, build, init_from), measure
+    the import, run the forward, then checkpoint and export on every rank."""
+    from recipes import checkpoint
+    from recipes.config import from_yaml, validate
+    from recipes.hf import export_checkpoint, init_from
+    from recipes.memory import MemoryMeter
+    from recipes.parallel import build_model, model_config
+
+    cfg = from_yaml(config_yaml)
+    validate(cfg)  # includes the header check of the directory
+    meter = MemoryMeter("cpu")
+    model = build_model(cfg, torch.device("cpu"))
+    # A checkpoint holds optimizer state too: one AdamW step at lr 0 (below) creates it and
+    # leaves the weights those of the files.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)
+    with meter.measure("import") as m:
+        init_from(model, hf_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).numpy()
+    ids_t = torch.tensor(ids)
+    model.loss(ids_t, ids_t).backward()
+    opt.step()
+    state = {"model_config": model_config(cfg).to_dict()}
+    ckpt = checkpoint.save(ckpt_root, 1, model, opt, state, keep=1)
+    written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
+    return logits, m.peak_delta_bytes(), written
+
+
+@pytest.mark.slow
+def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_path):
+    """A bf16 checkpoint saved by transformers (several files) starts a 4-rank ep=2 run with
+    the logits of transformers' float32 forward; our export of it (written by all 4 ranks)
+    loads back in transformers with every tensor and the same logits. Each rank's import
+    peak above its shards stays within one expert's weights."""
+    pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+
+    from models.glm.hf_adapter import config_from_hf
+    from recipes.config import Config
+
+    src = tmp_path / "hf"
+    _transformers_bf16_dir(src)
+    assert len(list(src.glob("model-*.safetensors"))) > 3
+    ids = torch.randint(0, HF_KW["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    want, _ = _transformers_logits(src, ids)
+
+    ours = config_from_hf(json.loads((src / "config.json").read_text())).to_dict()
+    overrides = [f"model.overrides.{k}={json.dumps(v)}" for k, v in ours.items()]
+    overrides += [f"data.vocab_size={ours['vocab_size']}", "mesh.world_size=4", "mesh.ep=2"]
+    overrides += [f"checkpoint.init_from={src}"]
+    overrides = [o for o in overrides if not o.startswith("model.overrides.vocab_size")]
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
+    out = tmp_path / "export"
+    results = run_world(
+        _init_from_world,
+        4,
+        OmegaConf.to_yaml(cfg),
+        str(src),
+        str(tmp_path / "ckpt"),
+        str(out),
+        ids.tolist(),
+    )
+    # Both forwards run in float32 on the same bf16-valued weights: they differ only by
+    # summation order (~1e-6 relative, hf-glm4moe.md section 4), far below bf16's 2^-8.
+    for logits, _, _ in results:
+        torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-5)
+    I, D = HF_KW["moe_intermediate_size"], HF_KW["hidden_size"]
+    one_expert = 3 * I * D * 4  # gate, up and down of one expert, float32
+    assert all(0 < peak <= one_expert for _, peak, _ in results), [r[1] for r in results]
+    written = [set(w) for _, _, w in results]
+    assert all(w for w in written) and not set.intersection(*written)  # every rank wrote files
+
+    back, info = _transformers_logits(out, ids)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    torch.testing.assert_close(back, want, rtol=0, atol=0)
+    theirs, exported = _read_dir_any(src), _read_dir(out)
+    assert exported.keys() == theirs.keys()
+    for k, v in theirs.items():
+        assert torch.equal(exported[k], v.float()), k
+
+
+def _read_dir_any(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
