@@ -14,6 +14,7 @@ from torch import nn
 from recipes import checkpoint
 from recipes.checkpoint import COMMITTED
 from tests.harness import WorldError, run_world
+from tests.reference import assert_same_step
 
 
 class StandIn(nn.Module):
@@ -131,13 +132,16 @@ def test_latest_ignores_uncommitted(tmp_path):
     assert checkpoint.latest(tmp_path / "missing") is None
 
 
-def _glm_config(world: int, ep: int, *extra: str) -> str:
-    """8 sequences per step on any world, so both layouts see the same global batch."""
+def _glm_config(world: int, ep: int, *extra: str, ns_dtype: str = "float32") -> str:
+    """8 sequences per step on any world, so both layouts see the same global batch. Newton-
+    Schulz in float32: bf16 would amplify the layouts' other gradient summation orders by an
+    amount that depends on the CPU (see assert_same_step)."""
     from omegaconf import OmegaConf
 
     from recipes.config import Config
 
     overrides = [f"mesh.world_size={world}", f"mesh.ep={ep}", "train.steps=4"]
+    overrides += [f"optim.ns_dtype={ns_dtype}"]
     overrides += ["data.seq_len=32", f"data.batch_size={8 // world}", "train.warmup_steps=1"]
     overrides += list(extra)
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
@@ -200,10 +204,11 @@ def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     assert biases and all(np.abs(b).max() > 0 for b in biases)  # router bias updates ran
     for key, value in saved.items():
         np.testing.assert_array_equal(loaded[key], value, err_msg=key)
-    # One more step on the other layout: same update up to reduction order. (A stale learning
-    # rate after the load, for one, would be far outside this tolerance.)
-    for key, value in after.items():
-        np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+    # One more step on the other layout: the same update up to the gradient summation order,
+    # bounded in tests/reference.py (float32 Newton-Schulz; measured: 2e-5 of the change, the
+    # bound 1e-3). A stale learning rate after the load (schedule factor 1.0 one step earlier,
+    # 0.775 now) would be over 20% of the change off.
+    assert_same_step(saved, resumed, after)
 
 
 def _local_tensors(trainer) -> list[torch.Tensor]:
@@ -238,11 +243,10 @@ def _glm_save_memory_and_async(config_yaml: str, run_dir: str, cache: str):
         trainer.save()
     async_delta = m.peak_delta_bytes()
     trainer.train_step(measure=False)  # runs while the background write may still go on
-    pending = not checkpoint.step_dir(trainer.ckpt_root, 2).exists()
     trainer.checkpointer.wait()
     fresh = Trainer(cfg, Path(run_dir), torch.device("cpu"))
     fresh.resume()
-    return sync_delta, largest, own, async_delta, pending, fresh.step, saved, _glm_snapshot(fresh)
+    return sync_delta, largest, own, async_delta, fresh.step, saved, _glm_snapshot(fresh)
 
 
 @pytest.mark.slow
@@ -255,7 +259,7 @@ def test_glm_save_peak_per_rank_and_async_save(tmp_path):
     cache = str(tmp_path / "cache")
     config = _glm_config(4, 2, "model.preset=small")
     results = run_world(_glm_save_memory_and_async, 4, config, str(tmp_path), cache)
-    for sync_delta, largest, own, async_delta, _, step, saved, loaded in results:
+    for sync_delta, largest, own, async_delta, step, saved, loaded in results:
         assert 0 < sync_delta <= largest < own
         assert own <= async_delta <= own + largest
         assert step == 2 and loaded.keys() == saved.keys()
