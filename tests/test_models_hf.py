@@ -460,3 +460,30 @@ def _read_dir_any(path) -> dict[str, torch.Tensor]:
     for f in sorted(path.glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def test_init_from_is_checked_before_launch(tmp_path):
+    """`checkpoint.init_from` is validated with the config, before any rank starts: a missing
+    tensor, a wrong shape and a config field that differs are errors naming them."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import Config, ConfigError, validate
+    from recipes.parallel import model_config
+
+    def cfg(*extra):
+        dotlist = [f"checkpoint.init_from={tmp_path}", *extra]
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+
+    with pytest.raises(ConfigError, match="checkpoint.init_from=.*no config.json"):
+        validate(cfg())
+    config = model_config(cfg())
+    export_hf(_model(config), config, str(tmp_path))
+    validate(cfg())  # fits
+    with pytest.raises(ConfigError, match=r"routed_scaling_factor: run 1\.5, files"):
+        validate(cfg("model.overrides.routed_scaling_factor=1.5"))
+    hf = _read_dir(tmp_path)
+    del hf["model.layers.1.mlp.experts.0.down_proj.weight"]
+    hf["model.norm.weight"] = torch.ones(3)
+    _write_single(tmp_path, hf)
+    with pytest.raises(ConfigError, match=r"experts\.0\.down_proj\.weight.*model\.norm\.weight"):
+        validate(cfg())

@@ -201,21 +201,33 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 << 30,
 ) -> list[str]:
-    """Write an unsharded GLMForCausalLM (or its state dict) as a transformers directory, in
-    one process. `dtype` None: the dtype of the embedding. A sharded model is exported from its
-    checkpoint instead (recipes, scripts/export_hf.py), on any number of ranks."""
+    """Write a GLMForCausalLM (or its state dict) as a transformers directory from this process.
+    `dtype` None: the dtype of the embedding.
+
+    A sharded model (DTensors) is gathered one state-dict entry at a time (the whole entry,
+    e.g. a fused expert stack, on every rank; a collective every rank joins) and rank 0 writes:
+    for tests and small models. Large models are exported from their checkpoint (the recipe's
+    `export_checkpoint`, scripts/export_hf.py), where no rank gathers anything."""
+    import torch.distributed as dist
+
     sd = model_or_state_dict
     sd = sd.state_dict() if hasattr(sd, "state_dict") else sd
-    if any(hasattr(v, "full_tensor") for v in sd.values()):
-        raise ValueError(
-            "export_hf takes unsharded tensors; export a sharded model from its checkpoint"
-        )
     dtype = dtype or sd["model.embed_tokens.weight"].dtype
+    cached: dict[str, torch.Tensor] = {}
 
     def read(source: str, row: int, rows: int) -> torch.Tensor:
-        t = sd[source].detach()
+        if source not in cached:  # experts come in row order: gather each entry once
+            cached.clear()
+            t = sd[source].detach()
+            cached[source] = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = cached[source]
         return t.narrow(0, row, rows) if t.ndim and rows != t.shape[0] else t
 
+    if dist.is_initialized() and dist.get_rank() != 0:
+        if any(hasattr(v, "full_tensor") for v in sd.values()):
+            for t in hf_tensors(config):  # the same gathers, in the same order, as rank 0
+                read(t.source, t.row, t.shape[0] if t.shape else 1)
+        return []
     return write_hf(path, config, read, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
