@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,9 @@ def trainer_state(ckpt: Path) -> dict[str, Any]:
 def _read_whole(path: Path) -> dict:
     """Every entry of a DCP directory as full tensors in this process (for inspection and tests:
     it holds the whole state; never used by the training path)."""
-    return _load_state_dict_from_keys(storage_reader=FileSystemReader(path), process_group=None)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys(storage_reader=FileSystemReader(path))
 
 
 def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:

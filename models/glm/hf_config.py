@@ -39,8 +39,6 @@ _HF_DEFAULTS = dict(
 _RENAMED = {"n_dense_layers": "first_k_dense_replace", "num_mtp_layers": "num_nextn_predict_layers"}
 
 
-
-
 def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json dict of `config` for transformers' Glm4MoeConfig."""
     c = config
