@@ -143,8 +143,8 @@ def check_algorithm(algorithm: str) -> str:
 
 
 def _sym_fraction(m: int) -> float:
-    """Share of an m x m product that `_mul(symmetric=True)` computes: the top h rows and the lower-right
-    (m - h) x (m - h) block, h = m // 2."""
+    """Share of an m x m product that `_mul(symmetric=True)` computes: the top h rows and the
+    lower-right (m - h) x (m - h) block, h = m // 2."""
     h = m // 2
     return (h * m + (m - h) ** 2) / (m * m)
 
