@@ -133,6 +133,28 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
 
 
 @pytest.mark.slow
+def test_sweep_over_a_layout_key_trains_every_job(cache, tmp_path):
+    """`-m mesh.ep=1,2`: mesh.* stays out of a single run's directory, but a sweep over it
+    gives each job its own directory, checkpoints and W&B run (2 ranks, 2 steps, offline)."""
+    args = ["-m", "mesh.ep=1,2", "mesh.world_size=2", "train.steps=2", "checkpoint.export_hf=false"]
+    out = _finish(_train_py([*args, *_small(cache)], tmp_path))
+    assert out.count("[summary]") == 2
+    runs = sorted((tmp_path / "default").glob("*mesh.ep=*"))
+    assert [r.name.split("mesh.ep=")[1][0] for r in runs] == ["1", "2"], runs
+    assert "mesh.world_size" not in runs[0].name  # not swept: still left out
+    wandb_ids = set()
+    for ep, run_dir in enumerate(runs, start=1):
+        assert OmegaConf.load(run_dir / "config.yaml").mesh.ep == ep
+        assert [m["step"] for m in _metrics(run_dir)] == [1, 2]  # trained, not resumed
+        assert [c.name for c in checkpoint.committed(run_dir / "checkpoints")] == ["step_00000002"]
+        (offline,) = run_dir.glob("wandb/offline-run-*")  # one W&B run per job, its own id
+        wandb_id = (run_dir / "wandb_id").read_text()
+        assert offline.name.endswith(f"-{wandb_id}")
+        wandb_ids.add(wandb_id)
+    assert len(wandb_ids) == 2
+
+
+@pytest.mark.slow
 def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again: the
     losses and final parameters equal an uninterrupted run's (4 ranks, ep=1)."""
