@@ -1,10 +1,12 @@
 """The cost model: Newton-Schulz FLOPs of a block, and a latency/bandwidth model of a link.
 
-One function, `ns_flops`, is the Newton-Schulz cost everywhere: the owner assignment balances
-it, the dry-run planner reports it and the benchmark compares measured time against it.
-`LinkModel` turns a collective's bytes into seconds with two constants per backend, measured
-at construction with two tiny collectives (`measure_link`) or given by the caller; the
-`remainder_strategy="auto"` choice adds it to the Newton-Schulz time of the busiest rank.
+One function, `muon.newton_schulz.ns_flops` (4·m²·n + 2·m³ per standard iteration on an m x n
+block, m <= n), is the Newton-Schulz cost everywhere: the owner assignment balances it, the
+dry-run planner reports it and the benchmark compares measured time against it; `block_flops`
+is its integer form, so every rank sums loads exactly. `LinkModel` turns a collective's bytes
+into seconds with two constants per backend, measured at construction with two tiny
+collectives (`measure_link`) or given by the caller; `remainder_strategy="auto"` compares the
+remainder strategies with it.
 """
 
 from __future__ import annotations
@@ -15,16 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from muon.newton_schulz import ns_flops
 
-def ns_flops(rows: int, cols: int, *, steps: int = 5) -> int:
-    """FLOPs of `steps` quintic Newton-Schulz iterations on one `[rows, cols]` block.
 
-    Per iteration on the wide orientation (m = min(rows, cols), n = max): X·Xᵀ (2·m²·n),
-    A·A (2·m³) and B·X (2·m²·n), i.e. 4·m²·n + 2·m³. Exact integers, so every rank sums the
-    same loads in the same order and the owner assignment is bitwise identical everywhere.
-    """
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m * m * m)
+def block_flops(rows: int, cols: int, *, steps: int) -> int:
+    """`ns_flops` of one `[rows, cols]` block as an exact integer (the standard iteration)."""
+    return round(ns_flops(rows, cols, steps))
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class LinkModel:
 
 #: Used where nothing can be measured (the fake backend of the dry-run planner): an H200 with
 #: 400 Gb/s links, ~10 ms of bf16 Newton-Schulz for one 8192x6144 matrix
-#: (`ns_flops(8192, 6144)` = 8.5 TFLOP at ~0.85 PFLOP/s), ~20 us per collective.
+#: (`block_flops(8192, 6144, steps=5)` = 8.5 TFLOP at ~0.85 PFLOP/s), ~20 us per collective.
 DEFAULT_LINKS: dict[str, LinkModel] = {
     "nccl": LinkModel(latency_s=20e-6, bytes_per_s=50e9, flops_per_s=0.85e15),
     "gloo": LinkModel(latency_s=200e-6, bytes_per_s=1e9, flops_per_s=20e9),

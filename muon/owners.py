@@ -4,9 +4,9 @@ Every exchanged unit (a matrix of a full or remainder batch, an expert block of 
 batch) gets its owner from one deterministic LPT pass (largest first, to the least-loaded
 eligible rank), over every comm group and every FSDP group of the world at once, so a rank that
 owns a large dense matrix takes fewer expert blocks. Work a rank already has counts as its
-initial load: its local expert blocks, and replicated matrices. Costs are `muon.cost.ns_flops`
-integers and ties break by rank, so every rank computes the same assignment; its digest goes
-into the plan fingerprint.
+initial load: its local expert blocks, and replicated matrices. Costs are integer
+`muon.newton_schulz.ns_flops` (`muon.cost.block_flops`) and ties break by rank, so every
+rank computes the same assignment; its digest goes into the plan fingerprint.
 
 Constraints: a unit goes to a rank of its exchange group (the FSDP group; the sub-group for
 expert blocks that span k ranks). In full and remainder batches a rank owns at most one unit

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-from muon.cost import DEFAULT_LINKS, LinkModel, ns_flops
+from muon.cost import DEFAULT_LINKS, LinkModel, block_flops
 
 REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
 #: what `remainder_strategy` accepts: a strategy, or "auto" (the cheapest per batch)
@@ -241,8 +241,8 @@ class BatchPlan:
         return self.shard_sizes[fsdp_rank] * self.other_numel * self.wire_itemsize
 
     def block_flops(self) -> int:
-        """Newton-Schulz FLOPs of one `[block_rows, other_numel]` block (`muon.cost`)."""
-        return ns_flops(self.block_rows, self.block_cols, steps=self.ns_steps)
+        """Newton-Schulz FLOPs of one `[block_rows, block_cols]` block (`muon.cost`)."""
+        return block_flops(self.block_rows, self.block_cols, steps=self.ns_steps)
 
     # the path object in `muon.comm` owns every cost; these forward to it
     @property

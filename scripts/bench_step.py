@@ -7,7 +7,7 @@ remainders of several sizes, fused experts whole on a rank, and experts whose bl
 and k = 4 ranks. Per strategy and rank it records:
 
 - `muon/ns_s` of `step_stats` (time in Newton-Schulz), averaged over the timed steps: the
-  target is max / mean over ranks <= 1.2 (owners balanced by `muon.cost.ns_flops`);
+  target is max / mean over ranks <= 1.2 (owners balanced by `muon.newton_schulz.ns_flops`);
 - bytes sent (`step_stats["muon/bytes_sent"]`) against the plan's `bytes_sent` on every rank;
 - step time (slowest rank, mean of `--steps`, strategies interleaved step by step) and peak
   memory of the step (`recipes.memory.MemoryMeter`, max over ranks and `--mem-steps`).
