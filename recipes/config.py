@@ -47,6 +47,12 @@ class RemainderStrategy(StrEnum):
     ragged_all_to_all = "ragged_all_to_all"
 
 
+class NsDtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+    float16 = "float16"
+
+
 class RouterOptim(StrEnum):
     adamw = "adamw"
     muon = "muon"
@@ -117,6 +123,9 @@ class OptimConfig:
     momentum: float = _f(0.95, "Muon momentum")
     nesterov: bool = _f(True, "Muon Nesterov momentum")
     ns_steps: int = _f(5, "Newton-Schulz iterations")
+    ns_dtype: NsDtype = _f(
+        NsDtype.bfloat16, "Newton-Schulz compute dtype; float32: same update on every layout/CPU"
+    )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
     adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")
     adamw_weight_decay: float = _f(0.0, "weight decay of the AdamW groups under muon")

@@ -97,6 +97,7 @@ def test_user_keys_override():
     [
         ("optim.remainder_strategy=agsr", ["optim.remainder_strategy", "agrs, pad_all2all"]),
         ("optim.lr=oops", ["optim.lr", "oops"]),
+        ("optim.ns_dtype=float64", ["optim.ns_dtype", "bfloat16, float32, float16"]),
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
