@@ -5,19 +5,28 @@ Shape legend: B batch, T sequence, D hidden, V vocab, E experts.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from models.glm import init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
-from models.glm.moe import FusedExperts, MoE, Router
+from models.glm.moe import FusedExperts, MoE, Router, recomputing
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)) with a dense MLP or an MoE."""
+    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)) with a dense MLP or an MoE.
+
+    With `checkpoint_activations` (set by `parallelize`) the block keeps only its input for
+    backward and runs its forward again there (non-reentrant activation checkpointing); the
+    recomputation does not count expert loads a second time."""
+
+    checkpoint_activations = False
 
     def __init__(self, config: GLMConfig, is_moe: bool) -> None:
         super().__init__()
@@ -28,6 +37,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h_BTD, cos_TR, sin_TR):
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(
+                self._block,
+                h_BTD,
+                cos_TR,
+                sin_TR,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), recomputing()),
+            )
+        return self._block(h_BTD, cos_TR, sin_TR)
+
+    def _block(self, h_BTD, cos_TR, sin_TR):
         h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TR, sin_TR)
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
