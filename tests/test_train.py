@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
 from recipes import checkpoint
 from recipes.config import Config
@@ -120,7 +119,7 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
         # The skipped step changed nothing: step 1 and step 2 checkpoints hold the same state.
         ckpts = checkpoint.committed(run_dir / "checkpoints")
         assert [c.name for c in ckpts] == ["step_00000001", "step_00000002", "step_00000003"]
-        m1, m2, m3 = (load_file(checkpoint.model_file(c)) for c in ckpts)
+        m1, m2, m3 = (checkpoint.read_model_state(c) for c in ckpts)
         _assert_same(m1, m2)
         assert any(not torch.equal(m2[k], m3[k]) for k in m2)
         _assert_same(_optim_state(ckpts[0]), _optim_state(ckpts[1]))
@@ -204,13 +203,13 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     assert ref_lines[-1]["loss"] < ref_lines[0]["loss"]
     final = [checkpoint.latest(d / "checkpoints") for d in (ref, res)]
     assert [c.name for c in final] == ["step_00000004"] * 2
-    _assert_same(*(load_file(checkpoint.model_file(c)) for c in final))
+    _assert_same(*(checkpoint.read_model_state(c) for c in final))
     _assert_same(*(_optim_state(c) for c in final))
     # The transformers-layout export of the final model holds the same weights.
     from models.glm.hf_adapter import import_hf
 
     _, exported = import_hf(str(res / "hf"))
-    weights = load_file(checkpoint.model_file(final[1]))
+    weights = checkpoint.read_model_state(final[1])
     for name, tensor in exported.items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
@@ -244,7 +243,7 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     assert [m["skipped"] for m in lines] == [0.0, 1.0, 0.0]
     assert np.isnan(lines[1]["grad_norm"]) and np.isfinite(lines[2]["grad_norm"])
     ckpts = checkpoint.committed(tmp_path / "checkpoints")
-    m1, m2, m3, _ = (load_file(checkpoint.model_file(c)) for c in ckpts)
+    m1, m2, m3, _ = (checkpoint.read_model_state(c) for c in ckpts)
     _assert_same(m1, m2)
     assert any(not torch.equal(m2[k], m3[k]) for k in m2)
     o1, o2 = (_optim_state(c) for c in ckpts[:2])
