@@ -191,10 +191,12 @@ class BatchPlan:
             fsdp_rank, ns_itemsize
         )
 
-    def modelled_s(self, link: LinkModel) -> float:
-        """Modelled time of the batch's collectives, from the busiest rank's bytes."""
+    def modelled_s(self, link: LinkModel, ranks=None) -> float:
+        """Modelled time of the batch's collectives, from the busiest rank's bytes (of `ranks`,
+        default all)."""
         ex = self.exchange
-        per_collective = max(ex.bytes_sent(self, r) for r in range(self.fsdp_size)) / 2
+        ranks = range(self.fsdp_size) if ranks is None else ranks
+        per_collective = max(ex.bytes_sent(self, r) for r in ranks) / 2
         return ex.collectives * link.collective_s(int(per_collective))
 
 
@@ -311,12 +313,15 @@ def choose_remainder(batch: BatchPlan, *, link: LinkModel | None, memory_budget:
     """
     link = link or DEFAULT_LINKS["gloo"]
     ns_itemsize = batch.wire_itemsize
+    # owners 0..R-1 and shard sizes that never grow with the rank: the busiest owner is rank 0
+    # and the busiest of the others rank R, so those (and the last) stand for all W ranks
+    ranks = sorted({0, min(batch.size, batch.fsdp_size - 1), batch.fsdp_size - 1})
     scored = []
     for s in REMAINDER_STRATEGIES:
         cand = replace(batch, path=s)
-        peak = max(cand.peak_bytes(r, ns_itemsize) for r in range(cand.fsdp_size))
+        peak = max(cand.peak_bytes(r, ns_itemsize) for r in ranks)
         fits = memory_budget is None or peak <= memory_budget
-        scored.append((not fits, cand.modelled_s(link) if fits else peak, s))
+        scored.append((not fits, cand.modelled_s(link, ranks) if fits else peak, s))
     return min(scored)[2]
 
 
