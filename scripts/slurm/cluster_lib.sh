@@ -139,20 +139,6 @@ ConstrainDevices=no
 EOF
 }
 
-# Remove the (empty) cgroup v1 directories proctrack/cgroup made for the given node names.
-remove_cgroup_dirs() {
-    local node d
-    for node in "$@"; do
-        for d in /sys/fs/cgroup/*/slurm_"$node"; do
-            [[ -d $d ]] || continue
-            # Deepest first; rmdir refuses a cgroup that still has tasks or children.
-            find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
-            [[ -d $d ]] && echo "local_cluster: could not remove $d (still in use)" >&2
-        done
-    done
-    return 0
-}
-
 # Wait (bounded, $1 s) until sinfo shows $2 nodes, all idle; print the states either way.
 wait_nodes_idle() {
     local limit=$1 want=$2 end states="" n

@@ -150,7 +150,6 @@ stop() {
     fi
     stop_pids "$pid_slurmd" "$pid_slurmctld"
     stop_pids "$pid_munged" # last: the Slurm daemons authenticate through it
-    [[ $DRY_RUN == 1 ]] || remove_cgroup_dirs "$(hostname -s)"
     echo "local_cluster: stopped ($dir)" >&2
 }
 

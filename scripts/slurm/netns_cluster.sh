@@ -221,6 +221,20 @@ start_missing_slurmds() {
     done
 }
 
+# Remove the (empty) cgroup v1 directories proctrack/cgroup made for the given node names.
+remove_cgroup_dirs() {
+    local node d
+    for node in "$@"; do
+        for d in /sys/fs/cgroup/*/slurm_"$node"; do
+            [[ -d $d ]] || continue
+            # Deepest first; rmdir refuses a cgroup that still has tasks or children.
+            find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+            [[ -d $d ]] && echo "local_cluster: could not remove $d (still in use)" >&2
+        done
+    done
+    return 0
+}
+
 # Pids of every process inside one of the cluster's network namespaces, holders excepted.
 ns_members() {
     local f want=() proc ns pid skip
