@@ -71,6 +71,17 @@ class Device(StrEnum):
     cuda = "cuda"
 
 
+class TrainDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class ActivationCheckpointing(StrEnum):
+    none = "none"
+    full = "full"
+
+
 class DataSource(StrEnum):
     stdlib = "stdlib"
     tokens = "tokens"
@@ -169,6 +180,16 @@ class TrainConfig:
     clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
     router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
+    param_dtype: TrainDtype = _f(
+        TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
+    )
+    reduce_dtype: TrainDtype = _f(
+        TrainDtype.auto, "FSDP2 gradient reduce-scatter dtype; auto: float32"
+    )
+    activation_checkpointing: ActivationCheckpointing = _f(
+        ActivationCheckpointing.none, "none, or full: recompute each decoder layer in backward"
+    )
+    compile: bool = _f(False, "torch.compile each decoder layer (CPU needs a C++ compiler)")
 
 
 @dataclass
