@@ -47,6 +47,7 @@ class RemainderStrategy(StrEnum):
     agrs = "agrs"
     pad_all2all = "pad_all2all"
     ragged_all_to_all = "ragged_all_to_all"
+    auto = "auto"
 
 
 class NsDtype(StrEnum):
@@ -151,7 +152,12 @@ class OptimConfig:
     eps: float = _f(1e-8, "AdamW epsilon")
     router: RouterOptim = _f(RouterOptim.adamw, "which algorithm updates router weights")
     remainder_strategy: RemainderStrategy = _f(
-        RemainderStrategy.pad_all2all, "Muon exchange for batches smaller than the FSDP group"
+        RemainderStrategy.pad_all2all,
+        "Muon exchange for batches smaller than the FSDP group; auto: the fastest that fits "
+        "memory_budget_gib, per batch",
+    )
+    memory_budget_gib: float | None = _f(
+        None, "GiB one Muon batch may hold on a rank, for remainder_strategy=auto; null: no bound"
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
@@ -302,6 +308,8 @@ def validate(
     _positive(cfg, "optim.weight_decay", "optim.adamw_weight_decay", allow_zero=True)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    if cfg.optim.get("memory_budget_gib") is not None:
+        _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh
     if mesh.world_size % mesh.ep:
         allowed = [d for d in range(1, mesh.world_size + 1) if mesh.world_size % d == 0]

@@ -94,6 +94,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         remainder_strategy=str(o.remainder_strategy),
         enable_all2all=o.enable_all2all,
         max_inflight=o.max_inflight,
+        memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
     )
 
 
