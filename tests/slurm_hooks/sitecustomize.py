@@ -2,10 +2,11 @@
 
 Python imports `sitecustomize` at startup from the path; tests/test_slurm_multinode.py puts this
 directory on PYTHONPATH of one job only. With SLOW_SAVE_S set, rank 0's
-`recipes.checkpoint.Checkpointer.save` (how the trainer writes checkpoints) first records `<SLOW_SAVE_DIR>/saving_<step>` and sleeps SLOW_SAVE_S seconds (the other ranks
-wait for it inside the collective save), then writes the checkpoint as usual; `saved_<step>`
-marks the end. Only the first run of a job is slowed (a requeued one, SLURM_RESTART_COUNT > 0,
-writes at full speed). Nothing else changes.
+`recipes.checkpoint.Checkpointer.save` (how the trainer writes checkpoints) first records
+`<SLOW_SAVE_DIR>/saving_<step>` and sleeps SLOW_SAVE_S seconds (the other ranks wait for it
+inside the collective save), then writes the checkpoint as usual; `saved_<step>` marks the end.
+Only the first run of a job is slowed (a requeued one, SLURM_RESTART_COUNT > 0, writes at full
+speed). Nothing else changes.
 """
 
 import importlib.abc
