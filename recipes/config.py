@@ -8,14 +8,16 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 """
 
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -45,6 +47,12 @@ class RemainderStrategy(StrEnum):
     agrs = "agrs"
     pad_all2all = "pad_all2all"
     ragged_all_to_all = "ragged_all_to_all"
+
+
+class NsDtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+    float16 = "float16"
 
 
 class RouterOptim(StrEnum):
@@ -130,6 +138,9 @@ class MuonOptimConfig(OptimConfig):
     momentum: float = _f(0.95, "Muon momentum")
     nesterov: bool = _f(True, "Muon Nesterov momentum")
     ns_steps: int = _f(5, "Newton-Schulz iterations")
+    ns_dtype: NsDtype = _f(
+        NsDtype.bfloat16, "Newton-Schulz compute dtype; float32: same update on every layout/CPU"
+    )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
     adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")
     adamw_weight_decay: float = _f(0.0, "weight decay of the AdamW groups under muon")
@@ -234,13 +245,19 @@ class ConfigSchema(Config):
 
 
 def register() -> None:
-    """Register the schemas and the run-dir resolver (idempotent)."""
+    """Register the schemas and the resolvers of conf/train.yaml (idempotent)."""
+    from recipes.help import config_groups, schema_help
+
     store = ConfigStore.instance()
     store.store(name="config_schema", node=ConfigSchema)
     for name, node in OPTIM_SCHEMAS.items():
-        store.store(group="optim", name=f"{name}_schema", node=node)
+        store.store(group="schema/optim", name=name, node=node)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id)
+    if not OmegaConf.has_resolver("schema_help"):
+        OmegaConf.register_new_resolver("schema_help", schema_help)
+    if not OmegaConf.has_resolver("config_groups"):
+        OmegaConf.register_new_resolver("config_groups", config_groups)
 
 
 def run_id(override_dirname: str) -> str:
@@ -287,11 +304,13 @@ def _describe_optim() -> list[str]:
 
 
 def _help(key: str) -> str:
+    """The help of `key`, or of its nearest schema ancestor (a list element, an override)."""
     node: Any = Config
-    for part in key.split("."):
+    help_text = ""
+    for part in key.split("[")[0].split("."):
         fields = {f.name: f for f in dataclasses.fields(node)} if node else {}
         if part not in fields:
-            return ""
+            return help_text
         help_text = fields[part].metadata["help"]
         node = fields[part].default_factory
         node = node if dataclasses.is_dataclass(node) else None
@@ -310,7 +329,9 @@ def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: DictConfig, env_world_size: int | None = None) -> None:
-    """Check what the types cannot: ranges, divisibility, files. Raises ConfigError."""
+    """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
+    config and its layout on the mesh. Raises ConfigError naming the key."""
+    _finite(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
     _positive(cfg, "data.vocab_size", "data.seq_len")
     _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
@@ -342,6 +363,10 @@ def validate(cfg: DictConfig, env_world_size: int | None = None) -> None:
     nan_step = cfg.train.inject_nan_at_step
     if nan_step is not None and not 1 <= nan_step <= cfg.train.steps:
         raise _fail("train.inject_nan_at_step", nan_step, f"must be in [1, {cfg.train.steps}]")
+    if cfg.data.source == DataSource.stdlib and cfg.data.vocab_size < 256:
+        raise _fail(
+            "data.vocab_size", cfg.data.vocab_size, "data.source=stdlib has byte tokens: >= 256"
+        )
     max_token = {"uint8": 2**8, "uint16": 2**16, "uint32": 2**32}[cfg.data.dtype.value]
     if cfg.data.vocab_size > max_token:
         raise _fail(
@@ -350,7 +375,7 @@ def validate(cfg: DictConfig, env_world_size: int | None = None) -> None:
             f"does not fit data.dtype={cfg.data.dtype.value} (max {max_token})",
         )
     _validate_data_path(cfg.data)
-    _validate_model(cfg.model)
+    _validate_model(cfg)
     if mesh.device == Device.cuda:
         import torch
 
@@ -399,11 +424,12 @@ def _validate_data_path(data: DictConfig) -> None:
         raise _fail("data.path", data.path, "no such source directory of .py files")
 
 
-def _validate_model(model: DictConfig) -> None:
-    try:
-        from models.glm import GLMConfig
-    except ImportError:  # the model package has not landed in this checkout yet
-        return
+def _validate_model(cfg: DictConfig) -> None:
+    """The model the ranks would build, and its layout on the mesh, without building it."""
+    from models.glm import GLMConfig, get_preset
+    from models.glm.parallelize import check_layout
+
+    model = cfg.model
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
     for key in model.overrides:
         if key not in allowed:
@@ -412,6 +438,42 @@ def _validate_model(model: DictConfig) -> None:
                 model.overrides[key],
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
             )
+    overrides = {**model.overrides, "vocab_size": cfg.data.vocab_size}
+    try:
+        config = get_preset(str(model.preset), **overrides)
+    except (TypeError, ValueError) as err:
+        raise _model_error(cfg, str(err)) from None
+    try:
+        check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
+    except ValueError as err:
+        raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
+
+
+def _model_error(cfg: DictConfig, message: str) -> ConfigError:
+    """Name the key the user set that the model's message mentions first (else the preset)."""
+    keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
+    keys["data.vocab_size"] = "vocab_size"
+    found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
+    if found:
+        key = min(found)[1]
+        return _fail(key, OmegaConf.select(cfg, key), message)
+    return _fail("model.preset", cfg.model.preset.value, message)
+
+
+def _word(name: str, text: str) -> re.Match | None:
+    return re.search(rf"\b{re.escape(name)}\b", text)
+
+
+def _finite(node: Any, prefix: str = "") -> None:
+    """Every float of the config is a finite number (NaN passes every range check)."""
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+    for key, value in items:
+        path = f"{prefix}.{key}" if isinstance(node, DictConfig) else f"{prefix}[{key}]"
+        path = path.lstrip(".")
+        if isinstance(value, DictConfig | ListConfig):
+            _finite(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise _fail(path, value, "must be a finite number")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -66,6 +66,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         nesterov=o.nesterov,
         weight_decay=o.weight_decay,
         ns_steps=o.ns_steps,
+        ns_dtype=str(o.ns_dtype),
         adjust_lr=str(o.adjust_lr),
         betas=tuple(o.betas),
         adamw_eps=o.eps,

@@ -15,3 +15,27 @@ def ref_ns(G, coefficients, steps=5, eps=1e-7):
     if tall:
         X = X.mT
     return X
+
+
+# Comparing one optimizer step taken on two layouts (or with two gradient summation orders),
+# Newton-Schulz in float32. The gradients differ by a few float32 ulps (2^-24 ~ 6e-8 relative
+# each; allow 16). Five Newton-Schulz quintics amplify a perturbation at most by their slope at
+# small singular values, a^5 = 3.4445^5 ~ 490, so the Muon update differs by at most
+# 490 * 16 * 2^-24 ~ 5e-4 of its size; AdamW's elementwise update and the optimizer's float32
+# moments do not amplify. Hence 1e-3 of each tensor's own change in the step; the second term
+# (4 float32 eps of the value) covers tensors that the step leaves unchanged. bf16 Newton-
+# Schulz (2^-8 rounding, the same amplification) admits no bound below the update itself.
+STEP_CHANGE_RTOL = 1e-3
+
+
+def assert_same_step(before: dict, a: dict, b: dict) -> None:
+    """`a` and `b` (name -> numpy array) are one step from `before` on two layouts: equal within
+    STEP_CHANGE_RTOL of each tensor's change, plus float32 rounding of its value."""
+    import numpy as np
+
+    eps = float(np.finfo(np.float32).eps)
+    for key, value in b.items():
+        change = float(np.abs(value - before[key]).max())
+        bound = STEP_CHANGE_RTOL * change + 4 * eps * float(np.abs(value).max())
+        diff = float(np.abs(a[key] - value).max())
+        assert diff <= bound, f"{key}: |a - b| = {diff:.3g} > {bound:.3g} (change {change:.3g})"

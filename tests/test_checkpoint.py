@@ -11,6 +11,7 @@ from torch import nn
 
 from recipes import checkpoint
 from tests.harness import run_world
+from tests.reference import assert_same_step
 
 
 class StandIn(nn.Module):
@@ -113,13 +114,16 @@ def test_latest_ignores_uncommitted(tmp_path):
     assert checkpoint.latest(tmp_path / "missing") is None
 
 
-def _glm_config(world: int, ep: int) -> str:
-    """8 sequences per step on any world, so both layouts see the same global batch."""
+def _glm_config(world: int, ep: int, ns_dtype: str = "float32") -> str:
+    """8 sequences per step on any world, so both layouts see the same global batch. Newton-
+    Schulz in float32: bf16 would amplify the layouts' other gradient summation orders by an
+    amount that depends on the CPU (see assert_same_step)."""
     from omegaconf import OmegaConf
 
     from recipes.config import Config
 
     overrides = [f"mesh.world_size={world}", f"mesh.ep={ep}", "train.steps=4"]
+    overrides += [f"optim.ns_dtype={ns_dtype}"]
     overrides += ["data.seq_len=32", f"data.batch_size={8 // world}", "train.warmup_steps=1"]
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
     return OmegaConf.to_yaml(cfg)
@@ -181,7 +185,8 @@ def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     assert biases and all(np.abs(b).max() > 0 for b in biases)  # router bias updates ran
     for key, value in saved.items():
         np.testing.assert_array_equal(loaded[key], value, err_msg=key)
-    # One more step on the other layout: same update up to reduction order. (A stale learning
-    # rate after the load, for one, would be far outside this tolerance.)
-    for key, value in after.items():
-        np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+    # One more step on the other layout: the same update up to the gradient summation order,
+    # bounded in tests/reference.py (float32 Newton-Schulz; measured: 2e-5 of the change, the
+    # bound 1e-3). A stale learning rate after the load (schedule factor 1.0 one step earlier,
+    # 0.775 now) would be over 20% of the change off.
+    assert_same_step(saved, resumed, after)

@@ -100,6 +100,7 @@ def test_user_keys_override():
     [
         ("optim.remainder_strategy=agsr", ["optim.remainder_strategy", "agrs, pad_all2all"]),
         ("optim.lr=oops", ["optim.lr", "oops"]),
+        ("optim.ns_dtype=float64", ["optim.ns_dtype", "bfloat16, float32, float16"]),
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
@@ -129,6 +130,13 @@ def test_compose_rejects(override, expected):
         (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
         (["data.vocab_size=300"], "does not fit data.dtype=uint8"),
         (["optim.name=adamw"], "optim.name=adamw: the optimizer is chosen with the config group"),
+        (["data.vocab_size=100"], "data.vocab_size=100: data.source=stdlib has byte tokens"),
+        (["optim.betas=[0.9,inf]"], "optim.betas[1]=inf: must be a finite number"),
+        (["train.min_lr_ratio=nan"], "train.min_lr_ratio=nan: must be a finite number"),
+        (["+model.overrides.n_group=3"], "model.overrides.n_group=3: GLMConfig.n_group (3) must"),
+        (["+model.overrides.rope_theta=-1.0"], "model.overrides.rope_theta=-1.0: GLMConfig"),
+        (["+model.overrides.num_experts_per_tok=9"], "model.overrides.num_experts_per_tok=9: "),
+        (["mesh.world_size=6", "mesh.ep=3"], "mesh.ep=3: n_routed_experts (8) must be"),
     ],
 )
 def test_validate_rejects(overrides, expected):
@@ -159,6 +167,30 @@ def test_every_field_has_help():
     walk(schema.Config)
 
 
+def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
+    """`--help` renders the schema for the composed config: Muon's keys by default, AdamW's
+    (and no Muon key) with optim=adamw."""
+    proc, _ = _train_py("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
+    assert "[agrs, pad_all2all, ragged_all_to_all]" in strategy
+    assert "# Muon exchange for batches smaller than the FSDP group" in strategy
+    assert any(line.startswith("optim.nesterov = true  [true, false]  # ") for line in lines)
+    keys = {line.split(" = ")[0] for line in lines if line[:1].islower() and "  # " in line}
+    assert keys == {line.split(" = ")[0] for line in schema.describe()}
+    assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
+    assert not any(line.startswith("schema") for line in lines)
+    adamw, _ = _train_py("optim=adamw", "--help", cwd=tmp_path)
+    assert adamw.returncode == 0, adamw.stderr
+    optim = {
+        line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
+    }
+    assert optim == {f"optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")}
+    assert "optim.lr = 0.003  # " in adamw.stdout
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
@@ -181,13 +213,19 @@ def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float
     [
         ("optim.remainder_strategy=agsr", "expected one of [agrs, pad_all2all, ragged_all_to_all]"),
         ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
+        ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
+        ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),
+        (
+            "+model.overrides.n_routed_experts=6 mesh.ep=4",
+            "mesh.ep=4: n_routed_experts (6) must be divisible by ep (4); allowed ep: [1, 2]",
+        ),
     ],
 )
 def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
-    proc, elapsed = _train_py(override, cwd=tmp_path)
+    proc, elapsed = _train_py(*override.split(), cwd=tmp_path)
     assert proc.returncode != 0
     assert expected in proc.stderr
-    assert override.split("=")[0] in proc.stderr
+    assert proc.stderr.count(expected) == 1 and "Traceback" not in proc.stderr  # one message
     assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
     assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("checkpoints"))
     assert elapsed < 30, elapsed  # compose + validate only (Python + torch import)

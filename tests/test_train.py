@@ -92,6 +92,7 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
         "checkpoint.every=1",
         "checkpoint.keep=3",
         "checkpoint.export_hf=false",
+        "optim.ns_dtype=float32",  # the strategies' losses are compared below
         *_small(cache),
     ]
     out = _finish(_train_py(args, tmp_path))
@@ -123,7 +124,11 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
         _assert_same(m1, m2)
         assert any(not torch.equal(m2[k], m3[k]) for k in m2)
         _assert_same(_optim_state(ckpts[0]), _optim_state(ckpts[1]))
-    # The strategies move data differently but compute the same update.
+    # The strategies move data differently but compute the same update: one gradient reduction,
+    # the same matrices orthogonalized in float32, only on other ranks and in other batches.
+    # A batched vs single float32 matmul may round differently (2^-24), amplified <= 490x by
+    # Newton-Schulz (tests/reference.py): 3e-5 of an update that moves the loss ~2.4%, under
+    # 1e-6 of the loss (measured: identical).
     np.testing.assert_allclose(losses["agrs"], losses["pad_all2all"], rtol=1e-5)
     np.testing.assert_allclose(losses["agrs"], losses["ragged_all_to_all"], rtol=1e-5)
 

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from models.glm.config import GLMConfig
 from models.glm.model import GLMForCausalLM
 
 
@@ -64,6 +65,19 @@ def build_meshes(world_size: int, ep: int, device_type: str) -> GLMMeshes:
     return GLMMeshes(dense=dense, expert=expert)
 
 
+def check_layout(config: GLMConfig, *, world_size: int, ep: int) -> None:
+    """Raise ValueError, naming the field, when `config` cannot be sharded over `world_size`
+    ranks with expert-parallel degree `ep`. Needs no process group and no model."""
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"ep ({ep}) must be a positive divisor of world_size ({world_size})")
+    E = config.n_routed_experts
+    if E % ep:
+        raise ValueError(
+            f"n_routed_experts ({E}) must be divisible by ep ({ep}); allowed ep: "
+            f"{[d for d in range(1, E + 1) if E % d == 0 and world_size % d == 0]}"
+        )
+
+
 def parallelize(
     model: GLMForCausalLM,
     meshes: GLMMeshes,
@@ -74,12 +88,8 @@ def parallelize(
     block (efsdp mesh), per decoder layer and at the root (dense mesh). `param_dtype` /
     `reduce_dtype` set FSDP2 mixed precision; with a `param_dtype` the routers keep float32
     parameters (their own FSDP unit), as GLM checkpoints keep `gate.weight` in float32."""
-    E, ep, W = model.config.n_routed_experts, meshes.ep, meshes.world_size
-    if E % ep:
-        raise ValueError(
-            f"n_routed_experts ({E}) must be divisible by ep ({ep}); allowed ep: "
-            f"{[d for d in range(1, E + 1) if E % d == 0 and W % d == 0]}"
-        )
+    ep, W = meshes.ep, meshes.world_size
+    check_layout(model.config, world_size=W, ep=ep)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     router_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     ep_mesh, efsdp_mesh = meshes.expert["ep"], meshes.expert["efsdp"]
