@@ -3,20 +3,104 @@
 Shapes: G_BRC is a batch of B blocks of R rows and C columns (any leading dims are the batch).
 Each block is normalized by its own Frobenius norm, so fused expert weights viewed as
 `[E, out, in]` are orthogonalized as E independent matrices.
+
+Every variant applies, to each normalized singular value x, the composition of odd quintics
+p_i(x) = a_i x + b_i x^3 + c_i x^5; they differ in the coefficients and in how the matrix
+products are arranged:
+
+- coefficients "fixed", "tuned" (named sets) or "polar_express" (derived below);
+- algorithm "standard": X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation;
+- algorithm "gram": the same polynomial carried on the small m x m Gram matrix R = X X^T (for an
+  m x n block, m < n): each step forms H = a I + b R + c R^2, accumulates Q <- H Q and updates
+  R <- H R H, and X is multiplied once, at the end, by Q. A restart (X <- Q X, R <- X X^T, Q <- I)
+  before the steps listed in `restarts` keeps the rounding errors of R from compounding.
+  When the FLOP count (`ns_flops`) says Gram is not cheaper for a shape, the standard iteration
+  runs instead, so "gram" is safe to ask for everywhere.
+- symmetric products: X X^T, R^2, H Q and H R H are symmetric; `symmetric=True` computes the
+  upper block row and the lower-right block only and mirrors the rest (3/4 of the work).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
 Coefficients = Sequence[tuple[float, float, float]]
+Triple = tuple[float, float, float]
+
+NS_ALGORITHMS = ("standard", "gram")
+
+# Polar Express (Amsel, Persson, Musco, Gower, 2025: "The Polar Express: Optimal Matrix Sign
+# Methods and Their Application to the Muon Algorithm"). Each step is the odd quintic that best
+# approximates 1, in the max norm, on the interval [l, u] the singular values are known to lie in
+# after the previous steps. The paper's choices for bf16 Muon:
+PE_LOWER = 1e-3  # smallest normalized singular value the schedule is built for
+PE_CUSHION = 0.02407327424182761  # fit intervals below this fraction of u are fitted on [cu, u]
+PE_SAFETY = 1.01  # each step is applied as p(x / 1.01): rounding may push x slightly above u
+PE_STEPS = 8  # schedule length; steps beyond it repeat the last (converged) quintic
+
+
+def _minimax_quintic(lo: float, hi: float) -> Triple:
+    """The odd quintic a x + b x^3 + c x^5 minimizing max |1 - p(x)| over [lo, hi].
+
+    Remez exchange: the optimum equioscillates at lo, two interior extrema q < r, and hi
+    (p = 1 - E, 1 + E, 1 - E, 1 + E); solve the 4x4 system for (a, b, c, E), move q and r to the
+    roots of p'(x) = a + 3 b x^2 + 5 c x^4, repeat until E settles.
+    """
+    if hi - lo <= 1e-6 * hi:
+        # The interval has collapsed onto hi: the limit of the optimum is the quintic with
+        # p(hi) = 1 and p'(hi) = p''(hi) = 0, i.e. (15 t - 10 t^3 + 3 t^5) / 8 with t = x / hi.
+        return (15 / 8 / hi, -10 / 8 / hi**3, 3 / 8 / hi**5)
+    q, r = (3 * lo + hi) / 4, (lo + 3 * hi) / 4
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    err = math.inf
+    for _ in range(100):
+        x = torch.tensor([lo, q, r, hi], dtype=torch.float64)
+        system = torch.stack([x, x**3, x**5, signs], dim=1)
+        a, b, c, new_err = torch.linalg.solve(system, torch.ones(4, dtype=torch.float64)).tolist()
+        root = math.sqrt(b * b * 9 - 20 * a * c)
+        q, r = sorted(math.sqrt((-3 * b + s * root) / (10 * c)) for s in (-1.0, 1.0))
+        if abs(new_err - err) < 1e-15:
+            break
+        err = new_err
+    return (a, b, c)
+
+
+@cache
+def polar_express_coefficients(
+    steps: int = PE_STEPS,
+    lower: float = PE_LOWER,
+    cushion: float = PE_CUSHION,
+    safety: float = PE_SAFETY,
+) -> tuple[Triple, ...]:
+    """Derive the Polar Express schedule: `steps` minimax-optimal quintics, greedily composed.
+
+    Start from singular values in [lower, 1] (Frobenius normalization guarantees <= 1). Step i
+    fits the best quintic on [max(l, cushion u), u], rescales it so that p(l) and p(u) sit
+    symmetrically around 1, and the next interval is [p(l), 2 - p(l)]. The cushion stops the
+    first steps from chasing tiny singular values with huge coefficients. Every step is then
+    applied as p(x / safety), so a singular value that bf16 rounding left slightly above the
+    interval is still mapped inside it.
+    """
+    lo, hi = lower, 1.0
+    out = []
+    for _ in range(steps):
+        a, b, c = _minimax_quintic(max(lo, cushion * hi), hi)
+        scale = 2 / (a * (lo + hi) + b * (lo**3 + hi**3) + c * (lo**5 + hi**5))
+        a, b, c = a * scale, b * scale, c * scale
+        lo = a * lo + b * lo**3 + c * lo**5
+        hi = 2 - lo
+        out.append((a / safety, b / safety**3, c / safety**5))
+    return tuple(out)
+
 
 #: Named coefficient sets. "fixed" repeats one triple (torch.optim.Muon's default); "tuned" is a
-#: per-iteration schedule whose later steps pull singular values closer to 1. Steps beyond a
-#: schedule's length reuse its last triple.
-NS_COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
+#: per-iteration schedule whose later steps pull singular values closer to 1; "polar_express" is
+#: derived by `polar_express_coefficients`. Steps beyond a schedule's length reuse its last triple.
+NS_COEFFICIENTS: dict[str, tuple[Triple, ...]] = {
     "fixed": ((3.4445, -4.7750, 2.0315),),
     "tuned": (
         (4.0848, -6.8946, 2.9270),
@@ -25,12 +109,13 @@ NS_COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
         (2.8769, -3.1427, 1.2046),
         (2.8366, -3.0525, 1.2012),
     ),
+    "polar_express": polar_express_coefficients(),
 }
 
 
 def resolve_coefficients(
     coefficients: str | Coefficients,
-) -> tuple[tuple[float, float, float], ...]:
+) -> tuple[Triple, ...]:
     """Turn a coefficient-set name or an explicit list of (a, b, c) triples into a tuple."""
     if isinstance(coefficients, str):
         if coefficients not in NS_COEFFICIENTS:
@@ -47,39 +132,169 @@ def resolve_coefficients(
     return triples  # type: ignore[return-value]
 
 
+def check_algorithm(algorithm: str) -> str:
+    """Validate an `ns_algorithm` value; returns it."""
+    if algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"ns_algorithm: {algorithm!r} is not one of {', '.join(NS_ALGORITHMS)}")
+    return algorithm
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def _sym_fraction(m: int) -> float:
+    """Share of an m x m product that `_mul(symmetric=True)` computes: the top h rows and the
+    lower-right (m - h) x (m - h) block, h = m // 2."""
+    h = m // 2
+    return (h * m + (m - h) ** 2) / (m * m)
+
+
+def ns_flops(
+    rows: int,
+    cols: int,
+    steps: int = 5,
+    *,
+    algorithm: str = "standard",
+    symmetric: bool = False,
+    restarts: Sequence[int] = (2,),
+) -> float:
+    """Floating-point operations (2 per multiply-add) of one block's orthogonalization, counted
+    the way `newton_schulz` arranges the products (without the fallback: "gram" is costed as
+    Gram even where `newton_schulz` would run the standard iteration instead)."""
+    check_algorithm(algorithm)
+    m, n = min(rows, cols), max(rows, cols)
+    s = _sym_fraction(m) if symmetric else 1.0
+    gram_xxt, square, apply_x = 2 * m * m * n * s, 2 * m**3 * s, 2 * m * m * n
+    if algorithm == "standard":
+        return steps * (gram_xxt + square + apply_x)
+    total = 0.0
+    for first, last in _segments(steps, restarts):
+        length = last - first
+        total += gram_xxt + apply_x  # R = X X^T at the start, X <- Q X at the end
+        # each step: R^2; Q <- H Q (free on the segment's first step, Q = H); R <- H (H R)
+        # (not on the segment's last step, whose R is never read)
+        total += square * (length + (length - 1) + 2 * (length - 1))
+    return total
+
+
+def _segments(steps: int, restarts: Sequence[int]) -> list[tuple[int, int]]:
+    """Split steps 0..steps-1 into [first, last) runs at the restart points."""
+    cuts = sorted({0, steps, *(r for r in restarts if 0 < r < steps)})
+    return list(zip(cuts[:-1], cuts[1:], strict=False))
+
+
+def gram_is_cheaper(rows: int, cols: int, steps: int = 5, **kw) -> bool:
+    """Whether Gram Newton-Schulz needs fewer FLOPs than the standard iteration for a block."""
+    return ns_flops(rows, cols, steps, algorithm="gram", **kw) < ns_flops(
+        rows, cols, steps, algorithm="standard", **{k: v for k, v in kw.items() if k != "restarts"}
+    )
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _mul(A, B, symmetric: bool, C=None, *, beta: float = 1.0, alpha: float = 1.0):
+    """beta * C + alpha * A @ B (C optional), through the fused addmm/baddbmm kernels.
+
+    With `symmetric` the product is known to be symmetric ([..., m, k] @ [..., k, m]): only the
+    top h = m // 2 rows and the lower-right block are computed, the lower-left block is the
+    mirror of the upper-right one."""
+    if not symmetric:
+        if C is None:
+            return torch.matmul(A, B) if alpha == 1.0 else torch.matmul(A, B).mul_(alpha)
+        return (torch.addmm if A.ndim == 2 else torch.baddbmm)(C, A, B, beta=beta, alpha=alpha)
+    m = A.size(-2)
+    h = m // 2
+    out = torch.empty(*A.shape[:-1], B.size(-1), dtype=A.dtype, device=A.device)
+    top, low = out[..., :h, :], out[..., h:, h:]
+    if C is None:
+        torch.matmul(A[..., :h, :], B, out=top)
+        torch.matmul(A[..., h:, :], B[..., :, h:], out=low)
+        if alpha != 1.0:
+            top.mul_(alpha), low.mul_(alpha)
+    else:
+        mm = torch.addmm if A.ndim == 2 else torch.baddbmm
+        mm(C[..., :h, :], A[..., :h, :], B, beta=beta, alpha=alpha, out=top)
+        mm(C[..., h:, h:], A[..., h:, :], B[..., :, h:], beta=beta, alpha=alpha, out=low)
+    out[..., h:, :h] = top[..., h:].mT
+    return out
+
+
+def _standard(X: torch.Tensor, schedule, steps: int, symmetric: bool) -> torch.Tensor:
+    # Blocks go through addmm (2-D) or baddbmm (3-D), the same fused kernels torch.optim.Muon
+    # uses, so bf16 rounding matches it.
+    mm = torch.addmm if X.ndim == 2 else torch.baddbmm
+    for i in range(steps):
+        a, b, c = schedule[min(i, len(schedule) - 1)]
+        A = _mul(X, X.mT, symmetric)
+        B = _mul(A, A, symmetric, A, beta=b, alpha=c)
+        X = mm(X, B, X, beta=a)
+    return X
+
+
+def _gram(X: torch.Tensor, schedule, steps: int, symmetric: bool, restarts) -> torch.Tensor:
+    # The identity parts stay scalars: H = a I + K with K = b R + c R^2, and the accumulated
+    # Q = q I + P. Rounding a I + K into a low-precision matrix would cost the diagonal its small
+    # terms (a ~ 3 next to entries ~ 1/m); the fused "beta * C + A @ B" kernels add them in the
+    # accumulator instead.
+    for first, last in _segments(steps, restarts):
+        R = _mul(X, X.mT, symmetric)
+        Q = None
+        for i in range(first, last):
+            a, b, c = schedule[min(i, len(schedule) - 1)]
+            K = _mul(R, R, symmetric, R, beta=b, alpha=c)
+            if Q is None:
+                Q = K.clone()
+                Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            else:
+                Q = _mul(K, Q, symmetric, Q, beta=a)
+            if i + 1 < last:  # R <- H (H R); the segment's last R is never read
+                R = _mul(K, R, symmetric, R, beta=a)
+                R = _mul(K, R, symmetric, R, beta=a)
+        X = Q @ X
+    return X
+
+
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
     coefficients: str | Coefficients = "fixed",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
+    *,
+    algorithm: str = "standard",
+    symmetric: bool = False,
+    restarts: Sequence[int] = (2,),
 ) -> torch.Tensor:
     """Approximately orthogonalize each `[rows, cols]` block of `G` (shape `[..., rows, cols]`).
 
     Works on the wide orientation (tall blocks are transposed and transposed back), computes in
     `dtype`, and returns a tensor of `G`'s dtype. With the "fixed" set the singular values land
     in roughly [0.7, 1.1] rather than exactly 1, which is what Muon wants: speed over precision.
+    `algorithm="gram"` iterates on the Gram matrix where that needs fewer FLOPs (restarting
+    before each step in `restarts`) and runs the standard iteration elsewhere; `symmetric`
+    computes symmetric products by halves (see the module docstring).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: expected [..., rows, cols], got shape {tuple(G.shape)}")
     if steps < 1:
         raise ValueError(f"newton_schulz: steps must be >= 1, got {steps}")
     schedule = resolve_coefficients(coefficients)
+    check_algorithm(algorithm)
     lead = G.shape[:-2]
     X = G.to(dtype)
-    # Blocks go through addmm (2-D) or baddbmm (3-D), the same fused kernels torch.optim.Muon
-    # uses, so bf16 rounding matches it.
     X = X.reshape(-1, *G.shape[-2:]) if G.ndim > 3 else X
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
-    mm = torch.addmm if X.ndim == 2 else torch.baddbmm
-    for i in range(steps):
-        a, b, c = schedule[min(i, len(schedule) - 1)]
-        A = X @ X.mT
-        B = mm(A, A, A, beta=b, alpha=c)
-        X = mm(X, B, X, beta=a)
+    rows, cols = G.shape[-2:]
+    if algorithm == "gram" and gram_is_cheaper(
+        rows, cols, steps, symmetric=symmetric, restarts=restarts
+    ):
+        X = _gram(X, schedule, steps, symmetric, restarts)
+    else:
+        X = _standard(X, schedule, steps, symmetric)
     if tall:
         X = X.mT
     X = X.reshape(*lead, *X.shape[-2:]) if G.ndim > 3 else X
@@ -93,14 +308,17 @@ def orthogonalize_blocks(
     coefficients: str | Coefficients = "fixed",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
+    **variant,
 ) -> torch.Tensor:
-    """Orthogonalize a fused `[num_blocks * out, in]` matrix as `num_blocks` separate blocks."""
+    """Orthogonalize a fused `[num_blocks * out, in]` matrix as `num_blocks` separate blocks.
+
+    `variant` holds `newton_schulz`'s keyword-only options (algorithm, symmetric, restarts)."""
     rows, cols = G.shape
     if num_blocks < 1 or rows % num_blocks:
         raise ValueError(f"num_blocks={num_blocks} must divide the {rows} rows of {tuple(G.shape)}")
     if num_blocks == 1:
-        return newton_schulz(G, steps, coefficients, dtype, eps)
+        return newton_schulz(G, steps, coefficients, dtype, eps, **variant)
     out = newton_schulz(
-        G.reshape(num_blocks, rows // num_blocks, cols), steps, coefficients, dtype, eps
+        G.reshape(num_blocks, rows // num_blocks, cols), steps, coefficients, dtype, eps, **variant
     )
     return out.reshape(rows, cols)

@@ -15,10 +15,14 @@ Non-finite gradients: if any gradient of any parameter on any rank holds a NaN o
 step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
 `skipped_steps` counts it.
 
-Missing gradients: a Muon parameter whose `.grad` is None is stepped with a zero gradient (its
-momentum decays, weight decay applies), because every rank of its batch must take part in the
-exchange whether or not its local shard was touched; AdamW parameters without a gradient are
-left alone, as in torch.optim.AdamW.
+Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
+included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
+zeros and its result is dropped, so the batch keeps its plan). Ranks that disagree about a
+parameter raise a RuntimeError naming it, on every rank, before anything is written. Both
+checks share one all-reduce of P + 1 int32 flags per step (P parameters).
+
+Parameter groups added after construction (`add_param_group`) are planned again, collectively:
+call it on every rank in the same order, as the constructor is.
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ class Muon(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.step_stats: dict[str, float] = {}
+        #: ids of the parameters without a grad on any rank, this step
+        self._gradless: set[int] = set()
         self._init_state()
         self._build_plans()
 
@@ -152,6 +158,9 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self._validate_group(group)
+        if hasattr(self, "plans"):  # after construction: state and plans for the new group
+            self._init_state()
+            self._build_plans()
 
     def _validate_group(self, g: dict) -> None:
         if not g["lr"] > 0:
@@ -231,6 +240,7 @@ class Muon(torch.optim.Optimizer):
                     self.param_groups[self._muon_params[i][1]]["num_experts"],
                     self._muon_params[i][0].element_size(),
                     _ns_settings(self.param_groups[self._muon_params[i][1]]),
+                    str(self._muon_params[i][0].dtype),
                 )
                 for i in indices
             ]
@@ -319,7 +329,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._grads_finite():
+        finite, self._gradless = self._grad_census()
+        if not finite:
             self.skipped_steps += 1
             self.last_step_skipped = True
             return loss
@@ -333,19 +344,44 @@ class Muon(torch.optim.Optimizer):
         self.step_stats = stats.as_dict()
         return loss
 
-    def _grads_finite(self) -> bool:
-        flags = [
-            torch.isfinite(_local(p.grad)).all()
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None
-        ]
-        ok = torch.stack(flags).all() if flags else torch.tensor(True)
+    def _grad_census(self) -> tuple[bool, set[int]]:
+        """(all gradients finite on every rank, ids of parameters without a grad on any rank).
+
+        One all-reduce (SUM) of [non-finite flag, has-grad flag per parameter] as int32: a count
+        of 0 or W per parameter is agreement, anything between is an error on every rank.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        finite = [torch.isfinite(_local(p.grad)).all() for p in params if p.grad is not None]
+        ok = torch.stack(finite).all() if finite else torch.tensor(True)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        flags = torch.cat([(~ok).to(torch.int32).reshape(1).cpu(), has])
+        world = 1
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
-            bad = (~ok).to(device=_comm_device(), dtype=torch.int32).reshape(1)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            return not bool(bad.item())
-        return bool(ok)
+            world = dist.get_world_size()
+            flags = flags.to(_comm_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+            flags = flags.cpu()
+        counts = flags[1:].tolist()
+        split = [i for i, c in enumerate(counts) if 0 < c < world]
+        if split:
+            raise RuntimeError(self._grad_disagreement(split[0], counts[split[0]], world))
+        return not bool(flags[0]), {id(p) for p, c in zip(params, counts, strict=True) if not c}
+
+    def _grad_disagreement(self, index: int, count: int, world: int) -> str:
+        for gi, g in enumerate(self.param_groups):
+            if index < len(g["params"]):
+                p = g["params"][index]
+                names = g.get("param_names")
+                name = f"{names[index]!r}, " if names else ""
+                return (
+                    f"Muon: ranks disagree on whether a parameter has a gradient: {name}group "
+                    f"{gi} param {index}, shape {tuple(p.shape)}, has a .grad on {count} of "
+                    f"{world} ranks; this "
+                    f"rank {dist.get_rank()} has {'one' if p.grad is not None else 'none'}. A "
+                    "grad must be None on every rank or on none (zero it instead of dropping it)."
+                )
+            index -= len(g["params"])
+        raise AssertionError("unreachable")
 
     def _adamw_group(self, g: dict) -> None:
         b1, b2 = g["betas"]
@@ -374,10 +410,17 @@ class Muon(torch.optim.Optimizer):
         entries = [self._muon_params[i] for i in b.param_indices]
         params = [(p, self.param_groups[gi]) for p, gi in entries]
         g0 = params[0][1]
-        block_rows = b.global_shard_dim_size // b.blocks_per_matrix
+        d = mp.shard_tensor_dim
+        # blocks are runs of dim 0; a matrix sharded on another dim is exchanged with that dim
+        # first and orthogonalized in its own layout (see _orthogonalize)
+        block_rows = (b.global_shard_dim_size if d == 0 else b.global_shape[0]) // (
+            b.blocks_per_matrix
+        )
         ortho = partial(
             _orthogonalize,
             block_rows=block_rows,
+            moved_shape=_moved_shape(b.global_shape, d),
+            dim=d,
             steps=g0["ns_steps"],
             coefficients=g0["ns_coefficients"],
             dtype=_DTYPES[g0["ns_dtype"]],
@@ -387,6 +430,8 @@ class Muon(torch.optim.Optimizer):
         cols = math.prod(b.global_shape) // b.global_shape[0]
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
             for p, g in params:
+                if id(p) in self._gradless:
+                    continue
                 shard = self._momentum_update(p, g, mp)
                 if shard.numel():
                     shard = stats.orthogonalize(ortho, shard, "local", shard.size(0) // block_rows)
@@ -404,7 +449,8 @@ class Muon(torch.optim.Optimizer):
             exchange = comm.EXCHANGES[b.path]
         results = yield from exchange(b, inputs, mp.fsdp_rank, group, ortho, stats)
         for (p, g), o in zip(params, results, strict=True):
-            self._apply(p, g, o, rows, cols, mp.shard_tensor_dim)
+            if id(p) not in self._gradless:
+                self._apply(p, g, o, rows, cols, mp.shard_tensor_dim)
 
     @staticmethod
     def _apply(p, g: dict, o: torch.Tensor, rows: int, cols: int, shard_dim: int) -> None:
@@ -418,7 +464,10 @@ class Muon(torch.optim.Optimizer):
         self, p: torch.Tensor, g: dict, mp: MeshCommPlan, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Update the momentum buffer and produce the NS input shard as [rows, C], sharded dim
-        first: written into `out` (a send-buffer slot) when given, else returned."""
+        first: written into `out` (a send-buffer slot) when given, else returned. A parameter
+        without a grad on any rank keeps its momentum and sends zeros."""
+        if id(p) in self._gradless:
+            return out.zero_()
         buf = _local(self.state[p]["momentum_buffer"])
         grad = _local(p.grad) if p.grad is not None else torch.zeros_like(buf)
         mu = g["momentum"]
@@ -458,8 +507,27 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     return rows.view(moved).movedim(0, dim)
 
 
-def _orthogonalize(m: torch.Tensor, block_rows, steps, coefficients, dtype, eps) -> torch.Tensor:
-    return orthogonalize_blocks(m, m.size(0) // block_rows, steps, coefficients, dtype, eps)
+def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """`shape` with `dim` moved first: the layout `_to_rows` exchanges."""
+    return (shape[dim], *shape[:dim], *shape[dim + 1 :])
+
+
+def _orthogonalize(
+    m: torch.Tensor, block_rows, steps, coefficients, dtype, eps, moved_shape=(), dim=0
+) -> torch.Tensor:
+    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
+
+    With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
+    Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
+    """
+    if dim == 0:
+        return orthogonalize_blocks(m, m.size(0) // block_rows, steps, coefficients, dtype, eps)
+    x = m.reshape(moved_shape).movedim(0, dim)
+    shape = x.shape
+    o = orthogonalize_blocks(
+        x.reshape(shape[0], -1), shape[0] // block_rows, steps, coefficients, dtype, eps
+    )
+    return o.view(shape).movedim(dim, 0).reshape(m.shape)
 
 
 def _comm_device() -> torch.device:

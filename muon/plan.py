@@ -75,8 +75,10 @@ def resolve_mesh_comm_plan(
 
     `mesh_ranks` is the mesh's rank grid as nested lists (`mesh.mesh.tolist()`), `coordinate`
     this rank's coordinate in it. Size-1 mesh dims count as replicated. One active shard dim is
-    the comm group; two must be exactly FSDP + EP on the same tensor dim: the FSDP dim is the one
-    FSDP2 marks as `_StridedShard` (else the outer one) and EP is the other, by elimination.
+    the comm group; two must be exactly FSDP + EP on tensor dim 0. The FSDP dim is the one whose
+    ranks together hold one contiguous EP-local slab: the one FSDP2 marks `_StridedShard` (its
+    split applies after the EP split), and with two plain `Shard(0)`s the inner (later) mesh dim,
+    since DTensor splits along the mesh dims in order. EP is the other, by elimination.
     """
     active = [
         (d, _shard_dim(p))
@@ -90,7 +92,14 @@ def resolve_mesh_comm_plan(
         ep_dim, factor = None, 1
     elif len(active) == 2 and active[0][1] == active[1][1] == 0:
         strided = [d for d, _ in active if isinstance(placements[d], _StridedShard)]
-        fsdp_dim = strided[0] if len(strided) == 1 else active[0][0]
+        if len(strided) > 1:
+            raise NotImplementedError(
+                f"Muon: placements {placements} stride both sharded mesh dims; expected FSDP2's "
+                "(_StridedShard(0), Shard(0)) or a plain (Shard(0), Shard(0)) expert layout"
+            )
+        # with plain Shard(0)s the outer mesh dim cuts the contiguous EP slabs and the inner one
+        # splits each slab: the inner one is FSDP
+        fsdp_dim = strided[0] if strided else active[-1][0]
         (ep_dim,) = (d for d, _ in active if d != fsdp_dim)
         tensor_dim, factor = 0, mesh_shape[ep_dim]
     else:
@@ -157,6 +166,9 @@ class ParamMeta:
     itemsize: int
     #: Newton-Schulz settings of the parameter's group; batches never mix different ones
     ns_settings: tuple = ()
+    #: the parameter's dtype name: a batch shares one exchange buffer, so it holds one dtype
+    #: (float16 and bfloat16 have the same item size but not the same range)
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -307,17 +319,18 @@ def plan_batches(
     expert_aware: bool,
     cursor: OwnerCursor | None,
 ) -> list[BatchPlan]:
-    """Bucket parameters by (shape, blocks, itemsize) in first-seen order and cut into batches.
+    """Bucket parameters by (shape, blocks, dtype, NS settings) in first-seen order and cut into
+    batches.
 
     Every batch computes its own FSDP-visible size and shard sizes; nothing is carried over from
     a batch of another shape.
     """
     buckets: dict[tuple, list[ParamMeta]] = {}
     for p in params:
-        key = (p.global_shape, p.num_blocks, p.itemsize, p.ns_settings)
+        key = (p.global_shape, p.num_blocks, p.itemsize, p.dtype, p.ns_settings)
         buckets.setdefault(key, []).append(p)
     plans: list[BatchPlan] = []
-    for (shape, num_blocks, itemsize, _), members in buckets.items():
+    for (shape, num_blocks, itemsize, _, _), members in buckets.items():
         plans.extend(
             _plan_bucket(
                 members,

@@ -10,11 +10,16 @@ separately, x <- a x + b x^3 + c x^5. Iterating that scalar map over a dense gri
 [0.01, 1] gives, after 5 steps:
   fixed (3.4445, -4.7750, 2.0315):   [0.6818, 1.1344]
   tuned (You Jiacheng's five triples): [0.9778, 1.0318]
+  polar_express (derived, safety 1.01):  [0.8703, 1.1236]  (and >= 0.8461 down to x = 0.001)
 (for x < 0.01 the band widens: fixed reaches 1.2024 at x ~ 0.004, and x -> 0 maps to 0, so the
 test inputs are built with every normalized singular value >= 0.01). The float32 tests allow
 0.005 beyond these bands. bf16 rounds each product to 2^-8 ~ 0.004 relative; near the bands the
 map contracts (fixed: slope a + 3b + 5c = -0.72 at x = 1), so rounding does not pile up across
 steps and the last step's few roundings remain: the bf16 tests allow 0.04 (10 x 2^-8).
+
+Gram Newton-Schulz computes the same polynomial of X X^T, so in exact arithmetic it equals the
+standard iteration; the float64 runs agree to rounding (1e-12), the float32 ones within the error
+budget derived next to their test.
 """
 
 import math
@@ -22,7 +27,14 @@ import math
 import pytest
 import torch
 
-from muon.newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize_blocks
+from muon.newton_schulz import (
+    NS_COEFFICIENTS,
+    gram_is_cheaper,
+    newton_schulz,
+    ns_flops,
+    orthogonalize_blocks,
+    polar_express_coefficients,
+)
 from tests.reference import ref_ns
 
 FIXED = (3.4445, -4.7750, 2.0315)
@@ -35,6 +47,7 @@ TUNED = [
 ]
 FIXED_BAND = (0.6818, 1.1344)
 TUNED_BAND = (0.9778, 1.0318)
+PE_BAND = (0.8703, 1.1236)
 MIN_NORMALIZED_SV = 0.01
 
 
@@ -189,15 +202,16 @@ def test_scale_invariance():
 # ----------------------------------------------------------------------------- orthogonality
 
 
-def _band_check(coefficients, band, dtype, slack):
+def _band_check(coefficients, band, dtype, slack, **variant):
     gen = torch.Generator().manual_seed(8)
-    coef_list = [FIXED] if coefficients == "fixed" else TUNED
+    coef_list = {"fixed": [FIXED], "tuned": TUNED}.get(coefficients)
+    coef_list = coef_list or list(NS_COEFFICIENTS[coefficients])
     for rows, cols in [(32, 32), (24, 64), (64, 24), (48, 40)]:
         G = controlled_spectrum(24, rows, cols, gen)
         s_in = torch.linalg.svdvals(G.double())
         x = s_in / s_in.norm(dim=-1, keepdim=True)
         assert x.min() >= MIN_NORMALIZED_SV * 0.999  # precondition of the band
-        out = newton_schulz(G, coefficients=coefficients, dtype=dtype)
+        out = newton_schulz(G, coefficients=coefficients, dtype=dtype, **variant)
         s_out = torch.linalg.svdvals(out.double())
         lo, hi = band
         assert s_out.min().item() >= lo - slack, (rows, cols, s_out.min().item())
@@ -289,3 +303,169 @@ def test_orthogonalize_blocks_default_bf16_and_dtype():
     assert rel_err(out, f32) > 1e-4  # bf16 was really used by default
     out_bf16 = orthogonalize_blocks(W.bfloat16(), 4)
     assert out_bf16.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- polar express
+
+# Amsel, Persson, Musco, Gower (2025), "The Polar Express", first step for l = 1e-3 as published.
+PE_PUBLISHED_FIRST = (8.28721201814563, -23.595886519098837, 17.300387312530933)
+PE_CUSHION = 0.02407327424182761
+
+
+def test_polar_express_steps_are_minimax():
+    """Chebyshev alternation: a step is the best odd quintic on its fit interval iff p - center
+    reaches its extreme deviation with alternating signs at 4 points (endpoints and 2 interior
+    extrema). The derivation without the safety factor reproduces the published first step."""
+    raw = polar_express_coefficients(safety=1.0)
+    assert raw[0] == pytest.approx(PE_PUBLISHED_FIRST, rel=1e-9)
+    lo, hi = 1e-3, 1.0
+    for a, b, c in raw[:6]:
+        fit_lo = max(lo, PE_CUSHION * hi)
+        x = torch.linspace(fit_lo, hi, 200001, dtype=torch.float64)
+        p = a * x + b * x**3 + c * x**5
+        p_lo, p_hi = p[0].item(), p[-1].item()
+        assert a * lo + b * lo**3 + c * lo**5 + p_hi == pytest.approx(2.0, abs=1e-12)
+        dev = (p_hi - p_lo) / 2  # the equioscillation amplitude
+        interior = p[1:-1]
+        peaks = (interior > p[:-2]) & (interior > p[2:])
+        troughs = (interior < p[:-2]) & (interior < p[2:])
+        assert p.max().item() <= p_hi + 1e-9 * dev and p.min().item() >= p_lo - 1e-9 * dev
+        if dev > 1e-6:  # collapsed intervals use the limit quintic, no interior extrema left
+            assert interior[peaks].max().item() == pytest.approx(p_hi, abs=1e-7 * dev + 1e-12)
+            assert interior[troughs].min().item() == pytest.approx(p_lo, abs=1e-7 * dev + 1e-12)
+            assert x[1:-1][peaks].max() < x[1:-1][troughs].min()  # +, -, +, - in order
+        lo = a * lo + b * lo**3 + c * lo**5
+        hi = 2 - lo
+    safe = polar_express_coefficients()
+    for (a, b, c), (sa, sb, sc) in zip(raw, safe, strict=True):  # p(x / 1.01)
+        assert (sa, sb, sc) == pytest.approx((a / 1.01, b / 1.01**3, c / 1.01**5), rel=1e-12)
+    assert NS_COEFFICIENTS["polar_express"] == safe
+
+
+def test_polar_express_band_float32_and_bf16():
+    _band_check("polar_express", PE_BAND, torch.float32, 0.005)
+    _band_check("polar_express", PE_BAND, torch.bfloat16, 0.04)
+
+
+def _orthogonality_error(O):
+    """||O O^T - I||_F on the small side (O^T O of a wide block has rank < its size)."""
+    small = O.double() @ O.double().mT if O.size(-2) <= O.size(-1) else O.double().mT @ O.double()
+    eye = torch.eye(small.size(-1), dtype=torch.float64)
+    return (small - eye).norm(dim=(-2, -1)).max().item()
+
+
+def test_polar_express_beats_fixed_at_the_same_steps():
+    gen = torch.Generator().manual_seed(20)
+    G = controlled_spectrum(16, 32, 96, gen, lo=0.001)
+    for dtype in (torch.float32, torch.bfloat16):
+        for steps in (5, 7):
+            pe = newton_schulz(G, steps, "polar_express", dtype)
+            fixed = newton_schulz(G, steps, "fixed", dtype)
+            assert _orthogonality_error(pe) < _orthogonality_error(fixed), (dtype, steps)
+
+
+# ----------------------------------------------------------------------------- gram newton-schulz
+
+
+def test_flop_model():
+    m, n = 64, 192
+    assert ns_flops(m, n) == 5 * (4 * m * m * n + 2 * m**3)
+    assert ns_flops(n, m) == ns_flops(m, n)
+    # restart before step 2: segments of 2 and 3 steps, each 2 X-sized products (4 m^2 n) and
+    # 4 L - 3 Gram-sized products (2 m^3 each): 2 * 12 m^3 + 14 * 2 m^3 = 52 m^3 against 70 m^3
+    assert ns_flops(m, n, algorithm="gram") == 52 * m**3
+    assert ns_flops(m, n, algorithm="gram", restarts=()) == 46 * m**3
+    assert gram_is_cheaper(m, n) and gram_is_cheaper(n, m)
+    assert not gram_is_cheaper(m, m) and not gram_is_cheaper(m, m + m // 4)
+    # symmetric halves: 3/4 of each symmetric product
+    assert ns_flops(m, n, symmetric=True) == 5 * (
+        0.75 * 2 * m * m * n + 0.75 * 2 * m**3 + 2 * m * m * n
+    )
+
+
+def test_bad_algorithm_raises():
+    with pytest.raises(ValueError, match="ns_algorithm"):
+        newton_schulz(torch.randn(8, 24), algorithm="fast")
+
+
+VARIANTS = [
+    dict(algorithm="gram"),
+    dict(algorithm="gram", restarts=()),
+    dict(algorithm="gram", restarts=(1, 3)),
+    dict(algorithm="gram", symmetric=True),
+    dict(symmetric=True),
+]
+VARIANT_IDS = ["gram", "gram-norestart", "gram-r13", "gram-sym", "standard-sym"]
+SHAPES = [(24, 72), (72, 24), (5, 16, 48), (3, 48, 16)]
+SHAPE_IDS = ["wide", "tall", "batched-wide", "batched-tall"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("coefficients", ["fixed", "tuned", "polar_express"])
+def test_variants_match_the_reference(variant, coefficients):
+    """float64: the rearranged products equal the standard iteration to rounding. float32: each
+    of the ~20 products rounds at 2^-24 relative to its largest entries; the accumulated Gram
+    polynomial Q has entries up to ~prod(a_i) <= 8.2 * 4.07 ~ 34 (Polar Express' first segment)
+    over singular values of order 1, so the output error is bounded by 20 * 34 * 6e-8 ~ 4e-5 of
+    its norm; 2e-4 leaves a factor 5."""
+    gen = torch.Generator().manual_seed(21)
+    for shape in SHAPES:
+        G = torch.randn(*shape, generator=gen)
+        coefs = list(NS_COEFFICIENTS[coefficients])
+        want = ref_ns(G, coefs)
+        got64 = newton_schulz(G.double(), coefficients=coefficients, dtype=torch.float64, **variant)
+        assert rel_err(got64, want) < 1e-12, shape
+        got = newton_schulz(G, coefficients=coefficients, dtype=torch.float32, **variant)
+        assert got.shape == G.shape and got.dtype == G.dtype
+        assert rel_err(got, want) < 2e-4, shape
+
+
+def test_gram_on_square_blocks_is_the_standard_iteration():
+    G = torch.randn(4, 40, 40, generator=torch.Generator().manual_seed(22))
+    for dtype in (torch.float32, torch.bfloat16):
+        a = newton_schulz(G, coefficients="polar_express", dtype=dtype)
+        b = newton_schulz(G, coefficients="polar_express", dtype=dtype, algorithm="gram")
+        assert torch.equal(a, b)
+
+
+def test_gram_band_float32():
+    _band_check("polar_express", PE_BAND, torch.float32, 0.005, algorithm="gram")
+    _band_check("tuned", TUNED_BAND, torch.float32, 0.005, algorithm="gram")
+
+
+def test_gram_bf16_against_polar_factor():
+    """bf16 Gram vs bf16 standard against the float64 polar factor. Both round every product
+    at 2^-8; Gram's accumulated polynomial Q (condition up to ~1/sigma_min of its segment) makes
+    its error a few times larger on ill-conditioned blocks, so Gram may be worse than standard
+    by at most 2 * 2^-8 * (1 / 0.01) ~ 0.08 in relative distance for spectra down to 0.01, and
+    both stay inside the method's band plus that slack."""
+    gen = torch.Generator().manual_seed(23)
+    for rows, cols in [(24, 72), (72, 24)]:
+        G = controlled_spectrum(16, rows, cols, gen)
+        U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+        polar = U @ Vh
+        std = newton_schulz(G, coefficients="polar_express")
+        gram = newton_schulz(G, coefficients="polar_express", algorithm="gram")
+        d_std, d_gram = rel_err(std, polar), rel_err(gram, polar)
+        assert d_gram <= d_std + 0.08, (d_gram, d_std)
+        s = torch.linalg.svdvals(gram.double())
+        assert s.min() >= PE_BAND[0] - 0.08 and s.max() <= PE_BAND[1] + 0.08
+
+
+@pytest.mark.parametrize(
+    "variant", VARIANTS[:2] + VARIANTS[3:4], ids=VARIANT_IDS[:2] + VARIANT_IDS[3:4]
+)
+def test_gram_expert_blocks_are_separate(variant):
+    E, out_dim, in_dim = 4, 12, 40
+    gen = torch.Generator().manual_seed(24)
+    W = torch.randn(E * out_dim, in_dim, generator=gen)
+    for e in range(E):
+        W[e * out_dim : (e + 1) * out_dim] *= 10.0 ** (e - 1)
+    kw = dict(coefficients="polar_express", dtype=torch.float32, **variant)
+    fused = orthogonalize_blocks(W, E, **kw)
+    coefs = list(NS_COEFFICIENTS["polar_express"])
+    for e in range(E):
+        block = W[e * out_dim : (e + 1) * out_dim]
+        got = fused[e * out_dim : (e + 1) * out_dim]
+        torch.testing.assert_close(got, newton_schulz(block, **kw), rtol=1e-5, atol=1e-6)
+        assert rel_err(got, ref_ns(block, coefs)) < 2e-4
