@@ -181,7 +181,7 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     assert keys == {line.split(" = ")[0] for line in schema.describe()}
     assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
     assert not any(line.startswith("schema") for line in lines)
-    adamw, _ = _train_py("optim=adamw", "--help", cwd=tmp_path)
+    adamw, _ = _train_py("--help", "optim=adamw", cwd=tmp_path)
     assert adamw.returncode == 0, adamw.stderr
     optim = {
         line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
