@@ -47,6 +47,7 @@ class RemainderStrategy(StrEnum):
     agrs = "agrs"
     pad_all2all = "pad_all2all"
     ragged_all_to_all = "ragged_all_to_all"
+    auto = "auto"
 
 
 class NsDtype(StrEnum):
@@ -69,6 +70,17 @@ class Device(StrEnum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class TrainDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class ActivationCheckpointing(StrEnum):
+    none = "none"
+    full = "full"
 
 
 class DataSource(StrEnum):
@@ -151,7 +163,12 @@ class MuonOptimConfig(OptimConfig):
     adamw_weight_decay: float = _f(0.0, "weight decay of the AdamW groups under muon")
     router: RouterOptim = _f(RouterOptim.adamw, "which algorithm updates router weights")
     remainder_strategy: RemainderStrategy = _f(
-        RemainderStrategy.pad_all2all, "Muon exchange for batches smaller than the FSDP group"
+        RemainderStrategy.pad_all2all,
+        "Muon exchange for batches smaller than the FSDP group; auto: the fastest that fits "
+        "memory_budget_gib, per batch",
+    )
+    memory_budget_gib: float | None = _f(
+        None, "GiB one Muon batch may hold on a rank, for remainder_strategy=auto; null: no bound"
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
@@ -196,6 +213,16 @@ class TrainConfig:
     clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
     router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
+    param_dtype: TrainDtype = _f(
+        TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
+    )
+    reduce_dtype: TrainDtype = _f(
+        TrainDtype.auto, "FSDP2 gradient reduce-scatter dtype; auto: float32"
+    )
+    activation_checkpointing: ActivationCheckpointing = _f(
+        ActivationCheckpointing.none, "none, or full: recompute each decoder layer in backward"
+    )
+    compile: bool = _f(False, "torch.compile each decoder layer (CPU needs a C++ compiler)")
 
 
 @dataclass
@@ -351,6 +378,8 @@ def validate(
     _validate_optim_option(cfg)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    if cfg.optim.get("memory_budget_gib") is not None:
+        _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh
     if mesh.world_size % mesh.ep:
         allowed = [d for d in range(1, mesh.world_size + 1) if mesh.world_size % d == 0]

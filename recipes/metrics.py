@@ -35,29 +35,30 @@ RANK_EXTREMES = (
 )
 
 #: the counters `muon.Muon.step_stats` keeps per exchange path (`muon/<path>/<stat>`)
-REMAINDER_STATS = ("bytes_sent", "bytes_recv", "matrices")
+REMAINDER_STATS = ("bytes_sent", "bytes_recv", "matrices", "batches")
 
 
-def remainder_metrics(step_stats: dict[str, float], optim: Any) -> dict[str, float]:
+def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
     """The remainder exchange's counters under strategy-neutral names.
 
     `muon.Muon.step_stats` names counters by exchange path (`muon/agrs/bytes_sent`,
     `muon/ragged_all_to_all/bytes_sent`, ...), so each strategy's runs log a different key and
-    no single panel overlays them. This returns `muon/remainder/<stat>` from the path that
-    `optim.remainder_strategy` takes (`agrs` when `optim.enable_all2all` is false; every
-    exchanged batch then takes that path and is counted). A step whose plan has no remainder
-    batch sent nothing on that path: 0. Empty for runs without Muon statistics (AdamW), and
-    when the optimizer already reports `muon/remainder/*` itself.
+    no single panel overlays them. This returns `muon/remainder/<stat>`: the sum over the
+    remainder paths (`muon.plan.REMAINDER_STRATEGIES`), which is the configured strategy's path,
+    or with `remainder_strategy=auto` the paths it chose batch by batch. With
+    `enable_all2all=false` every exchanged batch takes `agrs` and is counted. A step without a
+    remainder batch sent nothing on those paths: 0. Empty for runs without Muon statistics
+    (AdamW), and when the optimizer already reports `muon/remainder/*` itself.
     """
-    strategy = optim.get("remainder_strategy") if hasattr(optim, "get") else None
-    if not step_stats or strategy is None:
+    from muon.plan import REMAINDER_STRATEGIES
+
+    if not step_stats or any(key.startswith("muon/remainder/") for key in step_stats):
         return {}
-    if any(key.startswith("muon/remainder/") for key in step_stats):
-        return {}
-    path = "agrs" if not optim.get("enable_all2all", True) else str(strategy)
     return {
-        f"muon/remainder/{s}": float(step_stats.get(f"muon/{path}/{s}", 0.0))
-        for s in REMAINDER_STATS
+        f"muon/remainder/{stat}": float(
+            sum(step_stats.get(f"muon/{path}/{stat}", 0.0) for path in REMAINDER_STRATEGIES)
+        )
+        for stat in REMAINDER_STATS
     }
 
 

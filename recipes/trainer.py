@@ -245,7 +245,7 @@ class Trainer:
             "optim_s": optim_s,
             "tokens_per_s": tokens / step_s,
             **stats,
-            **remainder_metrics(stats, cfg.optim),
+            **remainder_metrics(stats),
             **memory,
         }
 

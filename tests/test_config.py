@@ -174,7 +174,7 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
-    assert "[agrs, pad_all2all, ragged_all_to_all]" in strategy
+    assert "[agrs, pad_all2all, ragged_all_to_all, auto]" in strategy
     assert "# Muon exchange for batches smaller than the FSDP group" in strategy
     assert any(line.startswith("optim.nesterov = true  [true, false]  # ") for line in lines)
     keys = {line.split(" = ")[0] for line in lines if line[:1].islower() and "  # " in line}
@@ -230,7 +230,10 @@ def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("optim.remainder_strategy=agsr", "expected one of [agrs, pad_all2all, ragged_all_to_all]"),
+        (
+            "optim.remainder_strategy=agsr",
+            "expected one of [agrs, pad_all2all, ragged_all_to_all, auto]",
+        ),
         ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
         ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
         ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),

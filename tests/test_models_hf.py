@@ -3,7 +3,9 @@ multi-file export split by size, fused 3-D import, sharded import on a mesh, and
 transformers itself (when installed: the dev extra pins it)."""
 
 import json
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,7 +314,7 @@ def test_import_errors_and_hf_defaults(tmp_path):
 # ---------------------------------------------------------------- transformers itself (W=4, ep 2)
 
 HF_KW = dict(
-    vocab_size=96,
+    vocab_size=256,  # the stdlib byte tokens of a run need >= 256
     hidden_size=64,
     intermediate_size=80,
     moe_intermediate_size=32,
@@ -375,9 +377,10 @@ def _transformers_logits(path, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
 def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, ids):
     """Start from the transformers directory as a run does (checks, build, init_from), measure
     the import, run the forward, then checkpoint and export on every rank."""
+    from models.glm.hf_adapter import hf_tensors
     from recipes import checkpoint
     from recipes.config import from_yaml, validate
-    from recipes.hf import export_checkpoint, init_from
+    from recipes.hf import DCPRegions, export_checkpoint, init_from
     from recipes.memory import MemoryMeter
     from recipes.parallel import build_model, model_config
 
@@ -397,8 +400,13 @@ def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, id
     opt.step()
     state = {"model_config": model_config(cfg).to_dict()}
     ckpt = checkpoint.save(ckpt_root, 1, model, opt, state, keep=1)
-    written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
-    return logits, m.peak_delta_bytes(), written
+    with meter.measure("export") as e:
+        written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
+    # What one read may hold: the transformers tensor and the saved piece it is cut from.
+    largest_hf = max(math.prod(t.shape) * 4 for t in hf_tensors(model_config(cfg)))
+    md = DCPRegions(Path(ckpt) / "model").metadata.state_dict_metadata.values()
+    largest_piece = max(math.prod(c.sizes) * 4 for entry in md for c in entry.chunks)
+    return logits, m.peak_delta_bytes(), written, e.peak_delta_bytes(), largest_hf + largest_piece
 
 
 @pytest.mark.slow
@@ -406,7 +414,8 @@ def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tm
     """A bf16 checkpoint saved by transformers (several files) starts a 4-rank ep=2 run with
     the logits of transformers' float32 forward; our export of it (written by all 4 ranks)
     loads back in transformers with every tensor and the same logits. Each rank's import
-    peak above its shards stays within one expert's weights."""
+    peak above its shards stays within one expert's weights, its export peak within the
+    tensor it reads plus the saved piece that tensor is cut from."""
     pytest.importorskip("transformers")
     from omegaconf import OmegaConf
 
@@ -437,12 +446,14 @@ def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tm
     )
     # Both forwards run in float32 on the same bf16-valued weights: they differ only by
     # summation order (~1e-6 relative, hf-glm4moe.md section 4), far below bf16's 2^-8.
-    for logits, _, _ in results:
+    for logits, *_ in results:
         torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-5)
     I, D = HF_KW["moe_intermediate_size"], HF_KW["hidden_size"]
     one_expert = 3 * I * D * 4  # gate, up and down of one expert, float32
-    assert all(0 < peak <= one_expert for _, peak, _ in results), [r[1] for r in results]
-    written = [set(w) for _, _, w in results]
+    assert all(0 < r[1] <= one_expert for r in results), [r[1] for r in results]
+    # The export's peak: one tensor being read (not the model: 4 ranks x 15 files here).
+    assert all(0 < r[3] <= r[4] for r in results), [r[3:] for r in results]
+    written = [set(r[2]) for r in results]
     assert all(w for w in written) and not set.intersection(*written)  # every rank wrote files
 
     back, info = _transformers_logits(out, ids)
