@@ -250,6 +250,27 @@ def register() -> None:
         OmegaConf.register_new_resolver("run_id", run_id)
     if not OmegaConf.has_resolver("schema_help"):
         OmegaConf.register_new_resolver("schema_help", schema_help)
+    if not OmegaConf.has_resolver("slurm_tasks"):
+        OmegaConf.register_new_resolver("slurm_tasks", slurm_tasks)
+
+
+def slurm_tasks(what: str, world_size: int, nodes: int) -> int:
+    """Tasks per node or CPUs per task of a submitit job (conf/hydra/launcher/slurm.yaml).
+
+    One node: one task that starts a local world of `world_size` ranks, one CPU per rank.
+    Several nodes: one task per rank (submitit's environment gives each its rank), so
+    `world_size` must split evenly over `nodes`.
+    """
+    if nodes < 1 or world_size % nodes:
+        raise ConfigError(
+            f"hydra.launcher.nodes={nodes} must be a positive divisor of "
+            f"mesh.world_size={world_size} (every node runs world_size / nodes ranks)"
+        )
+    if what == "tasks_per_node":
+        return 1 if nodes == 1 else world_size // nodes
+    if what == "cpus_per_task":
+        return world_size if nodes == 1 else 1
+    raise ValueError(f"slurm_tasks: unknown field {what!r} (tasks_per_node, cpus_per_task)")
 
 
 def run_id(override_dirname: str) -> str:
