@@ -163,12 +163,32 @@ start() {
     cat "$dir/etc/hosts.new" >"$dir/etc/hosts"
     rm -f "$dir/etc/hosts.new"
     in_ns "$CTL" hostname "$CTL"
-    for name in $NODES; do start_holder "$name"; done
 
-    # Wiring: a bridge in ctl, one veth per node into it, the host veth's peer too.
+    # The ctl side first (bridge, host veth), so slurmctld starts while the nodes are wired.
     in_ns "$CTL" sh -c "ip link set lo up && ip link add br0 type bridge &&
         ip addr add $NET.1/24 dev br0 && ip link set br0 up &&
         ip link set hv0 master br0 && ip link set hv0 up"
+    ip addr add "$NET.254/24" dev "$HOST_IF"
+    ip link set "$HOST_IF" up
+    # The rule: cluster traffic from this namespace leaves through the host veth, never the
+    # default route. Checked before any client runs.
+    local route
+    route=$(ip -o route get "$NET.1")
+    if [[ $route != *" dev $HOST_IF "* || $route == *" via "* ]]; then
+        echo "local_cluster: $NET.1 would not be reached through $HOST_IF: $route" >&2
+        stop
+        exit 1
+    fi
+    write_config
+    start_munged "$dir"
+    export SLURM_CONF=$conf
+    pid=$(<"$run_dir/holder-$CTL.pid")
+    setsid nsenter -t "$pid" -n -u -m -- slurmctld -D -i -f "$conf" \
+        >>"$log_dir/slurmctld.out" 2>&1 </dev/null &
+    echo $! >"$run_dir/slurmctld.pid"
+
+    # One namespace per node, a veth into the bridge each.
+    for name in $NODES; do start_holder "$name"; done
     n=1
     for name in $NODES; do
         pid=$(<"$run_dir/holder-$name.pid")
@@ -178,25 +198,6 @@ start() {
             ip link set eth0 up"
         n=$((n + 1))
     done
-    ip addr add "$NET.254/24" dev "$HOST_IF"
-    ip link set "$HOST_IF" up
-    # The rule: cluster traffic from this namespace leaves through the host veth, never the
-    # default route.
-    local route
-    route=$(ip -o route get "$NET.1")
-    if [[ $route != *" dev $HOST_IF "* || $route == *" via "* ]]; then
-        echo "local_cluster: $NET.1 would not be reached through $HOST_IF: $route" >&2
-        stop
-        exit 1
-    fi
-
-    write_config
-    start_munged "$dir"
-    export SLURM_CONF=$conf
-    pid=$(<"$run_dir/holder-$CTL.pid")
-    setsid nsenter -t "$pid" -n -u -m -- slurmctld -D -i -f "$conf" \
-        >>"$log_dir/slurmctld.out" 2>&1 </dev/null &
-    echo $! >"$run_dir/slurmctld.pid"
     start_missing_slurmds
     local states
     if ! states=$(wait_nodes_idle 30 "$nodes"); then
