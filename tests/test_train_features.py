@@ -22,51 +22,57 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.overrides.num_hidden_layers=2", "data.seq_len=32", "data.batch_size=2"]
 
 
-class _AllGatherBytes(TorchDispatchMode):
-    """Bytes each rank contributes to c10d all-gathers (FSDP2's parameter all-gathers)."""
+class _CollectiveBytes(TorchDispatchMode):
+    """Bytes each rank puts into c10d all-gathers and reduce-scatters (FSDP2's)."""
 
-    OPS = ("_allgather_base_", "allgather_into_tensor_coalesced_")
+    OPS = {
+        "_allgather_base_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    }
 
     def __init__(self) -> None:
         super().__init__()
-        self.sent = 0
-        self.calls = 0
+        self.sent = {"all_gather": 0, "reduce_scatter": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.split(".")[0] in self.OPS:
+        kind = self.OPS.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
+        if kind is not None:
             inputs = args[1] if isinstance(args[1], list | tuple) else [args[1]]
-            self.sent += sum(t.numel() * t.element_size() for t in inputs)
-            self.calls += 1
+            self.sent[kind] += sum(t.numel() * t.element_size() for t in inputs)
         return func(*args, **(kwargs or {}))
+
+
+CASES = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "bfloat16")]
 
 
 def _mixed_precision_world():
     from recipes.parallel import build_model, build_optimizer, train_dtypes
 
     out = {}
-    for param_dtype in ("float32", "bfloat16"):
-        cfg = OmegaConf.merge(
-            OmegaConf.structured(Config),
-            OmegaConf.from_dotlist(
-                ["mesh.world_size=2", "mesh.ep=2", f"train.param_dtype={param_dtype}", *TINY]
-            ),
-        )
+    for param_dtype, reduce_dtype in CASES:
+        dotlist = ["mesh.world_size=2", "mesh.ep=2", *TINY]
+        dotlist += [f"train.param_dtype={param_dtype}", f"train.reduce_dtype={reduce_dtype}"]
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
         model = build_model(cfg, torch.device("cpu"))
         opt = build_optimizer(cfg, model)
-        ids = torch.randint(
-            0, 256, (2, 33), generator=torch.Generator().manual_seed(dist.get_rank())
-        )
-        counter = _AllGatherBytes()
-        with counter:
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        ids = torch.randint(0, 256, (2, 33), generator=gen)
+        forward, backward = _CollectiveBytes(), _CollectiveBytes()
+        with forward:
             loss = model.loss(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+        with backward:
+            loss.backward()
         opt.step()
-        # The router weights stay float32 under bf16 compute (their own FSDP unit).
-        router = sum(r.weight.to_local().numel() * 4 for r in model.routers())
-        out[param_dtype] = {
-            "sent": counter.sent,
-            "calls": counter.calls,
-            "router_bytes": router,
+        routers = [r.weight for r in model.routers()]
+        out[(param_dtype, reduce_dtype)] = {
+            "gathered": forward.sent["all_gather"],
+            "reduced": backward.sent["reduce_scatter"],
+            # Router weights keep float32 compute and reduction (their own FSDP unit): a
+            # float32 shard sent in the all-gather, the float32 full gradient reduce-scattered.
+            "router_shard_bytes": sum(w.to_local().numel() * 4 for w in routers),
+            "router_full_bytes": sum(w.numel() * 4 for w in routers),
             "dtypes": train_dtypes(cfg, torch.device("cpu")),
             "param_dtypes": {str(p.dtype) for p in model.parameters()},
             "grad_dtypes": {str(p.grad.dtype) for p in model.parameters() if p.grad is not None},
@@ -84,15 +90,21 @@ def _mixed_precision_world():
 def test_bf16_params_halve_the_all_gather_bytes_over_fp32_masters():
     results = run_world(_mixed_precision_world, 2, timeout_s=240)
     for rank in results:
-        fp32, bf16 = rank["float32"], rank["bfloat16"]
+        fp32, bf16, bf16_reduce = (rank[case] for case in CASES)
         assert fp32["dtypes"] == (torch.float32, torch.float32)  # `auto` on CPU
         assert bf16["dtypes"] == (torch.bfloat16, torch.float32)
+        assert bf16_reduce["dtypes"] == (torch.bfloat16, torch.bfloat16)
         # Masters, gradients and optimizer state (Muon momentum, AdamW moments) stay float32.
-        for r in (fp32, bf16):
+        for r in (fp32, bf16, bf16_reduce):
             assert r["param_dtypes"] == r["grad_dtypes"] == r["state_dtypes"] == {"torch.float32"}
         # bf16 sends 2 bytes per parameter value where fp32 sends 4, except the float32 routers.
-        assert fp32["sent"] > 0 and bf16["calls"] >= fp32["calls"]
-        assert bf16["sent"] == (fp32["sent"] - fp32["router_bytes"]) // 2 + fp32["router_bytes"]
+        router = fp32["router_shard_bytes"]
+        assert fp32["gathered"] > 0
+        assert bf16["gathered"] == (fp32["gathered"] - router) // 2 + router
+        # Gradients are reduced in train.reduce_dtype: float32 unless asked for bfloat16.
+        router = fp32["router_full_bytes"]
+        assert fp32["reduced"] > 0 and bf16["reduced"] == fp32["reduced"]
+        assert bf16_reduce["reduced"] == (fp32["reduced"] - router) // 2 + router
 
 
 def _train_py(args: list[str], root: Path) -> str:
