@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon import comm
-from muon.newton_schulz import orthogonalize_blocks, resolve_coefficients
+from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
 from muon.plan import (
     LOCAL_MESH_PLAN,
     REMAINDER_STRATEGIES,
@@ -84,6 +84,8 @@ class Muon(torch.optim.Optimizer):
     `remainder_strategy` picks how a batch smaller than the FSDP group is exchanged
     (see `muon.plan`); `expert_aware=False` exchanges fused experts as whole matrices (the
     behaviour before the local and sub-group paths existed, kept for planning comparisons).
+    `ns_coefficients` ("fixed", "tuned", "polar_express" or (a, b, c) triples) and `ns_algorithm`
+    ("standard" or "gram") choose the Newton-Schulz variant (see `muon.newton_schulz`).
     """
 
     def __init__(
@@ -104,6 +106,8 @@ class Muon(torch.optim.Optimizer):
         enable_all2all: bool = True,
         max_inflight: int = 3,
         expert_aware: bool = True,
+        *,
+        ns_algorithm: str = "standard",
     ) -> None:
         if remainder_strategy not in REMAINDER_STRATEGIES:
             raise ValueError(
@@ -130,6 +134,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=_dtype_name(ns_dtype),
+            ns_algorithm=ns_algorithm,
             eps=eps,
             adjust_lr=adjust_lr,
             num_experts=1,
@@ -181,6 +186,7 @@ class Muon(torch.optim.Optimizer):
         if g["adjust_lr"] not in ADJUST_LR:
             raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
         resolve_coefficients(g["ns_coefficients"])
+        check_algorithm(g["ns_algorithm"])
         g["ns_dtype"] = _dtype_name(g["ns_dtype"])
         blocks = g["num_experts"]
         names = g.get("param_names") or [None] * len(g["params"])
@@ -425,6 +431,7 @@ class Muon(torch.optim.Optimizer):
             coefficients=g0["ns_coefficients"],
             dtype=_DTYPES[g0["ns_dtype"]],
             eps=g0["eps"],
+            algorithm=g0.get("ns_algorithm", "standard"),
         )
         rows = b.global_shape[0] // g0["num_experts"]
         cols = math.prod(b.global_shape) // b.global_shape[0]
@@ -484,11 +491,12 @@ class Muon(torch.optim.Optimizer):
 
 
 def _ns_settings(g: dict) -> tuple:
-    """Settings that must agree within one batch, which shares one Newton-Schulz call."""
+    """Settings that must agree within one batch, which shares one Newton-Schulz call (groups
+    from state dicts older than `ns_algorithm` read as "standard")."""
     coefficients = g["ns_coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(map(tuple, coefficients))
-    return (g["ns_steps"], coefficients, g["ns_dtype"], g["eps"])
+    return (g["ns_steps"], coefficients, g["ns_dtype"], g["eps"], g.get("ns_algorithm", "standard"))
 
 
 def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -513,7 +521,15 @@ def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
 
 
 def _orthogonalize(
-    m: torch.Tensor, block_rows, steps, coefficients, dtype, eps, moved_shape=(), dim=0
+    m: torch.Tensor,
+    block_rows,
+    steps,
+    coefficients,
+    dtype,
+    eps,
+    moved_shape=(),
+    dim=0,
+    algorithm="",
 ) -> torch.Tensor:
     """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
 
@@ -521,11 +537,19 @@ def _orthogonalize(
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
     """
     if dim == 0:
-        return orthogonalize_blocks(m, m.size(0) // block_rows, steps, coefficients, dtype, eps)
+        return orthogonalize_blocks(
+            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
+        )
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
     o = orthogonalize_blocks(
-        x.reshape(shape[0], -1), shape[0] // block_rows, steps, coefficients, dtype, eps
+        x.reshape(shape[0], -1),
+        shape[0] // block_rows,
+        steps,
+        coefficients,
+        dtype,
+        eps,
+        algorithm=algorithm,
     )
     return o.view(shape).movedim(dim, 0).reshape(m.shape)
 
