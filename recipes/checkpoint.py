@@ -1,33 +1,48 @@
-"""Distributed checkpoints: model (safetensors), optimizer (DCP), trainer state, atomically.
+"""Distributed checkpoints: sharded DCP (optionally asynchronous), committed atomically.
 
 One checkpoint is a directory `<root>/step_<step:08d>/`:
 
-    model/      the model state dict through HuggingFaceStorageWriter(save_distributed=True,
-                enable_consolidation=True): full tensors in safetensors, any world can read it
-    optim/      the optimizer's tensors (Muon momentum, AdamW moments and steps) the same way,
-                keyed `state.<param FQN>.<name>`; param groups and scalar state in plain.json
-    trainer.json  step, samples consumed, scheduler state, counters, the world that wrote it
+    model/      the model state dict, torch.distributed.checkpoint's own sharded format: every
+                rank writes the shards it holds (`__<rank>_0.distcp`), rank 0 the `.metadata`
+    optim/      the optimizer state dict (Muon momentum, AdamW moments and steps, param groups),
+                keyed by parameter FQN, the same way
+    trainer.json  step, samples consumed, scheduler state, counters, the model config, the
+                world that wrote it
     rng/rank_<r>.pt  each rank's RNG states (restored only on a world of the same size)
     COMMITTED   written last; a directory without it is not a checkpoint
 
-Everything is written under `.tmp-step_<step>` and renamed once every rank has finished, so
-a process killed while writing leaves the previous checkpoint as the newest loadable one.
-State dicts go through torch.distributed.checkpoint's get_state_dict / set_state_dict, which
-name tensors by parameter FQN and reshard on load: a checkpoint written by 4 ranks at ep=2
-loads on 2 ranks at ep=1.
+No rank ever holds a tensor it does not own: each writes its local shards (a non-contiguous
+shard is copied once, so a save costs at most the largest single local tensor on top of the
+rank's own state). Everything is written under `.tmp-step_<step>` and renamed once every rank
+has finished, so a process killed while writing leaves the previous checkpoint as the newest
+loadable one. State dicts go through get_state_dict / set_state_dict, which name tensors by
+parameter FQN, and DCP reshards on load: a checkpoint written by 4 ranks at ep=2 loads on 2
+ranks at ep=1.
+
+Asynchronous saves (`Checkpointer(async_mode=True)`, DCP's async_save): the call stages a CPU
+copy of this rank's state (so it costs the rank's own shards once more while the write runs),
+writes it on a background thread and returns; training goes on. The commit (trainer.json,
+COMMITTED, rename) happens at the next `save` or at `wait()`, after every rank's write has
+finished. The background writes coordinate over dedicated gloo groups, so they never
+interleave with the training collectives on the default group.
 """
+
+from __future__ import annotations
 
 import json
 import os
 import shutil
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 COMMITTED = "COMMITTED"
 _PREFIX = "step_"
@@ -54,21 +69,17 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def model_file(ckpt: Path) -> Path:
-    """The consolidated safetensors file of a checkpoint's model."""
-    files = sorted((Path(ckpt) / "model").glob("*.safetensors"))
-    if len(files) != 1:
-        raise FileNotFoundError(f"{ckpt}/model: expected one consolidated file, found {files}")
-    return files[0]
-
-
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def rng_state() -> dict[str, Any]:
@@ -86,6 +97,79 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class Checkpointer:
+    """Writes the checkpoints of one run under `root`, keeping the newest `keep` committed.
+
+    Collective: every rank constructs it and calls `save` / `wait` at the same points."""
+
+    def __init__(self, root: Path, *, keep: int, async_mode: bool = False) -> None:
+        self.root, self.keep, self.async_mode = Path(root), keep, async_mode
+        self._pending: tuple[Path, int, dict, list[Future]] | None = None
+        self._groups = {"model": None, "optim": None}
+        if async_mode and dist.is_initialized():
+            # The two background writes (model, optimizer) run concurrently, each gathering its
+            # plans over its own group: never the default group, never each other's.
+            self._groups = {part: dist.new_group(backend="gloo") for part in self._groups}
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+    ) -> Path:
+        """Collective: write the checkpoint of `step` (committed now, or at the next `save` /
+        `wait` when asynchronous). Returns its final directory."""
+        self.wait()  # the previous asynchronous save commits first
+        rank, final = _rank(), step_dir(self.root, step)
+        tmp = self.root / f"{_TMP_PREFIX}{final.name}"
+        if rank == 0:
+            for stale in self.root.glob(f"{_TMP_PREFIX}*"):  # left by a process killed mid-write
+                shutil.rmtree(stale, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = dict(trainer_state, step=step, world_size=_world())
+        if self.async_mode:
+            futures = [
+                dcp.async_save(
+                    sd,
+                    storage_writer=FileSystemWriter(tmp / part),
+                    process_group=self._groups[part],
+                )
+                for part, sd in (("model", model_sd), ("optim", optim_sd))
+            ]
+            self._pending = (tmp, step, state, futures)
+        else:
+            dcp.save(model_sd, storage_writer=FileSystemWriter(tmp / "model"))
+            dcp.save(optim_sd, storage_writer=FileSystemWriter(tmp / "optim"))
+            self._commit(tmp, step, state)
+        return final
+
+    def wait(self) -> None:
+        """Collective: finish and commit a pending asynchronous save (no-op when none)."""
+        if self._pending is None:
+            return
+        tmp, step, state, futures = self._pending
+        self._pending = None
+        for f in futures:
+            f.result()  # re-raises a failed write: that checkpoint is never committed
+        self._commit(tmp, step, state)
+
+    def _commit(self, tmp: Path, step: int, state: dict) -> None:
+        _barrier()  # every rank's files are in place
+        if _rank() == 0:
+            (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+            _fsync_dir(tmp)
+            (tmp / COMMITTED).write_text(f"{step}\n")
+            final = step_dir(self.root, step)
+            _replace(tmp, final)
+            for old in committed(self.root)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+
+
 def save(
     root: Path,
     step: int,
@@ -94,87 +178,9 @@ def save(
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Collective: write the checkpoint of `step`, commit it, keep the newest `keep`."""
-    root = Path(root)
-    rank = _rank()
-    final = step_dir(root, step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}"
-    if rank == 0:
-        for stale in root.glob(f"{_TMP_PREFIX}*"):  # left by a process killed mid-write
-            shutil.rmtree(stale, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save(
-        model_sd,
-        storage_writer=HuggingFaceStorageWriter(
-            str(tmp / "model"), save_distributed=True, enable_consolidation=True
-        ),
-    )
-    tensors, plain = _split_optim(optim_sd)
-    dcp.save(
-        tensors,
-        storage_writer=HuggingFaceStorageWriter(
-            str(tmp / "optim"), save_distributed=True, enable_consolidation=True
-        ),
-    )
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    _barrier()  # every rank's files are in place
-    if rank == 0:
-        # The consolidated files hold the whole state; the per-rank pieces are redundant.
-        for part in ("model", "optim"):
-            shutil.rmtree(tmp / part / "sharded", ignore_errors=True)
-        (tmp / "optim" / "plain.json").write_text(json.dumps(plain, indent=1))
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        state = dict(trainer_state, step=step, world_size=world)
-        (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
-        _fsync_dir(tmp)
-        (tmp / COMMITTED).write_text(f"{step}\n")
-        _replace(tmp, final)
-        for old in committed(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
-
-
-def _split_optim(optim_sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """An FQN-keyed optimizer state dict as flat tensors (for safetensors) and plain data.
-
-    Scalar state (AdamW's per-parameter `step`) goes with the param groups into JSON: the same
-    on every rank, and the Hugging Face storage layer does not round-trip 0-dim tensors.
-    """
-    tensors, scalars = {}, {}
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            key = f"state.{fqn}.{name}"
-            if value.ndim == 0:
-                scalars[key] = [value.item(), str(value.dtype).removeprefix("torch.")]
-            else:
-                tensors[key] = value
-    return tensors, {"param_groups": optim_sd["param_groups"], "scalars": scalars}
-
-
-def _join_optim(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
-    """Inverse of `_split_optim`: back to {"state": {fqn: {name: t}}, "param_groups": [...]}."""
-    scalars = {
-        key: torch.tensor(value, dtype=getattr(torch, dtype))
-        for key, (value, dtype) in plain["scalars"].items()
-    }
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in {**tensors, **scalars}.items():
-        fqn, name = key.removeprefix("state.").rsplit(".", 1)
-        state.setdefault(fqn, {})[name] = value
-    return {"state": state, "param_groups": plain["param_groups"]}
-
-
-def read_optimizer_state(ckpt: Path) -> dict:
-    """A checkpoint's optimizer state dict with full tensors, in one process (for inspection)."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted((Path(ckpt) / "optim").glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return _join_optim(tensors, json.loads((Path(ckpt) / "optim" / "plain.json").read_text()))
+    """Collective: write the checkpoint of `step` synchronously, commit it, keep the newest
+    `keep`."""
+    return Checkpointer(root, keep=keep).save(step, model, optimizer, trainer_state)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -196,21 +202,42 @@ def _replace(tmp: Path, final: Path) -> None:
 
 
 def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load a checkpoint into model and optimizer (resharding as needed).
+    """Collective: load a checkpoint into model and optimizer (resharding as needed); each rank
+    reads only the pieces of the files that overlap its own shards.
 
     Returns the trainer state, with `rng` set to this rank's RNG states when the checkpoint was
     written by a world of the same size (else None).
     """
     ckpt = Path(ckpt)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load(model_sd, storage_reader=HuggingFaceStorageReader(str(ckpt / "model")))
-    tensors, _ = _split_optim(optim_sd)
-    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(ckpt / "optim")))
-    optim_sd = _join_optim(tensors, json.loads((ckpt / "optim" / "plain.json").read_text()))
+    dcp.load(model_sd, storage_reader=FileSystemReader(ckpt / "model"))
+    dcp.load(optim_sd, storage_reader=FileSystemReader(ckpt / "optim"))
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    state = json.loads((ckpt / "trainer.json").read_text())
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    state = trainer_state(ckpt)
     rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
-    same_world = state["world_size"] == world and rng_file.is_file()
+    same_world = state["world_size"] == _world() and rng_file.is_file()
     state["rng"] = torch.load(rng_file, weights_only=False) if same_world else None
     return state
+
+
+def trainer_state(ckpt: Path) -> dict[str, Any]:
+    """The trainer.json of a checkpoint."""
+    return json.loads((Path(ckpt) / "trainer.json").read_text())
+
+
+def _read_whole(path: Path) -> dict:
+    """Every entry of a DCP directory as full tensors in this process (for inspection and tests:
+    it holds the whole state; never used by the training path)."""
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys(storage_reader=FileSystemReader(path))
+
+
+def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state dict with full tensors, in one process (for inspection)."""
+    return _read_whole(Path(ckpt) / "model")
+
+
+def read_optimizer_state(ckpt: Path) -> dict:
+    """A checkpoint's optimizer state dict with full tensors, in one process (for inspection)."""
+    return _read_whole(Path(ckpt) / "optim")

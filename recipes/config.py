@@ -93,6 +93,11 @@ class TokenDtype(StrEnum):
     uint32 = "uint32"
 
 
+class HFDtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 class Schedule(StrEnum):
     cosine = "cosine"
     linear = "linear"
@@ -195,7 +200,11 @@ class CheckpointConfig:
     every: int = _f(100, "save every N steps (and at the end); 0: only at the end")
     keep: int = _f(2, "committed checkpoints kept")
     resume: bool = _f(True, "resume from the newest committed checkpoint of the run dir")
-    export_hf: bool = _f(True, "export the final model with models.glm.hf_adapter")
+    async_mode: bool = _f(False, "periodic saves through DCP's async_save (a CPU copy per rank)")
+    export_hf: bool = _f(True, "export the final model as a transformers directory (<run>/hf)")
+    hf_dtype: HFDtype = _f(HFDtype.float32, "dtype of the exported matrices (router stays fp32)")
+    hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB")
+    init_from: str | None = _f(None, "a transformers Glm4Moe directory to start from")
 
 
 @dataclass
@@ -276,7 +285,9 @@ def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:
             raise _fail(key, value, "must be >= 0" if allow_zero else "must be > 0")
 
 
-def validate(cfg: DictConfig, env_world_size: int | None = None) -> None:
+def validate(
+    cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
+) -> None:
     """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
     config and its layout on the mesh. Raises ConfigError naming the key."""
     _finite(cfg)
@@ -325,7 +336,8 @@ def validate(cfg: DictConfig, env_world_size: int | None = None) -> None:
         )
     _validate_data_path(cfg.data)
     _validate_model(cfg)
-    if mesh.device == Device.cuda:
+    _validate_checkpoint(cfg)
+    if check_devices and mesh.device == Device.cuda:
         import torch
 
         if torch.cuda.device_count() < (1 if env_world_size else mesh.world_size):
@@ -402,6 +414,22 @@ def _finite(node: Any, prefix: str = "") -> None:
             _finite(value, path)
         elif isinstance(value, float) and not math.isfinite(value):
             raise _fail(path, value, "must be a finite number")
+
+
+def _validate_checkpoint(cfg: DictConfig) -> None:
+    _positive(cfg, "checkpoint.hf_max_shard_gib")
+    path = cfg.checkpoint.init_from
+    if path is None:
+        return
+    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
+    from recipes.hf import check_init_from
+    from recipes.parallel import model_config
+
+    try:  # config fields, every tensor's presence and shape: headers only, no weights read
+        check_init_from(os.path.expanduser(path), model_config(cfg))
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -120,15 +120,67 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
     return results[0]
 
 
-def _setup_logging(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
+_FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-log format
+
+
+def _setup_logging(rank: int, run_dir: Path) -> logging.Logger:
+    """Console: rank 0's lines and every rank's warnings, prefixed `[rank<k>]`. Run dir:
+    rank 0's lines in train.log (Hydra's job log, appended to), each rank's warnings and
+    errors (Python warnings and other libraries' included) in logs/rank_<k>.log.
+    Returns a file-only logger for this rank's failure (the launcher prints it on the console).
+    """
+
+    def handler(h: logging.Handler, level: int, fmt: str) -> logging.Handler:
+        h.setLevel(level)
+        h.setFormatter(logging.Formatter(fmt))
+        h.recipes_rank = rank  # ours: replaced, not stacked, when set up again in a process
+        return h
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    files = [
+        handler(
+            logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log"),
+            logging.WARNING,
+            _FILE_FORMAT,
+        )
+    ]
+    if rank == 0:
+        files.append(
+            handler(logging.FileHandler(run_dir / "train.log"), logging.INFO, _FILE_FORMAT)
+        )
+    console = handler(logging.StreamHandler(sys.stdout), logging.INFO, f"[rank{rank}] %(message)s")
+    stderr = handler(
+        logging.StreamHandler(sys.stderr),
+        logging.WARNING,
+        f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
+    )
     logger = logging.getLogger("recipes")
-    logger.setLevel(level)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    _replace(logger, [console, *files])
+    # Everything else (torch, Python warnings through logging): this rank's file and stderr.
+    # Under torchrun, rank 0's root logger also holds Hydra's handlers; they stay.
+    root = logging.getLogger()
+    _replace(root, [files[0]] + ([] if _has_console(root) else [stderr]))
+    logging.captureWarnings(True)
+    failure = logging.getLogger("recipes.failure")
+    failure.propagate = False
+    _replace(failure, files)
+    return failure
+
+
+def _has_console(logger: logging.Logger) -> bool:
+    return any(
+        type(h) is logging.StreamHandler and not hasattr(h, "recipes_rank") for h in logger.handlers
+    )
+
+
+def _replace(logger: logging.Logger, handlers: list[logging.Handler]) -> None:
+    for old in [h for h in logger.handlers if hasattr(h, "recipes_rank")]:
+        logger.removeHandler(old)
+        old.close()
+    for h in handlers:
+        logger.addHandler(h)
 
 
 @record
@@ -137,7 +189,6 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
     from recipes.trainer import Trainer
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    _setup_logging(rank)
     # torch's own FSDP/DTensor internals call the deprecated collective names, once per rank.
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
@@ -156,6 +207,11 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
         box = [payload["run_dir"]]
         dist.broadcast_object_list(box, src=0)  # torchrun: every rank ran Hydra; rank 0 wins
         run_dir = Path(box[0])
-        return Trainer(cfg, run_dir, device).train()
+        failure = _setup_logging(rank, run_dir)
+        try:
+            return Trainer(cfg, run_dir, device).train()
+        except BaseException as err:
+            failure.error("rank %d failed: %r", rank, err, exc_info=True)
+            raise
     finally:
         dist.destroy_process_group()

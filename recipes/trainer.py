@@ -106,6 +106,10 @@ class Trainer:
         self.samples_per_step = self.world * cfg.train.grad_accum_steps * d.batch_size
         self.step, self.samples, self.skipped = 0, 0, 0
         self.ckpt_root = self.run_dir / "checkpoints"
+        c = cfg.checkpoint
+        self.checkpointer = checkpoint.Checkpointer(
+            self.ckpt_root, keep=c.keep, async_mode=c.async_mode
+        )
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -113,6 +117,7 @@ class Trainer:
         found = checkpoint.latest(self.ckpt_root) if self.rank == 0 else None
         found = _broadcast(str(found) if found and self.cfg.checkpoint.resume else None)
         if found is None:
+            self._init_from()
             return
         state = checkpoint.load(Path(found), self.model, self.opt)
         self.step, self.samples, self.skipped = state["step"], state["samples"], state["skipped"]
@@ -127,16 +132,28 @@ class Trainer:
                 self.world,
             )
 
+    def _init_from(self) -> None:
+        """A fresh run with `checkpoint.init_from`: every rank reads its shards of the weights."""
+        path = self.cfg.checkpoint.init_from
+        if path is None:
+            return
+        from recipes.hf import init_from
+
+        init_from(self.model, Path(path).expanduser())
+        if self.rank == 0:
+            log.info("initialized from the transformers directory %s", path)
+
     def save(self) -> Path:
+        """Collective: checkpoint the current step (committed now, or at the next save / `wait`
+        with `checkpoint.async_mode`)."""
         state = {
             "samples": self.samples,
             "skipped": self.skipped,
             "scheduler": self.sched.state_dict(),
             "ep": self.cfg.mesh.ep,
+            "model_config": model_config(self.cfg).to_dict(),
         }
-        return checkpoint.save(
-            self.ckpt_root, self.step, self.model, self.opt, state, self.cfg.checkpoint.keep
-        )
+        return self.checkpointer.save(self.step, self.model, self.opt, state)
 
     # -------------------------------------------------------------------------------- step
     def _forward_backward(self) -> torch.Tensor:
@@ -271,13 +288,15 @@ class Trainer:
             if due or stopping:
                 path = self.save()
             if stopping:
+                self.checkpointer.wait()  # committed before the process goes away
                 if self.rank == 0:
                     by = stop.name or "a peer rank's signal"
                     log.info("%s: stopped at step %d, checkpoint %s", by, self.step, path)
                 break
         if bar is not None:
             bar.close()
-        if self.rank == 0 and cfg.checkpoint.export_hf and self.step == cfg.train.steps:
+        self.checkpointer.wait()
+        if cfg.checkpoint.export_hf and self.step == cfg.train.steps:
             self._export_hf()
         if self.rank != 0:
             return None
@@ -308,15 +327,14 @@ class Trainer:
         summary.add(self.step, out, measure)
 
     def _export_hf(self) -> None:
-        """Rank 0: the final model, from the last checkpoint, in the transformers layout."""
-        try:
-            from models.glm.hf_adapter import export_hf
-        except ImportError:
-            log.warning("models.glm.hf_adapter not available: no transformers export")
-            return
-        from safetensors.torch import load_file
+        """Collective: the final checkpoint's model in the transformers layout (<run>/hf), each
+        rank writing its share of the files."""
+        from recipes.hf import export_checkpoint
 
-        last = checkpoint.latest(self.ckpt_root)
-        state = load_file(checkpoint.model_file(last))
-        export_hf(state, model_config(self.cfg), str(self.run_dir / "hf"))
-        log.info("transformers export: %s", self.run_dir / "hf")
+        c = self.cfg.checkpoint
+        out = self.run_dir / "hf"
+        last = checkpoint.step_dir(self.ckpt_root, self.step)
+        dtype = getattr(torch, str(c.hf_dtype))
+        export_checkpoint(last, out, dtype=dtype, max_shard_gib=c.hf_max_shard_gib)
+        if self.rank == 0:
+            log.info("transformers export: %s", out)

@@ -1,6 +1,8 @@
 """Checkpoint commit protocol and resharding, on a small FSDP2 stand-in model (gloo, CPU)."""
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes import checkpoint
-from tests.harness import run_world
+from recipes.checkpoint import COMMITTED
+from tests.harness import WorldError, run_world
 from tests.reference import assert_same_step
 
 
@@ -58,50 +61,65 @@ def _full(model, opt):
     return params, moments
 
 
-def _save_fail_load_prune(root: str):
-    """Save at 2; die in the middle of saving 3; load (into a fresh model) what 2 held;
-    then saves at 3, 4, 5 and a rerun of 5 with keep=2."""
+def _save_then_die_mid_save(root: str):
+    """Save at 2 (and keep what it holds in a file); at 3 every rank writes its model shards,
+    then kills itself with SIGKILL before the optimizer state and the commit."""
     root = Path(root)
     model, opt = _build()
     _train(model, opt, 2)
     checkpoint.save(root, 2, model, opt, {"samples": 8}, keep=2)
-    expected = _full(model, opt)
+    params, moments = _full(model, opt)
+    if dist.get_rank() == 0:
+        np.savez(root / "expected.npz", *moments, **params)
+    dist.barrier()
     _train(model, opt, 1, start=2)
-    # Interrupted on every rank after model and optimizer were written, before the commit.
-    real_rng_state = checkpoint.rng_state
-    checkpoint.rng_state = lambda: (_ for _ in ()).throw(OSError("killed"))
-    try:
-        checkpoint.save(root, 3, model, opt, {"samples": 12}, keep=2)
-    except OSError:
-        pass
-    finally:
-        checkpoint.rng_state = real_rng_state
-    after_failure = [p.name for p in checkpoint.committed(root)]
+    real_save = checkpoint.dcp.save
+
+    def save_then_die(state_dict, *, storage_writer):
+        real_save(state_dict, storage_writer=storage_writer)
+        if Path(storage_writer.path).name == "model":
+            os.kill(os.getpid(), signal.SIGKILL)  # model written; optimizer and commit not
+
+    checkpoint.dcp.save = save_then_die
+    checkpoint.save(root, 3, model, opt, {"samples": 12}, keep=2)
+
+
+def _load_then_prune(root: str):
+    """Load (into a fresh model) the newest checkpoint; then saves at 3, 4, 5 and a rerun of 5
+    with keep=2."""
+    root = Path(root)
     fresh, fresh_opt = _build(seed=1)  # different init: everything must come from the file
     state = checkpoint.load(checkpoint.latest(root), fresh, fresh_opt)
     state["rng"] = state["rng"] is not None  # tensors do not cross the result queue
     loaded = _full(fresh, fresh_opt)
     for step in (3, 4, 5):
-        _train(model, opt, 1, start=step)
-        checkpoint.save(root, step, model, opt, {"samples": step}, keep=2)
-    checkpoint.save(root, 5, model, opt, {"samples": 55}, keep=2)  # a rerun of a step
-    return after_failure, state, expected, loaded
+        _train(fresh, fresh_opt, 1, start=step)
+        checkpoint.save(root, step, fresh, fresh_opt, {"samples": step}, keep=2)
+    checkpoint.save(root, 5, fresh, fresh_opt, {"samples": 55}, keep=2)  # a rerun of a step
+    return state, loaded
 
 
 @pytest.mark.slow
-def test_interrupted_save_keeps_previous_then_keep_prunes(tmp_path):
-    after_failure, state, expected, loaded = run_world(_save_fail_load_prune, 4, str(tmp_path))[0]
-    assert after_failure == ["step_00000002"]
+def test_killed_mid_save_keeps_previous_then_keep_prunes(tmp_path):
+    with pytest.raises(WorldError, match="died"):
+        run_world(_save_then_die_mid_save, 4, str(tmp_path))
+    partial = tmp_path / ".tmp-step_00000003"
+    assert (partial / "model" / ".metadata").is_file() and not (partial / COMMITTED).exists()
+    assert [p.name for p in checkpoint.committed(tmp_path)] == ["step_00000002"]
+    state, loaded = run_world(_load_then_prune, 4, str(tmp_path))[0]
     assert state["step"] == 2 and state["samples"] == 8 and state["world_size"] == 4
     assert state["rng"]  # same world size: this rank's RNG comes back
-    for key, value in expected[0].items():
-        np.testing.assert_array_equal(loaded[0][key], value)
-    for got, want in zip(loaded[1], expected[1], strict=True):
-        np.testing.assert_array_equal(got, want)
+    expected = np.load(tmp_path / "expected.npz")
+    for key, value in loaded[0].items():
+        np.testing.assert_array_equal(value, expected[key])
+    for i, got in enumerate(loaded[1]):
+        np.testing.assert_array_equal(got, expected[f"arr_{i}"])
     assert [p.name for p in checkpoint.committed(tmp_path)] == ["step_00000004", "step_00000005"]
     assert json.loads((tmp_path / "step_00000005" / "trainer.json").read_text())["samples"] == 55
     assert not list(tmp_path.glob(".tmp-*"))
-    assert checkpoint.model_file(tmp_path / "step_00000005").suffix == ".safetensors"
+    for part in ("model", "optim"):  # DCP's sharded format: every rank wrote its own file
+        files = sorted(p.name for p in (tmp_path / "step_00000005" / part).iterdir())
+        assert files == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
 
 
 def test_latest_ignores_uncommitted(tmp_path):
@@ -114,7 +132,7 @@ def test_latest_ignores_uncommitted(tmp_path):
     assert checkpoint.latest(tmp_path / "missing") is None
 
 
-def _glm_config(world: int, ep: int, ns_dtype: str = "float32") -> str:
+def _glm_config(world: int, ep: int, *extra: str, ns_dtype: str = "float32") -> str:
     """8 sequences per step on any world, so both layouts see the same global batch. Newton-
     Schulz in float32: bf16 would amplify the layouts' other gradient summation orders by an
     amount that depends on the CPU (see assert_same_step)."""
@@ -125,6 +143,7 @@ def _glm_config(world: int, ep: int, ns_dtype: str = "float32") -> str:
     overrides = [f"mesh.world_size={world}", f"mesh.ep={ep}", "train.steps=4"]
     overrides += [f"optim.ns_dtype={ns_dtype}"]
     overrides += ["data.seq_len=32", f"data.batch_size={8 // world}", "train.warmup_steps=1"]
+    overrides += list(extra)
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
     return OmegaConf.to_yaml(cfg)
 
@@ -190,3 +209,59 @@ def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     # bound 1e-3). A stale learning rate after the load (schedule factor 1.0 one step earlier,
     # 0.775 now) would be over 20% of the change off.
     assert_same_step(saved, resumed, after)
+
+
+def _local_tensors(trainer) -> list[torch.Tensor]:
+    """This rank's own state: local shards of parameters and optimizer state, buffers."""
+    out = [
+        t.to_local() if hasattr(t, "to_local") else t for t in trainer.model.state_dict().values()
+    ]
+    for st in trainer.opt.state.values():
+        out += [v.to_local() if hasattr(v, "to_local") else v for v in st.values()]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def _glm_save_memory_and_async(config_yaml: str, run_dir: str, cache: str):
+    """Peak of a synchronous save over this rank's state; then an asynchronous save that
+    training runs past, committed by `wait`, loads back exactly."""
+    from recipes.config import from_yaml
+    from recipes.trainer import Trainer
+
+    cfg = from_yaml(config_yaml)
+    cfg.data.cache_dir = cache
+    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"))
+    trainer.train_step(measure=False)
+    local = _local_tensors(trainer)
+    largest, own = max(t.nbytes for t in local), sum(t.nbytes for t in local)
+    with trainer.meter.measure("save") as m:
+        trainer.save()
+    sync_delta = m.peak_delta_bytes()
+    trainer.checkpointer = checkpoint.Checkpointer(trainer.ckpt_root, keep=5, async_mode=True)
+    trainer.train_step(measure=False)
+    saved = _glm_snapshot(trainer)
+    with trainer.meter.measure("async") as m:
+        trainer.save()
+    async_delta = m.peak_delta_bytes()
+    trainer.train_step(measure=False)  # runs while the background write may still go on
+    trainer.checkpointer.wait()
+    fresh = Trainer(cfg, Path(run_dir), torch.device("cpu"))
+    fresh.resume()
+    return sync_delta, largest, own, async_delta, fresh.step, saved, _glm_snapshot(fresh)
+
+
+@pytest.mark.slow
+def test_glm_save_peak_per_rank_and_async_save(tmp_path):
+    """`small` preset, 4 ranks, ep=2. A synchronous save: each rank's peak above its own state
+    (parameter shards, optimizer state, buffers) stays within its largest single local tensor
+    (what a clone of one non-contiguous shard costs; DCP's pickled plans, ~0.1-0.4 MB here,
+    fit inside it). An asynchronous save stages one CPU copy of the rank's state, is committed
+    only by `wait`, and loads back exactly although training went on meanwhile."""
+    cache = str(tmp_path / "cache")
+    config = _glm_config(4, 2, "model.preset=small")
+    results = run_world(_glm_save_memory_and_async, 4, config, str(tmp_path), cache)
+    for sync_delta, largest, own, async_delta, step, saved, loaded in results:
+        assert 0 < sync_delta <= largest < own
+        assert own <= async_delta <= own + largest
+        assert step == 2 and loaded.keys() == saved.keys()
+        for key, value in saved.items():
+            np.testing.assert_array_equal(loaded[key], value, err_msg=key)

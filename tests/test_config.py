@@ -165,7 +165,7 @@ def test_every_field_has_help():
 
 def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     """`--help` renders the schema for the composed config (here optim=adamw's values)."""
-    proc, _ = _train_py("optim=adamw", "--help", cwd=tmp_path)
+    proc, _ = _train_py("--help", "optim=adamw", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
@@ -179,6 +179,25 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path):
+    """`a/b` and `a_b` give one directory name: the sweep fails before its first job; so does
+    a sweep with one invalid job."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a_b").mkdir()
+    proc, _ = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert (
+        "sweep jobs [data.path=a/b" in proc.stderr
+        and "would share the run directory" in proc.stderr
+    )
+    proc, _ = _train_py("-m", "optim.lr=0.1,nan", cwd=tmp_path)
+    assert (
+        "sweep job [optim.lr=nan" in proc.stderr and "optim.lr=nan: must be a finite" in proc.stderr
+    )
+    assert "[rank" not in proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written
+
+
 def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
@@ -187,7 +206,7 @@ def test_run_dir_is_stable_per_command():
 def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), f"run.root={cwd}", *args],
+        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -1,5 +1,6 @@
-"""Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields
-(checked against hf-glm4moe.md; transformers itself is not a dependency), fused 3-D import."""
+"""Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields,
+multi-file export split by size, fused 3-D import, sharded import on a mesh, and parity with
+transformers itself (when installed: the dev extra pins it)."""
 
 import json
 import os
@@ -7,10 +8,11 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.hf_adapter import export_hf, import_hf, load_safetensors, save_safetensors
+from models.glm.hf_adapter import INDEX, export_hf, import_hf
+from tests.harness import run_world
 
 CFG = GLMConfig(
     vocab_size=40,
@@ -107,24 +109,59 @@ def _expected_hf_shapes(c: GLMConfig) -> dict[str, tuple]:
     return shapes
 
 
+def _read_dir(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported directory, through its index (the safetensors library)."""
+    index = json.loads((path / INDEX).read_text())
+    out = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(path / name)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def _write_single(path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace a directory's weights by one `model.safetensors` (transformers' small layout)."""
+    for old in [*path.glob("*.safetensors"), path / INDEX]:
+        old.unlink(missing_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_layout_and_exact_round_trip(tmp_path, tied):
     head_dim = None if tied else CFG.head_dim  # None: derived from hidden / heads (4)
     cfg = GLMConfig(**{**CFG.to_dict(), "tie_word_embeddings": tied, "head_dim": head_dim})
     model = _model(cfg)
-    export_hf(model, cfg, str(tmp_path))
+    # Files of at most 4 KiB: several files, each tensor whole in one of them.
+    written = export_hf(model, cfg, str(tmp_path), max_shard_bytes=4096)
+    files = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(files) > 3 and sorted(written) == sorted(
+        [f.name for f in files] + [INDEX, "config.json"]
+    )
+    n = len(files)
+    assert [f.name for f in files] == [
+        f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)
+    ]
+    assert not list(tmp_path.glob(".*"))  # no staging or temporary files left
 
     # Key names and shapes as transformers writes them; read with the real safetensors library.
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "pt"}
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    shapes, sizes = {}, {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for k in f.keys():  # noqa: SIM118
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+                sizes[path.name] = sizes.get(path.name, 0) + f.get_tensor(k).nbytes
     assert shapes == _expected_hf_shapes(cfg)
+    assert all(v <= 4096 for v in sizes.values())  # no tensor here is larger than 4 KiB
+    assert json.loads((tmp_path / INDEX).read_text())["metadata"]["total_size"] == sum(
+        sizes.values()
+    )
     assert ("lm_head.weight" in shapes) is not tied
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
     assert ("head_dim" in hf_cfg) is not tied
 
     # Fused weights split as documented: gate rows then up rows per expert.
-    on_disk = load_safetensors(str(tmp_path / "model.safetensors"))
+    on_disk = _read_dir(tmp_path)
     gu = model.model.layers[1].mlp.experts.gate_up_proj.detach().view(4, 16, 16)
     assert torch.equal(on_disk["model.layers.1.mlp.experts.2.gate_proj.weight"], gu[2, :8])
     assert torch.equal(on_disk["model.layers.1.mlp.experts.2.up_proj.weight"], gu[2, 8:])
@@ -143,6 +180,21 @@ def test_export_layout_and_exact_round_trip(tmp_path, tied):
     other.load_state_dict(sd, strict=True)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
     assert torch.equal(other(ids), model(ids))
+
+
+def test_bf16_export_keeps_router_fp32(tmp_path):
+    """bf16 export: matrices rounded to bf16, the router weight and bias kept in float32."""
+    model = _model(CFG)
+    export_hf(model, CFG, str(tmp_path), dtype=torch.bfloat16)
+    on_disk = _read_dir(tmp_path)
+    assert on_disk["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert on_disk["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    q = on_disk["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q, model.model.layers[0].self_attn.q_proj.weight.detach().bfloat16())
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    _, sd = import_hf(str(tmp_path))  # bf16 files load into float32 weights
+    assert torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], q.float())
 
 
 def test_config_json_fields(tmp_path):
@@ -190,7 +242,7 @@ def test_config_json_fields(tmp_path):
 def test_import_fused_3d_layout_and_sharded_index(tmp_path):
     model = _model(CFG)
     export_hf(model, CFG, str(tmp_path / "a"))
-    hf = load_safetensors(str(tmp_path / "a" / "model.safetensors"))
+    hf = _read_dir(tmp_path / "a")
     E, I, H = 4, 8, 16
     fused = {}
     for k, v in hf.items():
@@ -225,29 +277,18 @@ def test_import_fused_3d_layout_and_sharded_index(tmp_path):
         assert torch.equal(sd[k], v), k
 
 
-def test_bf16_round_trip_and_safetensors_compat(tmp_path):
-    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.arange(7), "c": torch.zeros(0, 4)}
-    save_safetensors(tensors, str(tmp_path / "x.safetensors"))
-    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
-        for k, v in tensors.items():
-            assert torch.equal(f.get_tensor(k), v), k
-    back = load_safetensors(str(tmp_path / "x.safetensors"))
-    for k, v in tensors.items():
-        assert torch.equal(back[k], v) and back[k].dtype == v.dtype, k
-
-
 def test_import_errors_and_hf_defaults(tmp_path):
     model = _model(CFG)
     export_hf(model, CFG, str(tmp_path))
-    hf = load_safetensors(str(tmp_path / "model.safetensors"))
+    hf = _read_dir(tmp_path)
     # A missing correction bias loads as zeros (as transformers does).
     del hf["model.layers.2.mlp.gate.e_score_correction_bias"]
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _write_single(tmp_path, hf)
     _, sd = import_hf(str(tmp_path))
     assert torch.equal(sd["model.layers.2.mlp.gate.e_score_correction_bias"], torch.zeros(4))
     # A missing piece of one expert is an error naming it.
     del hf["model.layers.1.mlp.experts.3.up_proj.weight"]
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _write_single(tmp_path, hf)
     with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight"):
         import_hf(str(tmp_path))
     # A config.json key left out means transformers' default, not ours.
@@ -255,12 +296,194 @@ def test_import_errors_and_hf_defaults(tmp_path):
     del hf_cfg["rope_parameters"], hf_cfg["rope_theta"], hf_cfg["routed_scaling_factor"]
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     hf["model.layers.1.mlp.experts.3.up_proj.weight"] = torch.zeros(8, 16)
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
+    _write_single(tmp_path, hf)
     cfg, _ = import_hf(str(tmp_path))
     assert cfg.routed_scaling_factor == 1.0 and cfg.rope_theta == 10000.0
-    # A shape that does not fit the config is an error.
+    # A shape that does not fit the config is an error naming the key and both shapes.
     hf["model.norm.weight"] = torch.ones(17)
-    save_safetensors(hf, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(17,\) != \(16,\)"):
+    _write_single(tmp_path, hf)
+    with pytest.raises(
+        ValueError, match=r"model\.norm\.weight: \(17,\) in the files, the model needs \(16,\)"
+    ):
         import_hf(str(tmp_path))
     assert os.path.exists(tmp_path / "config.json")
+
+
+# ---------------------------------------------------------------- transformers itself (W=4, ep 2)
+
+HF_KW = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rope_theta=5000.0,
+    num_nextn_predict_layers=0,
+)
+
+
+def _transformers_bf16_dir(path) -> None:
+    """A random Glm4Moe saved by transformers in bf16 over several files: norms away from 1,
+    non-zero biases and router correction bias, so a swapped or dropped tensor shows."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**HF_KW))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.to(torch.bfloat16).save_pretrained(str(path), max_shard_size="40KB")
+
+
+def _transformers_logits(path, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """transformers' own float32 forward of a directory (eager attention and experts)."""
+    from transformers import Glm4MoeForCausalLM
+
+    model, info = Glm4MoeForCausalLM.from_pretrained(
+        str(path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+    )
+    with torch.no_grad():
+        return model(ids).logits, info
+
+
+def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, ids):
+    """Start from the transformers directory as a run does (checks, build, init_from), measure
+    the import, run the forward, then checkpoint and export on every rank."""
+    from recipes import checkpoint
+    from recipes.config import from_yaml, validate
+    from recipes.hf import export_checkpoint, init_from
+    from recipes.memory import MemoryMeter
+    from recipes.parallel import build_model, model_config
+
+    cfg = from_yaml(config_yaml)
+    validate(cfg)  # includes the header check of the directory
+    meter = MemoryMeter("cpu")
+    model = build_model(cfg, torch.device("cpu"))
+    # A checkpoint holds optimizer state too: one AdamW step at lr 0 (below) creates it and
+    # leaves the weights those of the files.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)
+    with meter.measure("import") as m:
+        init_from(model, hf_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).numpy()
+    ids_t = torch.tensor(ids)
+    model.loss(ids_t, ids_t).backward()
+    opt.step()
+    state = {"model_config": model_config(cfg).to_dict()}
+    ckpt = checkpoint.save(ckpt_root, 1, model, opt, state, keep=1)
+    written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
+    return logits, m.peak_delta_bytes(), written
+
+
+@pytest.mark.slow
+def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_path):
+    """A bf16 checkpoint saved by transformers (several files) starts a 4-rank ep=2 run with
+    the logits of transformers' float32 forward; our export of it (written by all 4 ranks)
+    loads back in transformers with every tensor and the same logits. Each rank's import
+    peak above its shards stays within one expert's weights."""
+    pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+
+    from models.glm.hf_adapter import config_from_hf
+    from recipes.config import Config
+
+    src = tmp_path / "hf"
+    _transformers_bf16_dir(src)
+    assert len(list(src.glob("model-*.safetensors"))) > 3
+    ids = torch.randint(0, HF_KW["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    want, _ = _transformers_logits(src, ids)
+
+    ours = config_from_hf(json.loads((src / "config.json").read_text())).to_dict()
+    overrides = [f"model.overrides.{k}={json.dumps(v)}" for k, v in ours.items()]
+    overrides += [f"data.vocab_size={ours['vocab_size']}", "mesh.world_size=4", "mesh.ep=2"]
+    overrides += [f"checkpoint.init_from={src}"]
+    overrides = [o for o in overrides if not o.startswith("model.overrides.vocab_size")]
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
+    out = tmp_path / "export"
+    results = run_world(
+        _init_from_world,
+        4,
+        OmegaConf.to_yaml(cfg),
+        str(src),
+        str(tmp_path / "ckpt"),
+        str(out),
+        ids.tolist(),
+    )
+    # Both forwards run in float32 on the same bf16-valued weights: they differ only by
+    # summation order (~1e-6 relative, hf-glm4moe.md section 4), far below bf16's 2^-8.
+    for logits, _, _ in results:
+        torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-5)
+    I, D = HF_KW["moe_intermediate_size"], HF_KW["hidden_size"]
+    one_expert = 3 * I * D * 4  # gate, up and down of one expert, float32
+    assert all(0 < peak <= one_expert for _, peak, _ in results), [r[1] for r in results]
+    written = [set(w) for _, _, w in results]
+    assert all(w for w in written) and not set.intersection(*written)  # every rank wrote files
+
+    back, info = _transformers_logits(out, ids)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    torch.testing.assert_close(back, want, rtol=0, atol=0)
+    theirs, exported = _read_dir_any(src), _read_dir(out)
+    assert exported.keys() == theirs.keys()
+    for k, v in theirs.items():
+        assert torch.equal(exported[k], v.float()), k
+
+
+def _read_dir_any(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_init_from_is_checked_before_launch(tmp_path):
+    """`checkpoint.init_from` is validated with the config, before any rank starts: a missing
+    tensor, a wrong shape and a config field that differs are errors naming them."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import Config, ConfigError, validate
+    from recipes.parallel import model_config
+
+    def cfg(*extra):
+        dotlist = [f"checkpoint.init_from={tmp_path}", *extra]
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
+
+    with pytest.raises(ConfigError, match="checkpoint.init_from=.*no config.json"):
+        validate(cfg())
+    config = model_config(cfg())
+    export_hf(_model(config), config, str(tmp_path))
+    validate(cfg())  # fits
+    with pytest.raises(ConfigError, match=r"routed_scaling_factor: run 1\.5, files"):
+        validate(cfg("model.overrides.routed_scaling_factor=1.5"))
+    hf = _read_dir(tmp_path)
+    del hf["model.layers.1.mlp.experts.0.down_proj.weight"]
+    hf["model.norm.weight"] = torch.ones(3)
+    _write_single(tmp_path, hf)
+    with pytest.raises(ConfigError, match=r"experts\.0\.down_proj\.weight.*model\.norm\.weight"):
+        validate(cfg())

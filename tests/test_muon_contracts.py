@@ -35,6 +35,8 @@ STEPS = 3
 TOL = 2e-5
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 KW = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, max_inflight=2)
+# the group key for blocks stacked on dim 0 (fused experts), whichever name Muon's defaults use
+BLOCKS = next(k for k in ("num_blocks", "num_experts") if k in Muon([torch.zeros(2, 2)]).defaults)
 
 
 def _tensors(shapes, seed, dtype=torch.float32, scale=None):
@@ -108,7 +110,7 @@ def _parity(shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.flo
 def _shard1_cases(flat):
     """Fused experts and a 3-D matrix sharded on tensor dim 1 over 4 ranks (2 experts each)."""
     shapes = [(16, 12)] * 5 + [(8, 6, 4)] * 2  # a full batch + R=1; dim 1 of 6 -> 2,2,2,0
-    spec = [({"num_experts": 2}, range(7))]
+    spec = [({BLOCKS: 2}, range(7))]
     return {f"shard1 {s}": _parity(shapes, spec, flat, [Shard(1)], s) for s in STRATEGIES}
 
 
@@ -118,7 +120,7 @@ def _shard00_cases(_flat):
     # 2 experts of 8 rows: each spans both inner ranks (sub-group); 2 experts of 5 rows: uneven
     # 3/2 shards (exchanged); 4 experts of 4 rows: whole blocks per rank (local)
     shapes = [(16, 6)] * 3 + [(10, 4)] * 3 + [(16, 5)] * 2
-    spec = [({"num_experts": 2}, range(6)), ({"num_experts": 4}, range(6, 8))]
+    spec = [({BLOCKS: 2}, range(6)), ({BLOCKS: 4}, range(6, 8))]
     out = {}
     for s in STRATEGIES:
         out[f"shard00 {s}"] = _parity(shapes, spec, mesh, [Shard(0), Shard(0)], s)
@@ -157,9 +159,9 @@ def _grad_none_cases(flat):
     shapes = [(10, 7)] * 5 + [(16, 6)] * 2 + [(6, 3)] + [(16, 5)] * 2
     spec = [
         ({}, range(5)),
-        ({"num_experts": 4}, [5, 6]),
+        ({BLOCKS: 4}, [5, 6]),
         ({"algorithm": "adamw"}, [7]),
-        ({"num_experts": 2}, [8, 9]),
+        ({BLOCKS: 2}, [8, 9]),
     ]
     skip = {1, 4, 6, 7, 9}
     out = {}

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
 from recipes import checkpoint
 from recipes.config import Config
@@ -120,7 +119,7 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
         # The skipped step changed nothing: step 1 and step 2 checkpoints hold the same state.
         ckpts = checkpoint.committed(run_dir / "checkpoints")
         assert [c.name for c in ckpts] == ["step_00000001", "step_00000002", "step_00000003"]
-        m1, m2, m3 = (load_file(checkpoint.model_file(c)) for c in ckpts)
+        m1, m2, m3 = (checkpoint.read_model_state(c) for c in ckpts)
         _assert_same(m1, m2)
         assert any(not torch.equal(m2[k], m3[k]) for k in m2)
         _assert_same(_optim_state(ckpts[0]), _optim_state(ckpts[1]))
@@ -131,6 +130,44 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
     # 1e-6 of the loss (measured: identical).
     np.testing.assert_allclose(losses["agrs"], losses["pad_all2all"], rtol=1e-5)
     np.testing.assert_allclose(losses["agrs"], losses["ragged_all_to_all"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_sweep_over_a_layout_key_trains_every_job(cache, tmp_path):
+    """`-m mesh.ep=1,2`: mesh.* stays out of a single run's directory, but a sweep over it
+    gives each job its own directory, checkpoints and W&B run (2 ranks, 2 steps, offline)."""
+    args = ["-m", "mesh.ep=1,2", "mesh.world_size=2", "train.steps=2", "checkpoint.export_hf=false"]
+    out = _finish(_train_py([*args, *_small(cache)], tmp_path))
+    assert out.count("[summary]") == 2
+    runs = sorted((tmp_path / "default").glob("*mesh.ep=*"))
+    assert [r.name.split("mesh.ep=")[1][0] for r in runs] == ["1", "2"], runs
+    assert "mesh.world_size" not in runs[0].name  # not swept: still left out
+    wandb_ids = set()
+    for ep, run_dir in enumerate(runs, start=1):
+        assert OmegaConf.load(run_dir / "config.yaml").mesh.ep == ep
+        assert [m["step"] for m in _metrics(run_dir)] == [1, 2]  # trained, not resumed
+        assert [c.name for c in checkpoint.committed(run_dir / "checkpoints")] == ["step_00000002"]
+        (offline,) = run_dir.glob("wandb/offline-run-*")  # one W&B run per job, its own id
+        wandb_id = (run_dir / "wandb_id").read_text()
+        assert offline.name.endswith(f"-{wandb_id}")
+        wandb_ids.add(wandb_id)
+    assert len(wandb_ids) == 2
+
+
+@pytest.mark.slow
+def test_logs_in_the_run_dir(cache, tmp_path):
+    """`train.steps=3` on 4 ranks: train.log (Hydra's job log) holds rank 0's lines; the
+    warning every rank raises (enable_all2all=false with pad_all2all) is in each rank's file."""
+    args = ["train.steps=3", "optim.enable_all2all=false", "checkpoint.export_hf=false"]
+    out = _finish(_train_py([*args, "logger=none", *_small(cache)], tmp_path))
+    (run_dir,) = (tmp_path / "default").iterdir()
+    train_log = (run_dir / "train.log").read_text()
+    assert "[recipes][INFO] - model tiny" in train_log and "step 3/3 loss" in train_log
+    for rank in range(4):
+        text = (run_dir / "logs" / f"rank_{rank}.log").read_text()
+        assert "enable_all2all=False: remainder_strategy 'pad_all2all' needs all-to-all" in text
+        assert "[py.warnings][WARNING]" in text and "INFO" not in text
+    assert "[rank2] WARNING py.warnings" in out  # still on the console
 
 
 @pytest.mark.slow
@@ -166,13 +203,13 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     assert ref_lines[-1]["loss"] < ref_lines[0]["loss"]
     final = [checkpoint.latest(d / "checkpoints") for d in (ref, res)]
     assert [c.name for c in final] == ["step_00000004"] * 2
-    _assert_same(*(load_file(checkpoint.model_file(c)) for c in final))
+    _assert_same(*(checkpoint.read_model_state(c) for c in final))
     _assert_same(*(_optim_state(c) for c in final))
     # The transformers-layout export of the final model holds the same weights.
     from models.glm.hf_adapter import import_hf
 
     _, exported = import_hf(str(res / "hf"))
-    weights = load_file(checkpoint.model_file(final[1]))
+    weights = checkpoint.read_model_state(final[1])
     for name, tensor in exported.items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
@@ -206,7 +243,7 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     assert [m["skipped"] for m in lines] == [0.0, 1.0, 0.0]
     assert np.isnan(lines[1]["grad_norm"]) and np.isfinite(lines[2]["grad_norm"])
     ckpts = checkpoint.committed(tmp_path / "checkpoints")
-    m1, m2, m3, _ = (load_file(checkpoint.model_file(c)) for c in ckpts)
+    m1, m2, m3, _ = (checkpoint.read_model_state(c) for c in ckpts)
     _assert_same(m1, m2)
     assert any(not torch.equal(m2[k], m3[k]) for k in m2)
     o1, o2 = (_optim_state(c) for c in ckpts[:2])

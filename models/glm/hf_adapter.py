@@ -1,324 +1,373 @@
-"""Export to / import from a Hugging Face style directory for transformers' `Glm4MoeForCausalLM`.
+"""Export to / import from a transformers `Glm4MoeForCausalLM` directory, tensor by tensor.
 
-Layout (see /work/shared/docs/hf-glm4moe.md): `config.json` (model_type "glm4_moe") and one
-`model.safetensors`. Our keys already follow the transformers names except for
+Layout: `config.json` (model_type "glm4_moe", see hf_config.py), `model-0000k-of-0000n.safetensors`
+and `model.safetensors.index.json`. Our keys already follow the transformers names except for
 - the fused 2-D experts: our `mlp.experts.gate_up_proj [E*2I, D]` / `down_proj [E*D, I]` are
-  written per expert as `mlp.experts.{e}.gate_proj.weight [I, D]`, `.up_proj.weight [I, D]`,
-  `.down_proj.weight [D, I]` (section 2b); on import the fused 3-D in-memory layout
-  `experts.gate_up_proj [E, 2I, D]` / `experts.down_proj [E, D, I]` (section 2a) is accepted too;
+  per expert `mlp.experts.{e}.gate_proj.weight [I, D]`, `.up_proj.weight [I, D]`,
+  `.down_proj.weight [D, I]` in the files; on import the fused 3-D in-memory layout of
+  transformers (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`) is read too;
 - MTP layers: our `model.mtp_layers.{i}.*` are `model.layers.{num_hidden_layers + i}.*`, as in
   the public GLM checkpoints (transformers ignores them);
-- with tied embeddings `lm_head.weight` is left out of the file.
-The safetensors format is read and written here with torch and the standard library only.
+- with tied embeddings `lm_head.weight` is left out of the files.
+
+Memory: the export holds one tensor at a time in process memory. Each output file is assembled
+in a file-backed shared map (page cache, not process memory) and then written by the
+safetensors library, which needs every tensor of a file addressable at once. The import fills a
+model's local shards (DTensor or plain) from `safe_open(...).get_slice`, reading at most
+`chunk_elems` elements per read (by default one expert matrix) and casting into the shard, so a
+rank never holds a tensor it does not own, nor a fused expert stack.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import TensorSpec, safe_open, serialize_file
 
 from models.glm.config import GLMConfig
+from models.glm.hf_config import config_from_hf, config_to_hf
 
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_DTYPES_BY_NAME = {v: k for k, v in _DTYPES.items()}
+__all__ = [
+    "HFTensor",
+    "config_from_hf",
+    "config_to_hf",
+    "check_hf",
+    "export_hf",
+    "hf_tensors",
+    "import_hf",
+    "load_hf",
+    "write_hf",
+]
 
-# transformers' Glm4MoeConfig defaults: what a config.json without the key means.
-_HF_DEFAULTS = dict(
-    vocab_size=151552,
-    hidden_size=4096,
-    intermediate_size=10944,
-    moe_intermediate_size=1408,
-    num_hidden_layers=46,
-    num_attention_heads=96,
-    num_key_value_heads=8,
-    partial_rotary_factor=0.5,
-    rope_theta=10000.0,
-    attention_bias=False,
-    use_qk_norm=False,
-    n_routed_experts=128,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=1.0,
-    first_k_dense_replace=1,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    initializer_range=0.02,
-    max_position_embeddings=131072,
-    num_nextn_predict_layers=1,
-)
-_RENAMED = {"n_dense_layers": "first_k_dense_replace", "num_mtp_layers": "num_nextn_predict_layers"}
+INDEX = "model.safetensors.index.json"
+_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # as transformers keeps
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
-# ---- safetensors (format: u64 header length, JSON header, raw little-endian bytes) ----
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the transformers checkpoint: rows `row .. row + shape[0]` of our state-dict
+    entry `source` (the whole entry for everything but the routed experts)."""
+
+    name: str
+    source: str
+    row: int
+    shape: tuple[int, ...]
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Write CPU tensors to a .safetensors file (metadata {"format": "pt"})."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset, blobs = 0, []
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        blobs.append((t, nbytes))
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # align the data to 8 bytes, as safetensors does
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for t, nbytes in blobs:
-            if nbytes:
-                f.write(ctypes.string_at(t.data_ptr(), nbytes))
-
-
-def load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Read every tensor of a .safetensors file (into CPU memory)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    header.pop("__metadata__", None)
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        dtype = _DTYPES_BY_NAME[info["dtype"]]
-        buf = bytearray(data[base + begin : base + end])
-        t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-        out[name] = t.reshape(info["shape"])
-    return out
-
-
-# ---- config ----
-
-
-def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """The config.json dict of `config` for transformers' Glm4MoeConfig."""
-    c = config
-    out = {
-        "architectures": ["Glm4MoeForCausalLM"],
-        "model_type": "glm4_moe",
-        "dtype": str(dtype).removeprefix("torch."),
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "moe_intermediate_size": c.moe_intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "partial_rotary_factor": c.partial_rotary_factor,
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": c.rope_theta,
-            "partial_rotary_factor": c.partial_rotary_factor,
-        },
-        "attention_bias": c.attention_bias,
-        "attention_dropout": 0.0,
-        "use_qk_norm": c.use_qk_norm,
-        "n_routed_experts": c.n_routed_experts,
-        "n_shared_experts": c.n_shared_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
-        "n_group": c.n_group,
-        "topk_group": c.topk_group,
-        "norm_topk_prob": c.norm_topk_prob,
-        "routed_scaling_factor": c.routed_scaling_factor,
-        "first_k_dense_replace": c.n_dense_layers,
-        "rms_norm_eps": c.rms_norm_eps,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "hidden_act": "silu",
-        "initializer_range": c.initializer_range,
-        "max_position_embeddings": c.max_position_embeddings,
-        "num_nextn_predict_layers": c.num_mtp_layers,
-        "output_router_logits": False,
-        "use_cache": True,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-    }
-    if c.head_dim is not None:  # absent means hidden_size // num_attention_heads, as in HF
-        out["head_dim"] = c.head_dim
-    return out
-
-
-def config_from_hf(hf: dict) -> GLMConfig:
-    """A GLMConfig from a Glm4Moe config.json dict (missing keys take transformers' defaults)."""
-    if hf.get("model_type", "glm4_moe") != "glm4_moe":
-        raise ValueError(f"config.json model_type must be 'glm4_moe', got {hf['model_type']!r}")
-    hf = dict(hf)
-    rope = hf.get("rope_parameters") or {}
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key in rope:
-            hf[key] = rope[key]
-    if "num_mtp_layers" in hf and "num_nextn_predict_layers" not in hf:
-        hf["num_nextn_predict_layers"] = hf["num_mtp_layers"]
-    if "num_local_experts" in hf and "n_routed_experts" not in hf:
-        hf["n_routed_experts"] = hf["num_local_experts"]
-    kwargs = {}
-    for name in GLMConfig.__dataclass_fields__:
-        key = _RENAMED.get(name, name)
-        if key in hf:
-            kwargs[name] = hf[key]
-        elif key in _HF_DEFAULTS:
-            kwargs[name] = _HF_DEFAULTS[key]
-    kwargs.setdefault("head_dim", None)
-    return GLMConfig(**kwargs)
-
-
-# ---- state dicts ----
-
-
-def _hf_layer_prefix(key: str, config: GLMConfig) -> str:
-    m = re.match(r"model\.mtp_layers\.(\d+)\.(.*)", key)
-    return f"model.layers.{config.num_hidden_layers + int(m[1])}.{m[2]}" if m else key
-
-
-def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: GLMConfig) -> dict:
-    """Our (full, unsharded) state dict -> the per-expert 2-D transformers checkpoint layout."""
-    E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state_dict.items():
-        if key == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        key = _hf_layer_prefix(key, config)
-        if key.endswith("mlp.experts.gate_up_proj"):
-            w_E2ID = t.reshape(E, 2 * I, D)
-            for e in range(E):
-                out[f"{key[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = w_E2ID[e, :I].clone()
-                out[f"{key[: -len('gate_up_proj')]}{e}.up_proj.weight"] = w_E2ID[e, I:].clone()
-        elif key.endswith("mlp.experts.down_proj"):
-            w_EDI = t.reshape(E, D, I)
-            for e in range(E):
-                out[f"{key[: -len('down_proj')]}{e}.down_proj.weight"] = w_EDI[e].clone()
-        else:
-            out[key] = t
-    return out
-
-
-def from_hf_state_dict(hf: dict[str, torch.Tensor], config: GLMConfig) -> dict:
-    """A transformers Glm4Moe state dict (per-expert 2-D or fused 3-D experts) -> our keys."""
-    E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-    N = config.num_hidden_layers
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for key, t in hf.items():
-        m = re.match(r"model\.layers\.(\d+)\.(.*)", key)
-        if m and int(m[1]) >= N:
-            key = f"model.mtp_layers.{int(m[1]) - N}.{m[2]}"
-        m = re.match(r"(.*mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", key)
-        if m:
-            per_expert.setdefault(m[1], {})[(int(m[2]), m[3])] = t
-        elif key.endswith("mlp.experts.gate_up_proj"):
-            out[key] = t.reshape(E * 2 * I, D)
-        elif key.endswith("mlp.experts.down_proj"):
-            out[key] = t.reshape(E * D, I)
-        else:
-            out[key] = t
-    for prefix, parts in per_expert.items():
-        missing = [
-            f"{prefix}{e}.{p}.weight"
-            for e in range(E)
-            for p in ("gate_proj", "up_proj", "down_proj")
-            if (e, p) not in parts
-        ]
-        if missing:
-            raise ValueError(f"checkpoint lacks expert weights: {missing[:6]}")
-        out[prefix + "gate_up_proj"] = torch.cat(
-            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(E)]
-        )
-        out[prefix + "down_proj"] = torch.cat([parts[(e, "down_proj")] for e in range(E)])
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in out:
-        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
-    return out
-
-
-def _check_against_model(state_dict: dict, config: GLMConfig) -> None:
+def _our_shapes(config: GLMConfig) -> dict[str, tuple[int, ...]]:
     from models.glm.model import GLMForCausalLM
 
     with torch.device("meta"):
-        expected = GLMForCausalLM(config).state_dict()
-    for key in [k for k in expected if k.endswith("e_score_correction_bias")]:
-        state_dict.setdefault(key, torch.zeros(expected[key].shape))  # as transformers does
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    wrong = [
-        f"{k}: {tuple(state_dict[k].shape)} != {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state_dict and state_dict[k].shape != v.shape
-    ]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"checkpoint does not match the config: missing {missing[:6]}, unexpected "
-            f"{unexpected[:6]}, wrong shapes {wrong[:6]}"
+        return {k: tuple(v.shape) for k, v in GLMForCausalLM(config).state_dict().items()}
+
+
+def _hf_name(key: str, config: GLMConfig) -> str:
+    prefix = "model.mtp_layers."
+    if key.startswith(prefix):
+        index, rest = key[len(prefix) :].split(".", 1)
+        return f"model.layers.{config.num_hidden_layers + int(index)}.{rest}"
+    return key
+
+
+def hf_tensors(config: GLMConfig) -> list[HFTensor]:
+    """Every tensor of the transformers checkpoint of `config`, in state-dict order."""
+    E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+    out = []
+    for key, shape in _our_shapes(config).items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name = _hf_name(key, config)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e in range(E):
+                out.append(HFTensor(f"{base}{e}.gate_proj.weight", key, e * 2 * I, (I, D)))
+                out.append(HFTensor(f"{base}{e}.up_proj.weight", key, e * 2 * I + I, (I, D)))
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(E):
+                out.append(HFTensor(f"{base}{e}.down_proj.weight", key, e * D, (D, I)))
+        else:
+            out.append(HFTensor(name, key, 0, shape))
+    return out
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+def _file_plan(
+    tensors: list[HFTensor], dtypes: dict[str, torch.dtype], max_bytes: int
+) -> list[list[HFTensor]]:
+    """Consecutive tensors packed into files of at most `max_bytes` (a larger tensor alone)."""
+    files: list[list[HFTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        n = _nbytes(t.shape, dtypes[t.name])
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(t)
+        size += n
+    return files
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return _numel(shape) * dtype.itemsize
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def write_hf(
+    path: str | os.PathLike,
+    config: GLMConfig,
+    read: Callable[[str, int, int], torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    rank: int = 0,
+    world: int = 1,
+) -> list[str]:
+    """Write the transformers directory of a model into `path`; returns the files this call
+    wrote. `read(source, row, rows)` gives rows `row .. row + rows` of our state-dict entry
+    `source` (any dtype; cast to `dtype` here, the router weight and bias stay float32).
+
+    With `world` > 1 every rank calls this with its `rank`: file k is written by rank
+    k % world, config.json and the index by rank 0; no collective is involved (the caller
+    waits for all ranks before using the directory)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensors(config)
+    dtypes = {t.name: torch.float32 if t.name.endswith(_FP32_SUFFIXES) else dtype for t in tensors}
+    files = _file_plan(tensors, dtypes, max_shard_bytes)
+    names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    written = []
+    for k in range(rank, len(files), world):
+        _write_file(path / names[k], files[k], dtypes, read)
+        written.append(names[k])
+    if rank == 0:
+        weight_map = {t.name: names[k] for k, part in enumerate(files) for t in part}
+        total = sum(_nbytes(t.shape, dtypes[t.name]) for t in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX).write_text(json.dumps(index, indent=2))
+        (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2))
+        written += [INDEX, "config.json"]
+    return written
+
+
+def _write_file(out: Path, part: list[HFTensor], dtypes, read) -> None:
+    offsets, end = [], 0
+    for t in part:
+        offsets.append(end)
+        end += -(-_nbytes(t.shape, dtypes[t.name]) // 8) * 8  # 8-byte aligned staging slots
+    staging_path = out.with_name(f".staging-{out.name}")
+    tmp = out.with_name(f".tmp-{out.name}")
+    try:
+        staging = torch.from_file(
+            str(staging_path), shared=True, size=max(end, 1), dtype=torch.uint8
         )
+        specs = {}
+        for t, off in zip(part, offsets, strict=True):
+            dt, n = dtypes[t.name], _nbytes(t.shape, dtypes[t.name])
+            slot = staging[off : off + n].view(dt).view(t.shape)
+            slot.copy_(read(t.source, t.row, t.shape[0] if t.shape else 1).reshape(t.shape))
+            name = str(dt).removeprefix("torch.")
+            specs[t.name] = TensorSpec(
+                dtype=name, shape=list(t.shape), data_ptr=slot.data_ptr(), data_len=n
+            )
+        serialize_file(specs, str(tmp), metadata={"format": "pt"})
+        del staging, slot
+        os.replace(tmp, out)
+    finally:
+        staging_path.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
-# ---- public API ----
+def export_hf(
+    model_or_state_dict,
+    config: GLMConfig,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 << 30,
+) -> list[str]:
+    """Write a GLMForCausalLM (or its state dict) as a transformers directory from this process.
+    `dtype` None: the dtype of the embedding.
 
-
-def export_hf(model_or_state_dict, config: GLMConfig, path: str) -> None:
-    """Write `config.json` and `model.safetensors` for transformers' Glm4MoeForCausalLM into
-    directory `path`. Accepts a GLMForCausalLM or its state dict; DTensor entries (a sharded
-    model) are gathered with full_tensor(), a collective every rank must join, and only rank 0
-    writes."""
+    A sharded model (DTensors) is gathered one state-dict entry at a time (the whole entry,
+    e.g. a fused expert stack, on every rank; a collective every rank joins) and rank 0 writes:
+    for tests and small models. Large models are exported from their checkpoint (the recipe's
+    `export_checkpoint`, scripts/export_hf.py), where no rank gathers anything."""
     import torch.distributed as dist
 
-    state = (
-        model_or_state_dict.state_dict()
-        if hasattr(model_or_state_dict, "state_dict")
-        else model_or_state_dict
-    )
-    full = {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-        for k, v in state.items()
-    }
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
-    os.makedirs(path, exist_ok=True)
-    hf = to_hf_state_dict(full, config)
-    dtype = full["model.embed_tokens.weight"].dtype
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(config, dtype), f, indent=2)
-    save_safetensors(hf, os.path.join(path, "model.safetensors"))
+    sd = model_or_state_dict
+    sd = sd.state_dict() if hasattr(sd, "state_dict") else sd
+    dtype = dtype or sd["model.embed_tokens.weight"].dtype
+    cached: dict[str, torch.Tensor] = {}
+
+    def read(source: str, row: int, rows: int) -> torch.Tensor:
+        if source not in cached:  # experts come in row order: gather each entry once
+            cached.clear()
+            t = sd[source].detach()
+            cached[source] = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = cached[source]
+        return t.narrow(0, row, rows) if t.ndim and rows != t.shape[0] else t
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        if any(hasattr(v, "full_tensor") for v in sd.values()):
+            for t in hf_tensors(config):  # the same gathers, in the same order, as rank 0
+                read(t.source, t.row, t.shape[0] if t.shape else 1)
+        return []
+    return write_hf(path, config, read, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
-def import_hf(path: str) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
-    """Read a Glm4Moe directory (`config.json` and `model.safetensors`, or a sharded
-    `model.safetensors.index.json`) into (GLMConfig, our state dict); fused and per-expert
-    layouts both load. Missing or unexpected keys or wrong shapes raise ValueError."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = config_from_hf(json.load(f))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:
-        hf.update(load_safetensors(os.path.join(path, name)))
-    state_dict = from_hf_state_dict(hf, config)
-    _check_against_model(state_dict, config)
-    return config, state_dict
+# ------------------------------------------------------------------------------------ import
+
+
+class HFDir:
+    """A transformers Glm4Moe directory: its config and the name, shape and file of every
+    tensor (read from the safetensors headers only)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise FileNotFoundError(f"{self.path}: no config.json (a transformers directory?)")
+        self.config = config_from_hf(json.loads((self.path / "config.json").read_text()))
+        if (self.path / INDEX).is_file():
+            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.path}: no .safetensors files")
+        self.file_of: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            with safe_open(str(self.path / name), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    self.file_of[key] = name
+                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    def locate(self, t: HFTensor, config: GLMConfig) -> tuple[str, int | None, int] | None:
+        """(key, expert index or None, first row) where `t` is stored, or None if absent:
+        per-expert 2-D keys, or a row block of transformers' fused 3-D expert tensors."""
+        if t.name in self.shapes:
+            return t.name, None, 0
+        base, sep, rest = t.name.rpartition(".experts.")
+        if not sep:
+            return None
+        e, part, _ = rest.split(".")
+        I = config.moe_intermediate_size
+        fused = f"{base}.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        if fused in self.shapes:
+            return fused, int(e), I if part == "up_proj" else 0
+        return None
+
+
+def check_hf(hf: HFDir, config: GLMConfig) -> None:
+    """Raise ValueError naming every tensor our model of `config` needs that `hf` lacks or
+    holds in another shape (a missing router correction bias is allowed: it starts at 0, as
+    in transformers)."""
+    E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+    missing, wrong = [], []
+    for t in hf_tensors(config):
+        where = hf.locate(t, config)
+        if where is None:
+            if not t.name.endswith("e_score_correction_bias"):
+                missing.append(t.name)
+            continue
+        key, e, _ = where
+        want = (
+            t.shape if e is None else ((E, 2 * I, D) if key.endswith("gate_up_proj") else (E, D, I))
+        )
+        if hf.shapes[key] != want:
+            wrong.append(f"{key}: {hf.shapes[key]} in the files, the model needs {want}")
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensors: {missing[:8]}")
+        if wrong:
+            parts.append(f"{len(set(wrong))} of the wrong shape: {sorted(set(wrong))[:8]}")
+        raise ValueError(f"{hf.path} does not fit the model: " + "; ".join(parts))
+
+
+def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's local tensor, its first global row); only row (dim-0) sharding."""
+    if not hasattr(t, "to_local"):
+        return t, 0
+    (chunk,) = t.__create_chunk_list__()
+    if any(o for o in chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(t.shape[1:]):
+        raise ValueError(f"only row-sharded tensors can be loaded; got {t.placements}")
+    return t.to_local(), (chunk.offsets[0] if len(chunk.offsets) else 0)
+
+
+@torch.no_grad()
+def load_hf(
+    model: torch.nn.Module, hf: HFDir | str | os.PathLike, *, chunk_elems: int | None = None
+) -> None:
+    """Fill `model` (a GLMForCausalLM, sharded or not) from a transformers directory: every
+    local shard reads only its own rows, at most `chunk_elems` elements per read (default:
+    one expert matrix), cast on the fly. Checks the files first (`check_hf`)."""
+    hf = hf if isinstance(hf, HFDir) else HFDir(hf)
+    config = model.config
+    check_hf(hf, config)
+    chunk_elems = chunk_elems or config.moe_intermediate_size * config.hidden_size
+    by_source: dict[str, list[HFTensor]] = {}
+    for t in hf_tensors(config):
+        by_source.setdefault(t.source, []).append(t)
+    with ExitStack() as files:
+        handles = {}
+
+        def open_(name: str):
+            if name not in handles:
+                handles[name] = files.enter_context(safe_open(str(hf.path / name), "pt"))
+            return handles[name]
+
+        for key, tensor in model.state_dict().items():
+            if key not in by_source:
+                continue  # the tied lm_head shares the embedding
+            local, first = _local_rows(tensor)
+            for t in by_source[key]:
+                rows = t.shape[0] if t.shape else 1
+                lo, hi = max(first, t.row), min(first + local.shape[0], t.row + rows)
+                if not local.ndim:
+                    lo, hi = 0, 1
+                if lo >= hi:
+                    continue
+                where = hf.locate(t, config)
+                if where is None:  # an absent correction bias (check_hf allowed it)
+                    local[lo - first : hi - first].zero_()
+                    continue
+                name, expert, base = where
+                sl = open_(hf.file_of[name]).get_slice(name)
+                step = max(1, chunk_elems // max(1, _numel(t.shape[1:])))
+                for a in range(lo, hi, step):
+                    b = min(hi, a + step)
+                    r0, r1 = a - t.row + base, b - t.row + base
+                    piece = sl[r0:r1] if expert is None else sl[expert : expert + 1, r0:r1][0]
+                    if not local.ndim:
+                        local.copy_(piece.reshape(()))
+                    else:
+                        local[a - first : b - first].copy_(piece)
+
+
+def import_hf(path: str | os.PathLike) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
+    """Read a transformers Glm4Moe directory into (GLMConfig, our full float32 state dict) in
+    one process (fused and per-expert layouts, one file or an index). Raises ValueError
+    naming missing or mis-shaped tensors."""
+    from models.glm.model import GLMForCausalLM
+
+    hf = HFDir(path)
+    model = GLMForCausalLM(hf.config)
+    load_hf(model, hf)
+    return hf.config, model.state_dict()

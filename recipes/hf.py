@@ -1,0 +1,124 @@
+"""The recipe's transformers interface: export a checkpoint, start a run from a Glm4Moe directory.
+
+- `export_checkpoint(ckpt, out)`: the model of a committed checkpoint as a transformers
+  directory (models.glm.hf_adapter.write_hf), on any number of ranks: rank r writes files
+  r, r + W, ...; every tensor is read from the sharded DCP files region by region (one
+  transformers tensor at a time: an expert matrix, a norm, the embedding), so no rank ever holds
+  more than one tensor beyond what the DCP reader stages (the saved pieces overlapping it).
+- `check_init_from(cfg)`: in the launching process, before any rank starts: the directory, its
+  config against the model the run builds, and every tensor's presence and shape.
+- `init_from(model, path)`: every rank fills its own shards from the files (hf_adapter.load_hf).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from models.glm import GLMConfig
+from models.glm.hf_adapter import HFDir, check_hf, load_hf, write_hf
+
+GiB = 1 << 30
+
+
+class _IntoBuffer(DefaultLoadPlanner):
+    """Loads the read items of one region into one destination tensor."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        return self.out
+
+
+class DCPRegions:
+    """Reads row blocks of tensors from a DCP directory in this process, no collective: only
+    the saved pieces overlapping the block are loaded."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.reader = FileSystemReader(path)
+        self.metadata = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+
+    def entry(self, key: str) -> TensorStorageMetadata:
+        md = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise KeyError(f"{self.reader.path}: no tensor {key!r} in the checkpoint")
+        return md
+
+    def read(self, key: str, row: int, rows: int) -> torch.Tensor:
+        """Rows `row .. row + rows` of tensor `key` (a 0-d tensor: the whole of it)."""
+        md = self.entry(key)
+        shape = (rows, *md.size[1:]) if len(md.size) else ()
+        out = torch.empty(shape, dtype=md.properties.dtype)
+        offsets = (row, *[0] * (len(shape) - 1)) if shape else ()
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
+        items = create_read_items_for_chunk_list(key, md, [chunk])
+        self.reader.read_data(LoadPlan(items), _IntoBuffer(out)).wait()
+        return out
+
+
+def model_config_of(ckpt: str | Path) -> GLMConfig:
+    """The GLMConfig a checkpoint was written with (its trainer.json)."""
+    from recipes.checkpoint import trainer_state
+
+    state = trainer_state(ckpt)
+    if "model_config" not in state:
+        raise ValueError(f"{ckpt}/trainer.json has no model_config (written by an older version)")
+    return GLMConfig(**state["model_config"])
+
+
+def export_checkpoint(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_gib: float = 5.0,
+) -> list[str]:
+    """Collective when a process group is initialized (each rank writes its share of the files,
+    then all wait); returns the files this rank wrote."""
+    ckpt = Path(ckpt)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    regions = DCPRegions(ckpt / "model")
+    written = write_hf(
+        out,
+        model_config_of(ckpt),
+        regions.read,
+        dtype=dtype,
+        max_shard_bytes=int(max_shard_gib * GiB),
+        rank=rank,
+        world=world,
+    )
+    if dist.is_initialized():
+        dist.barrier()
+    return written
+
+
+def check_init_from(path: str | Path, config: GLMConfig) -> None:
+    """Raise ValueError unless `path` is a transformers Glm4Moe directory of the model of
+    `config`: same config fields (naming those that differ) and every tensor present in the
+    right shape (naming the tensors). Reads config.json and the safetensors headers only."""
+    hf = HFDir(path)
+    theirs, ours = hf.config.to_dict(), config.to_dict()
+    differ = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    if differ:
+        listed = ", ".join(f"{k}: run {a!r}, files {b!r}" for k, (a, b) in sorted(differ.items()))
+        raise ValueError(
+            f"{path}/config.json differs from the model of this run "
+            f"({listed}); set model.overrides.<field> (vocab_size: data.vocab_size) to match"
+        )
+    check_hf(hf, config)
+
+
+def init_from(model: torch.nn.Module, path: str | Path) -> None:
+    """Fill this rank's shards of `model` from a transformers directory (no collective)."""
+    load_hf(model, path)

@@ -1,0 +1,59 @@
+"""Export the model of a checkpoint as a transformers `Glm4MoeForCausalLM` directory.
+
+    python scripts/export_hf.py <run dir>/checkpoints/step_00001000 <out dir>
+    torchrun --nproc-per-node 8 scripts/export_hf.py <checkpoint> <out dir> --dtype bfloat16
+
+Writes `config.json`, `model-0000k-of-0000n.safetensors` (each at most `--max-shard-gib`) and
+`model.safetensors.index.json`. One process or any number of ranks (torchrun / srun set RANK
+and WORLD_SIZE): rank r writes files r, r + W, ...; each tensor is read from the sharded
+checkpoint on its own, so a process holds one tensor at a time, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from recipes import checkpoint  # noqa: E402
+from recipes.hf import export_checkpoint  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, export, print the files written; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a committed step_* checkpoint directory")
+    parser.add_argument("out", type=Path, help="the transformers directory to write")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-shard-gib", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    if not (args.checkpoint / checkpoint.COMMITTED).is_file():
+        parser.error(f"{args.checkpoint}: not a committed checkpoint (no {checkpoint.COMMITTED})")
+    if args.max_shard_gib <= 0:
+        parser.error(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")  # only for the final barrier: no tensor is exchanged
+    try:
+        written = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            dtype=getattr(torch, args.dtype),
+            max_shard_gib=args.max_shard_gib,
+        )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    rank = int(os.environ.get("RANK", "0"))
+    for name in written:
+        print(f"[rank {rank}] wrote {args.out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
