@@ -1,258 +1,322 @@
-"""The exchanges that put whole matrices on the ranks that orthogonalize them, and back.
+"""The paths a batch can take: each one object that owns its exchange and its cost.
 
-Every function here is the body of one batch's AsyncTask: a generator that launches a collective
-with `async_op=True`, yields so other batches can run, waits, orthogonalizes, launches the return
-collective, yields, and finally returns this rank's orthogonalized shards (`yield from` gives
-them to the caller). Matrices already whole on a rank (the `local` path) need none of this; the
-optimizer orthogonalizes them directly. The number of yields depends only on the batch plan,
-never on the rank, so every rank issues the same collectives in the same order.
+A path object has
+- `send_buffer(b, fsdp_rank, dtype=, device=)`: the send buffer and one slot view per parameter,
+  into which the optimizer writes the Newton-Schulz inputs (the momentum step) in place;
+- `run(b, send, fsdp_rank=, group=, ortho=, stats=)`: the body of one batch's AsyncTask, a
+  generator that launches a collective with `async_op=True`, yields so other batches can run,
+  waits, orthogonalizes what this rank owns, launches the return collective, yields, and finally
+  returns this rank's orthogonalized shards (`yield from` gives them to the caller);
+- its cost, from the plan alone: blocks orthogonalized, bytes sent, the largest collective
+  buffer, the exchange buffers alive at once, the Newton-Schulz workspace, collectives issued.
+The number of yields depends only on the plan, never on the rank, so every rank issues the same
+collectives in the same order. `muon/plan.py`'s `BatchPlan` forwards its cost questions here.
 
 Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved first) and C the
-product of the other dims; a full matrix is `[N, C]` with N the FSDP-visible size; W is the FSDP
-group size, n the batch size, c = ceil(N / W) the padded shard rows.
+product of the other dims; a unit is what one owner assembles, `[N, C]` with N its rows; W is
+the exchange group's size, n the batch size, p = ceil(N / W) * C * itemsize a padded shard.
 """
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
 
-from muon.plan import BatchPlan
+from muon.stats import StepStats
 
 Shards = list[torch.Tensor]
 Orthogonalize = Callable[[torch.Tensor], torch.Tensor]
 Task = Generator[None, None, Shards]
 
 
-class NSInputs:
-    """A batch's Newton-Schulz inputs, produced straight into the exchange's send buffer.
-
-    `fill(j, out)` writes matrix j's input shard (`[rows, C]`) into `out`, a slot of the send
-    buffer, so no separate copy of the momentum updates is ever held next to it.
-    """
-
-    def __init__(self, fill: Callable[[int, torch.Tensor], None], dtype, device) -> None:
-        self.fill = fill
-        self.dtype, self.device = dtype, device
-
-    def new_buffer(self, shape: tuple[int, ...], zero: bool = False) -> torch.Tensor:
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=self.dtype, device=self.device)
-
-
-class StepStats:
-    """Per-step counters of this rank: bytes, matrices, and time in NS and in waiting."""
-
-    def __init__(self) -> None:
-        self.bytes_sent: dict[str, int] = defaultdict(int)
-        self.bytes_recv: dict[str, int] = defaultdict(int)
-        self.matrices: dict[str, int] = defaultdict(int)
-        self.ns_s = 0.0
-        self.wait_s = 0.0
-
-    def wait(self, work) -> None:
-        t0 = time.perf_counter()
-        work.wait()
-        self.wait_s += time.perf_counter() - t0
-
-    def orthogonalize(self, fn: Orthogonalize, x: torch.Tensor, path: str, blocks: int):
-        t0 = time.perf_counter()
-        out = fn(x)
-        self.ns_s += time.perf_counter() - t0
-        self.matrices[path] += blocks
-        return out
-
-    def as_dict(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for path in sorted(set(self.bytes_sent) | set(self.matrices)):
-            out[f"muon/{path}/bytes_sent"] = float(self.bytes_sent[path])
-            out[f"muon/{path}/bytes_recv"] = float(self.bytes_recv[path])
-            out[f"muon/{path}/matrices"] = float(self.matrices[path])
-        out["muon/bytes_sent"] = float(sum(self.bytes_sent.values()))
-        out["muon/bytes_recv"] = float(sum(self.bytes_recv.values()))
-        out["muon/matrices"] = float(sum(self.matrices.values()))
-        out["muon/ns_s"] = self.ns_s
-        out["muon/wait_s"] = self.wait_s
-        return out
-
-
 def _a2a(out, inp, out_splits, in_splits, group):
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
 
-def _nbytes(numel: int, t: torch.Tensor) -> int:
-    return numel * t.element_size()
+def _ns_block_bytes(b, ns_itemsize: int) -> int:
+    """Newton-Schulz temporaries of one block: X and the next X, plus two square Grams."""
+    rows, cols = b.block_rows, b.block_cols
+    small = min(rows, cols)
+    return 2 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
 
 
-def subgroup_all_gather(
-    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
-) -> Task:
-    """Each expert block spans k consecutive FSDP ranks: gather the block within those k only.
+class Local:
+    """Whole matrices or whole expert blocks already on the rank: no communication. The
+    optimizer orthogonalizes them one parameter at a time (no send buffer, no `run`)."""
 
-    Every rank of the sub-group orthogonalizes the same block and keeps its own rows, so there is
-    no return trip. `ortho` here orthogonalizes one `[k*c, C]` block.
+    collectives = 0
+
+    def blocks_on(self, b, r: int) -> int:
+        if b.fsdp_size == 1:
+            return b.size * b.num_blocks
+        return b.size * (b.shard_sizes[r] // b.block_rows)
+
+    def bytes_sent(self, b, r: int) -> int:
+        return 0
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        return 0
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        return 0
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        blocks = self.blocks_on(b, r) // max(1, b.size)
+        if not blocks:
+            return 0
+        # one parameter's blocks at a time, plus its NS output until applied
+        rows = b.shard_sizes[r if b.fsdp_size > 1 else 0]
+        return blocks * _ns_block_bytes(b, ns_itemsize) + rows * b.other_numel * b.itemsize
+
+
+class OwnerAllToAll:
+    """all_to_all_single with per-rank split sizes: unit j is assembled on its owner only.
+
+    Serves full batches (n = W), the ragged remainder (n < W: ranks that own nothing receive
+    nothing and allocate no unit buffer) and, on a k-rank sub-group, expert blocks that span k
+    FSDP ranks (`Subgroup`). Split sizes follow the shard sizes, so uneven and empty shards need
+    no padding. An owner of several units of the batch orthogonalizes them in one call.
     """
-    k, n = plan.subgroup_size, plan.size
-    rows, cols = plan.shard_sizes[me], plan.other_numel
-    send = inputs.new_buffer((n, rows, cols))
-    for j in range(n):
-        inputs.fill(j, send[j])
-    gathered = send.new_empty(k * n, rows, cols)  # gloo wants the ranks' inputs stacked on dim 0
-    work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
-    gathered = gathered.view(k, n, rows, cols)
-    stats.bytes_sent["subgroup"] += _nbytes(send.numel() * (k - 1), send)
-    stats.bytes_recv["subgroup"] += _nbytes(send.numel() * (k - 1), send)
-    yield
-    stats.wait(work)
-    del work  # a finished Work still references its buffers
-    mine = me % k
-    for j in range(n):  # each result's rows go back into the send buffer, now free
-        block = gathered[:, j].reshape(k * rows, cols)
-        send[j] = stats.orthogonalize(ortho, block, "subgroup", 1)[mine * rows : (mine + 1) * rows]
-    return list(send.unbind(0))
+
+    collectives = 2
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def view(self, b, r: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(shard sizes, owners, my index) in the exchange group's coordinates."""
+        return b.shard_sizes, b.owners, r
+
+    # ------------------------------------------------------------------------------ cost
+    def _figures(self, b, r: int) -> tuple[int, int, int, int]:
+        sizes, owners, me = self.view(b, r)
+        row = b.other_numel * b.wire_itemsize
+        return sizes[me] * row, sum(sizes) * row, sum(o == me for o in owners), len(owners)
+
+    def blocks_on(self, b, r: int) -> int:
+        return self._figures(b, r)[2] * b.blocks_per_unit
+
+    def bytes_sent(self, b, r: int) -> int:
+        # my shard of each unit I do not own; each owned unit's other shards back
+        mine, unit, owned, n = self._figures(b, r)
+        return mine * (n - owned) + owned * (unit - mine)
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        mine, unit, owned, n = self._figures(b, r)
+        return max(owned * unit, n * mine)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # send (later the return) + received units + NS output; several units are also
+        # gathered into one contiguous input
+        mine, unit, owned, n = self._figures(b, r)
+        return n * mine + (2 * unit if owned == 1 else 3 * owned * unit)
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        return self.blocks_on(b, r) * _ns_block_bytes(b, ns_itemsize)
+
+    # ---------------------------------------------------------------------------- exchange
+    def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
+        sizes, owners, me = self.view(b, r)
+        send = torch.empty(len(owners) * sizes[me] * b.other_numel, dtype=dtype, device=device)
+        return send, self._slots(send, b, r)
+
+    def _slots(self, send: torch.Tensor, b, r: int) -> Shards:
+        """Parameter j's `[rows, C]` view of the send buffer, which is ordered by owner."""
+        sizes, owners, me = self.view(b, r)
+        size = sizes[me] * b.other_numel
+        order = sorted(range(len(owners)), key=lambda j: (owners[j], j))
+        slots: Shards = [send] * len(owners)
+        for pos, j in enumerate(order):
+            slots[j] = send[pos * size : (pos + 1) * size].view(sizes[me], b.other_numel)
+        return slots
+
+    def run(self, b, send, *, fsdp_rank, group, ortho: Orthogonalize, stats: StepStats) -> Task:
+        sizes, owners, me = self.view(b, fsdp_rank)
+        W, C, item = len(sizes), b.other_numel, send.element_size()
+        count = [sum(o == r for o in owners) for r in range(W)]
+        m = count[me]
+        send_splits = [sizes[me] * C * count[r] for r in range(W)]
+        recv_splits = [sizes[r] * C * m for r in range(W)]
+        recv = send.new_empty(sum(recv_splits))
+        work = _a2a(recv, send, recv_splits, send_splits, group)
+        out_elems = sum(send_splits) - send_splits[me]
+        in_elems = sum(recv_splits) - recv_splits[me]
+        stats.moved(self.label, sent=out_elems * item, recv=in_elems * item)
+        yield
+        stats.wait(work)
+        del work  # a finished Work still references its buffers
+        back = recv
+        if m:
+            N = sum(sizes)
+            pieces = [p.view(m, sizes[r], C) for r, p in enumerate(recv.split(recv_splits))]
+            # one owned unit arrives contiguous (source ranks in row order); several interleave
+            units = recv.view(N, C) if m == 1 else torch.cat(pieces, dim=1).view(m * N, C)
+            result = stats.orthogonalize(ortho, units, self.label, m * b.blocks_per_unit)
+            del units
+            if m == 1:
+                back = result.reshape(-1)
+            else:
+                offsets = [sum(sizes[:r]) for r in range(W)]
+                for r, piece in enumerate(pieces):
+                    piece.copy_(result.view(m, N, C)[:, offsets[r] : offsets[r] + sizes[r]])
+            del result, pieces
+        work = _a2a(send, back, send_splits, recv_splits, group)
+        stats.moved(self.label, sent=in_elems * item, recv=out_elems * item)
+        del back, recv
+        yield
+        stats.wait(work)
+        del work
+        return self._slots(send, b, fsdp_rank)
 
 
-def ragged_all_to_all(
-    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
-) -> Task:
-    """all_to_all_single with per-rank split sizes: matrix j is assembled on rank owners[j] only.
+class Subgroup(OwnerAllToAll):
+    """Each expert block spans k consecutive FSDP ranks (a sub-group): the k ranks exchange with
+    split sizes inside the sub-group so that every block is assembled on exactly one of them,
+    orthogonalized once and returned. For k = 2 this moves the bytes of an all-gather; for
+    k = 4, half."""
 
-    Serves full batches (n = W, every rank owns one) and the ragged remainder (n < W: ranks that
-    own nothing receive nothing and allocate no full-matrix buffer). Split sizes follow the shard
-    sizes, so uneven and empty shards need no padding. The send buffer, which has exactly the
-    return's size and layout, receives the returned shards.
-    """
-    path = "full" if plan.size == plan.fsdp_size else "ragged_all_to_all"
-    W, C = plan.fsdp_size, plan.other_numel
-    sizes = plan.shard_sizes
-    order = sorted(range(plan.size), key=lambda j: plan.owners[j])
-    owned = [j for j in range(plan.size) if plan.owners[j] == me]
-    assert len(owned) <= 1, "a rank assembles at most one matrix per batch"
-    send_splits = [0] * W
-    for j in order:
-        send_splits[plan.owners[j]] += sizes[me] * C
-    recv_splits = [sizes[r] * C * len(owned) for r in range(W)]
-    send = inputs.new_buffer((plan.size * sizes[me] * C,))
-    for slot, j in enumerate(order):
-        inputs.fill(j, send[slot * sizes[me] * C : (slot + 1) * sizes[me] * C].view(sizes[me], C))
-    full = send.new_empty(sum(recv_splits))
-    work = _a2a(full, send, recv_splits, send_splits, group)
-    stats.bytes_sent[path] += _nbytes(sum(send_splits) - send_splits[me], send)
-    stats.bytes_recv[path] += _nbytes(sum(recv_splits) - recv_splits[me], send)
-    yield
-    stats.wait(work)
-    del work  # a finished Work still references its buffers
-    if owned:
-        matrix = full.view(-1, C)
-        result = stats.orthogonalize(ortho, matrix, path, plan.blocks_per_matrix).reshape(-1)
-        del matrix
-    else:
-        result = full  # empty
-    del full
-    work = _a2a(send, result, send_splits, recv_splits, group)
-    stats.bytes_sent[path] += _nbytes(sum(recv_splits) - recv_splits[me], send)
-    stats.bytes_recv[path] += _nbytes(sum(send_splits) - send_splits[me], send)
-    yield
-    stats.wait(work)
-    del work, result
-    out: Shards = [send] * plan.size
-    for piece, j in zip(send.split([sizes[me] * C] * plan.size), order, strict=True):
-        out[j] = piece.view(sizes[me], C)
-    return out
+    def __init__(self) -> None:
+        super().__init__("subgroup")
+
+    def view(self, b, r: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        k, n = b.subgroup_size, b.size
+        g = r // k
+        owners = tuple(o - g * k for o in b.owners[g * n : (g + 1) * n])
+        return b.shard_sizes[g * k : (g + 1) * k], owners, r % k
 
 
-def pad_all_to_all(
-    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
-) -> Task:
+class PadAllToAll:
     """Pad the batch with zero matrices to W and every shard to c rows: a uniform all-to-all.
 
-    Every rank receives and orthogonalizes one full matrix (W - R of them zeros), so memory is
-    flat in R and the same on busy and idle ranks.
+    Memory is flat in R and the same on busy and idle ranks; the W - R padding slots run no
+    Newton-Schulz (their zeros travel and come back untouched).
     """
-    W, C, c = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows
-    N = plan.global_shard_dim_size
-    send = inputs.new_buffer((W, c, C), zero=True)  # slot s goes to rank owners[s]
-    for j in range(plan.size):
-        inputs.fill(j, send[plan.owners[j], : plan.shard_sizes[me]])
-    full = torch.empty_like(send)
-    work = _a2a(full, send, None, None, group)
-    stats.bytes_sent["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), send)
-    stats.bytes_recv["pad_all2all"] += _nbytes(send.numel() // W * (W - 1), send)
-    yield
-    stats.wait(work)
-    del work  # a finished Work still references its buffers
-    # the padding rows past N arrived as zeros; the result overwrites the N real rows in place
-    matrix = full.view(W * c, C)[:N]
-    matrix.copy_(stats.orthogonalize(ortho, matrix, "pad_all2all", plan.blocks_per_matrix))
-    del matrix
-    work = _a2a(send, full, None, None, group)
-    stats.bytes_sent["pad_all2all"] += _nbytes(full.numel() // W * (W - 1), send)
-    stats.bytes_recv["pad_all2all"] += _nbytes(full.numel() // W * (W - 1), send)
-    yield
-    stats.wait(work)
-    del work, full
-    rows = plan.shard_sizes[me]
-    return [send[plan.owners[j], :rows] for j in range(plan.size)]
+
+    collectives = 2
+
+    def _padded(self, b) -> int:
+        return b.padded_shard_rows * b.other_numel * b.wire_itemsize
+
+    def blocks_on(self, b, r: int) -> int:
+        return b.num_blocks if r in b.owners else 0
+
+    def bytes_sent(self, b, r: int) -> int:
+        return 2 * self._padded(b) * (b.fsdp_size - 1)
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        return b.fsdp_size * self._padded(b)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # send (later the return) + received slab + an owner's NS output copied back into it
+        return 2 * b.fsdp_size * self._padded(b) + (b.matrix_bytes if r in b.owners else 0)
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        return self.blocks_on(b, r) * _ns_block_bytes(b, ns_itemsize)
+
+    def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
+        send = torch.zeros(
+            b.fsdp_size, b.padded_shard_rows, b.other_numel, dtype=dtype, device=device
+        )
+        return send, [send[o, : b.shard_sizes[r]] for o in b.owners]  # slot s goes to rank s
+
+    def run(self, b, send, *, fsdp_rank, group, ortho: Orthogonalize, stats: StepStats) -> Task:
+        W, N = b.fsdp_size, b.fsdp_visible_rows
+        full = torch.empty_like(send)
+        work = _a2a(full, send, None, None, group)
+        moved = send.numel() // W * (W - 1) * send.element_size()
+        stats.moved("pad_all2all", sent=moved, recv=moved)
+        yield
+        stats.wait(work)
+        del work  # a finished Work still references its buffers
+        if fsdp_rank in b.owners:  # a padding slot holds zeros: nothing to orthogonalize
+            matrix = full.view(-1, b.other_numel)[:N]  # rows past N arrived as padding
+            matrix.copy_(stats.orthogonalize(ortho, matrix, "pad_all2all", b.num_blocks))
+            del matrix
+        work = _a2a(send, full, None, None, group)
+        stats.moved("pad_all2all", sent=moved, recv=moved)
+        yield
+        stats.wait(work)
+        del work, full
+        return [send[o, : b.shard_sizes[fsdp_rank]] for o in b.owners]
 
 
-def agrs(
-    plan: BatchPlan, inputs: NSInputs, me: int, group, ortho: Orthogonalize, stats: StepStats
-) -> Task:
+class Agrs:
     """All-gather the batch onto every rank, orthogonalize the owned share, reduce-scatter back.
 
-    Buffers are sized from the FSDP-visible dim (`global_shard_dim_size`), never the global one.
-    The gathered batch, zeroed, becomes the reduce-scatter input and the send buffer its output,
-    but the gathered buffer alone holds all n matrices, so memory and time grow with n.
+    Buffers are sized from the FSDP-visible rows, never the global ones. The gathered batch,
+    zeroed, becomes the reduce-scatter input and the send buffer its output, but the gathered
+    buffer alone holds all n matrices, so memory and time grow with n.
     """
-    W, C, c, n = plan.fsdp_size, plan.other_numel, plan.padded_shard_rows, plan.size
-    N = plan.global_shard_dim_size
-    send = inputs.new_buffer((n, c, C), zero=True)
-    for j in range(n):
-        inputs.fill(j, send[j, : plan.shard_sizes[me]])
-    gathered = send.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
-    work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
-    stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), send)
-    stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), send)
-    yield
-    stats.wait(work)
-    del work  # a finished Work still references its buffers
-    slab = gathered.view(W, n, c, C)
-    results = {
-        j: stats.orthogonalize(
-            ortho, slab[:, j].reshape(W * c, C)[:N], "agrs", plan.blocks_per_matrix
+
+    collectives = 2
+
+    def _padded(self, b) -> int:
+        return b.padded_shard_rows * b.other_numel * b.wire_itemsize
+
+    def _owned(self, b, r: int) -> int:
+        return sum(o == r for o in b.owners)
+
+    def blocks_on(self, b, r: int) -> int:
+        return self._owned(b, r) * b.num_blocks
+
+    def bytes_sent(self, b, r: int) -> int:
+        # all-gather my padded shards to W-1 peers; reduce-scatter W-1 padded shards back
+        return 2 * b.size * self._padded(b) * (b.fsdp_size - 1)
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        return b.fsdp_size * b.size * self._padded(b)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # send (later the reduce-scatter output) + gathered (later its input) + owned results
+        n, w = b.size, b.fsdp_size
+        return n * self._padded(b) * (1 + w) + self._owned(b, r) * b.matrix_bytes
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        return (b.num_blocks if self._owned(b, r) else 0) * _ns_block_bytes(b, ns_itemsize)
+
+    def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
+        send = torch.zeros(b.size, b.padded_shard_rows, b.other_numel, dtype=dtype, device=device)
+        return send, [send[j, : b.shard_sizes[r]] for j in range(b.size)]
+
+    def run(self, b, send, *, fsdp_rank, group, ortho: Orthogonalize, stats: StepStats) -> Task:
+        W, C, n, N = b.fsdp_size, b.other_numel, b.size, b.fsdp_visible_rows
+        c = b.padded_shard_rows
+        gathered = send.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
+        work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+        moved = send.numel() * (W - 1) * send.element_size()
+        stats.moved("agrs", sent=moved, recv=moved)
+        yield
+        stats.wait(work)
+        del work  # a finished Work still references its buffers
+        slab = gathered.view(W, n, c, C)
+        results = {
+            j: stats.orthogonalize(ortho, slab[:, j].reshape(W * c, C)[:N], "agrs", b.num_blocks)
+            for j in range(n)
+            if b.owners[j] == fsdp_rank
+        }
+        gathered.zero_()
+        for j in list(results):
+            # write matrix j's rows into the slab, rank r's shard at r (the result dies here)
+            for r, piece in enumerate(results.pop(j).split(list(b.shard_sizes))):
+                slab[r, j, : piece.size(0)] = piece
+        del slab
+        work = dist.reduce_scatter_tensor(
+            send, gathered, op=dist.ReduceOp.SUM, group=group, async_op=True
         )
-        for j in range(n)
-        if plan.owners[j] == me
-    }
-    gathered.zero_()
-    for j in list(results):
-        _scatter_rows(slab, j, results.pop(j), plan.shard_sizes)
-    del slab
-    work = dist.reduce_scatter_tensor(
-        send, gathered, op=dist.ReduceOp.SUM, group=group, async_op=True
-    )
-    stats.bytes_sent["agrs"] += _nbytes(send.numel() * (W - 1), send)
-    stats.bytes_recv["agrs"] += _nbytes(send.numel() * (W - 1), send)
-    yield
-    stats.wait(work)
-    del work, gathered
-    rows = plan.shard_sizes[me]
-    return [send[j, :rows] for j in range(n)]
+        stats.moved("agrs", sent=moved, recv=moved)
+        yield
+        stats.wait(work)
+        del work, gathered
+        return [send[j, : b.shard_sizes[fsdp_rank]] for j in range(n)]
 
 
-def _scatter_rows(slab: torch.Tensor, j: int, matrix: torch.Tensor, sizes) -> None:
-    """Write matrix j's rows into the `[W, n, c, C]` slab, rank r's shard at r (refs die here)."""
-    for r, piece in enumerate(matrix.split(list(sizes))):
-        slab[r, j, : piece.size(0)] = piece
-
-
-EXCHANGES = {
-    "full": ragged_all_to_all,
-    "ragged_all_to_all": ragged_all_to_all,
-    "pad_all2all": pad_all_to_all,
-    "agrs": agrs,
+PATHS = {
+    "local": Local(),
+    "subgroup": Subgroup(),
+    "full": OwnerAllToAll("full"),
+    "ragged_all_to_all": OwnerAllToAll("ragged_all_to_all"),
+    "pad_all2all": PadAllToAll(),
+    "agrs": Agrs(),
 }

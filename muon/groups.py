@@ -72,7 +72,7 @@ def param_groups(
             algorithm="muon",
             lr=lr,
             weight_decay=weight_decay,
-            num_experts=blocks,
+            num_blocks=blocks,
         )
         for blocks, (names, params) in sorted(muon.items())
     ]

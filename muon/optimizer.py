@@ -1,9 +1,11 @@
 """Muon with AdamW groups in one optimizer, for plain tensors and FSDP2 / EP DTensors.
 
-The path of one Muon batch through a step: `plan.py` decided at construction which matrices
-travel together and who assembles them; here each batch becomes an AsyncTask that computes the
-momentum update of its local shards, runs the exchange from `comm.py` (which orthogonalizes with
-`newton_schulz.py`), and applies the returned shards. `runtime.py` keeps a few batches in flight.
+The path of one Muon batch through a step: at construction `planner.py` decided which
+matrices travel together (`plan.py`) and who assembles them (`owners.py`); here each batch
+becomes an AsyncTask (`_task`) that (1) updates the momentum of its local shards straight into
+the send buffer of its path, (2) runs the path's exchange from `comm.py`, in which the owners
+orthogonalize with `newton_schulz.py`, and (3) applies the returned shards. `runtime.py` keeps
+a sliding window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
@@ -36,24 +38,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muon import comm
+from muon.cost import LinkModel
 from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
-from muon.plan import (
-    LOCAL_MESH_PLAN,
-    REMAINDER_STRATEGIES,
-    BatchPlan,
-    MeshCommPlan,
-    OwnerCursor,
-    ParamMeta,
-    fingerprint,
-    plan_batches,
-    resolve_mesh_comm_plan,
-)
+from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
+from muon.planner import build_step_plan, comm_device, resolve_link
 from muon.runtime import AsyncRuntime
+from muon.stats import StepStats
 
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 ALGORITHMS = ("muon", "adamw")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_DTYPES = ("bfloat16", "float32", "float16")
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
@@ -79,18 +73,48 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Muon(torch.optim.Optimizer):
     """Muon for matrices (plain or DTensor, fused experts as blocks) plus AdamW groups.
 
-    Groups carry `algorithm` ("muon", the default, or "adamw"). Muon groups may set
-    `num_experts`: the number of independent blocks stacked along dim 0 of each matrix.
-    `remainder_strategy` picks how a batch smaller than the FSDP group is exchanged
-    (see `muon.plan`); `expert_aware=False` exchanges fused experts as whole matrices (the
-    behaviour before the local and sub-group paths existed, kept for planning comparisons).
-    `ns_coefficients` ("fixed", "tuned", "polar_express" or (a, b, c) triples) and `ns_algorithm`
-    ("standard" or "gram") choose the Newton-Schulz variant (see `muon.newton_schulz`).
+    Args:
+        params: parameters or group dicts, e.g. from `muon.param_groups(model)`. A group's
+            `algorithm` is "muon" (the default) or "adamw"; a Muon group may set `num_blocks`,
+            the number of independent blocks stacked along dim 0 of each of its matrices (fused
+            experts), and `param_names` (used in error messages and the cross-rank check). Any
+            keyword below except the optimizer-wide ones can be overridden per group.
+        lr: learning rate before the per-block adjustment (`adjust_lr`).
+        momentum: momentum coefficient mu, in [0, 1).
+        nesterov: orthogonalize lerp(G, M, mu) instead of M.
+        weight_decay: decoupled weight decay: p *= 1 - lr * weight_decay.
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: a named set of `muon.NS_COEFFICIENTS` ("fixed", "tuned",
+            "polar_express") or a list of (a, b, c) triples.
+        ns_dtype: Newton-Schulz compute dtype; matrices also travel in it when it is narrower
+            than the parameter (the result is the same, since Newton-Schulz casts first).
+        eps: floor of the Frobenius norm Newton-Schulz divides by.
+        adjust_lr: "match_rms_adamw", "original" or "none" (see `adjusted_lr`).
+        betas, adamw_eps: defaults of AdamW groups.
+        remainder_strategy: how a batch smaller than its FSDP group is exchanged: "agrs",
+            "pad_all2all", "ragged_all_to_all", or "auto" (per batch, the lowest modelled time
+            whose planned per-rank peak fits `memory_budget`; see `muon.plan.choose_remainder`).
+        enable_all2all: False exchanges every batch with all-gather + reduce-scatter ("agrs").
+        max_inflight: batches alive at once (a sliding window: when one finishes, the next
+            launches its first collective at once).
+        expert_aware: False exchanges fused experts as whole matrices (the behaviour before the
+            local and sub-group paths existed, kept for planning comparisons).
+        memory_budget: bytes one batch may hold on a rank, for `remainder_strategy="auto"`;
+            None means no bound.
+        link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
+            "auto" models collectives with; None measures it at construction with two tiny
+            all-reduces on the default group (collective) when "auto" needs it.
+        ns_algorithm: "standard", or "gram" (Gram Newton-Schulz on blocks where it needs fewer
+            FLOPs; see `muon.newton_schulz`).
+
+    After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
+    in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
     """
 
     def __init__(
         self,
         params: Iterable,
+        *,
         lr: float = 0.02,
         momentum: float = 0.95,
         nesterov: bool = True,
@@ -106,24 +130,28 @@ class Muon(torch.optim.Optimizer):
         enable_all2all: bool = True,
         max_inflight: int = 3,
         expert_aware: bool = True,
-        *,
+        memory_budget: int | None = None,
+        link: LinkModel | tuple | None = None,
         ns_algorithm: str = "standard",
     ) -> None:
-        if remainder_strategy not in REMAINDER_STRATEGIES:
+        if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
                 f"remainder_strategy: {remainder_strategy!r} is not one of "
-                f"{', '.join(REMAINDER_STRATEGIES)}"
+                f"{', '.join(REMAINDER_CHOICES)}"
             )
-        if not enable_all2all and remainder_strategy != "agrs":
+        if not enable_all2all and remainder_strategy not in ("agrs", "auto"):
             warnings.warn(
                 f"enable_all2all=False: remainder_strategy {remainder_strategy!r} needs "
                 "all-to-all; using 'agrs'",
                 UserWarning,
                 stacklevel=2,
             )
-            remainder_strategy = "agrs"
+        if not enable_all2all:
+            remainder_strategy = "agrs"  # "auto" too: agrs is the only path without all-to-all
         if max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
+        if memory_budget is not None and not memory_budget > 0:
+            raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
         self._adamw_defaults = {"betas": tuple(betas), "eps": adamw_eps}
         defaults = dict(
             lr=lr,
@@ -137,20 +165,38 @@ class Muon(torch.optim.Optimizer):
             ns_algorithm=ns_algorithm,
             eps=eps,
             adjust_lr=adjust_lr,
-            num_experts=1,
+            num_blocks=1,
         )
         self.remainder_strategy = remainder_strategy
         self.enable_all2all = enable_all2all
         self.max_inflight = max_inflight
         self.expert_aware = expert_aware
+        self.memory_budget = memory_budget
         super().__init__(params, defaults)
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.step_stats: dict[str, float] = {}
         #: ids of the parameters without a grad on any rank, this step
         self._gradless: set[int] = set()
+        self._link = resolve_link(link, needed=remainder_strategy == "auto")
         self._init_state()
-        self._build_plans()
+        self._plan()
+
+    def _plan(self) -> None:
+        """(Re)build the step plan from the current groups (collective, see `muon.planner`)."""
+        self.plan = build_step_plan(
+            self.param_groups,
+            remainder_strategy=self.remainder_strategy,
+            enable_all2all=self.enable_all2all,
+            expert_aware=self.expert_aware,
+            memory_budget=self.memory_budget,
+            link=self._link,
+        )
+
+    @property
+    def plans(self) -> list[tuple[MeshCommPlan, list[BatchPlan]]]:
+        """(mesh comm plan, its batches) in step order: the plan as plain data."""
+        return self.plan.plans
 
     # ----------------------------------------------------------------- groups and validation
     def add_param_group(self, param_group: dict) -> None:
@@ -163,9 +209,9 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self._validate_group(group)
-        if hasattr(self, "plans"):  # after construction: state and plans for the new group
+        if hasattr(self, "plan"):  # after construction: state and plans for the new group
             self._init_state()
-            self._build_plans()
+            self._plan()
 
     def _validate_group(self, g: dict) -> None:
         if not g["lr"] > 0:
@@ -188,7 +234,7 @@ class Muon(torch.optim.Optimizer):
         resolve_coefficients(g["ns_coefficients"])
         check_algorithm(g["ns_algorithm"])
         g["ns_dtype"] = _dtype_name(g["ns_dtype"])
-        blocks = g["num_experts"]
+        blocks = g["num_blocks"]
         names = g.get("param_names") or [None] * len(g["params"])
         for p, name in zip(g["params"], names, strict=True):
             label = name or f"shape {tuple(p.shape)}"
@@ -199,7 +245,7 @@ class Muon(torch.optim.Optimizer):
                 )
             if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
                 raise ValueError(
-                    f"num_experts: {blocks} must be a positive divisor of the {p.shape[0]} rows "
+                    f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
                     f"of {label}"
                 )
 
@@ -214,119 +260,6 @@ class Muon(torch.optim.Optimizer):
                     st.setdefault("step", torch.tensor(0.0))
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))
-
-    # ----------------------------------------------------------------------------- planning
-    def _build_plans(self) -> None:
-        """Group Muon params by (mesh, placements), plan their batches, create sub-groups."""
-        # (param, index of its group): groups are looked up at step time, because
-        # load_state_dict and schedulers may replace the group dicts
-        self._muon_params: list[tuple[torch.Tensor, int]] = []
-        names: list[str] = []
-        mesh_groups: dict[tuple, list[int]] = {}
-        mesh_of: dict[tuple, tuple] = {}
-        for gi, g in enumerate(self.param_groups):
-            if g["algorithm"] != "muon":
-                continue
-            pnames = g.get("param_names") or [None] * len(g["params"])
-            for p, name in zip(g["params"], pnames, strict=True):
-                idx = len(self._muon_params)
-                self._muon_params.append((p, gi))
-                names.append(name or f"{tuple(p.shape)}")
-                key = self._mesh_key(p)
-                mesh_groups.setdefault(key, []).append(idx)
-                mesh_of[key] = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
-        cursors: dict[tuple[int, ...], OwnerCursor] = {}
-        self.plans: list[tuple[MeshCommPlan, list[BatchPlan]]] = []
-        for key, indices in mesh_groups.items():
-            mp = self._mesh_plan(mesh_of[key])
-            metas = [
-                ParamMeta(
-                    i,
-                    tuple(self._muon_params[i][0].shape),
-                    self.param_groups[self._muon_params[i][1]]["num_experts"],
-                    self._muon_params[i][0].element_size(),
-                    _ns_settings(self.param_groups[self._muon_params[i][1]]),
-                    str(self._muon_params[i][0].dtype),
-                )
-                for i in indices
-            ]
-            cursor = cursors.setdefault(mp.group_ranks, OwnerCursor(mp.fsdp_size))
-            batches = plan_batches(
-                metas,
-                mp,
-                self.remainder_strategy,
-                self.enable_all2all,
-                self.expert_aware,
-                cursor,
-            )
-            self.plans.append((mp, batches))
-        self._groups: dict[tuple[MeshCommPlan, int], object] = {}
-        self._fingerprint = fingerprint(self.plans, names)
-        self._check_fingerprint()
-        for (key, _), (mp, batches) in zip(mesh_groups.items(), self.plans, strict=True):
-            if mp.sharded:
-                self._groups[(mp, 0)] = mesh_of[key][0].get_group(mp.fsdp_mesh_dim)
-            for b in batches:
-                if b.path == "subgroup":
-                    self._groups.setdefault((mp, b.subgroup_size), self._subgroup(mp, b))
-
-    @staticmethod
-    def _mesh_key(p: torch.Tensor) -> tuple:
-        if not isinstance(p, DTensor):
-            return ("local",)
-        mesh = p.device_mesh
-        return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), tuple(p.placements))
-
-    @staticmethod
-    def _mesh_plan(mesh_and_placements) -> MeshCommPlan:
-        if mesh_and_placements is None:
-            return LOCAL_MESH_PLAN
-        mesh, placements = mesh_and_placements
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            raise ValueError("Muon: this rank is not part of a parameter's device mesh")
-        return resolve_mesh_comm_plan(
-            tuple(mesh.shape), mesh.mesh.tolist(), tuple(placements), tuple(coordinate)
-        )
-
-    def _subgroup(self, mp: MeshCommPlan, b: BatchPlan):
-        """Create every k-rank sub-group of every FSDP group (collective, same order everywhere)."""
-        k = b.subgroup_size
-        cache = self.__dict__.setdefault("_subgroup_cache", {})
-        mine = None
-        for ranks in mp.all_groups:
-            for i in range(0, len(ranks), k):
-                chunk = ranks[i : i + k]
-                if chunk not in cache:
-                    cache[chunk] = dist.new_group(list(chunk))
-                if dist.get_rank() in chunk:
-                    mine = cache[chunk]
-        return mine
-
-    def _check_fingerprint(self) -> None:
-        """Fail fast, on every rank, if ranks planned different parameter lists.
-
-        Done at construction (before sub-groups are created), so a mismatch is an error instead
-        of a collective that never matches up.
-        """
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        if dist.get_backend() == "fake":
-            return
-        device = _comm_device()
-        mine = torch.tensor([self._fingerprint], dtype=torch.int64, device=device)
-        every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(every, mine)
-        values = every.tolist()
-        if len(set(values)) > 1:
-            groups: dict[int, list[int]] = {}
-            for r, v in enumerate(values):
-                groups.setdefault(v, []).append(r)
-            raise RuntimeError(
-                "Muon: ranks built different optimizer plans (different parameter order, names or "
-                f"shapes); ranks grouped by plan fingerprint: {sorted(groups.values())}. "
-                f"This is rank {dist.get_rank()}."
-            )
 
     # ---------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -344,8 +277,8 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
-        stats = comm.StepStats()
-        runtime = AsyncRuntime(self._tasks(stats), self.max_inflight)
+        stats = StepStats()
+        runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
         return loss
@@ -364,7 +297,7 @@ class Muon(torch.optim.Optimizer):
         world = 1
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
             world = dist.get_world_size()
-            flags = flags.to(_comm_device())
+            flags = flags.to(comm_device())
             dist.all_reduce(flags, op=dist.ReduceOp.SUM)
             flags = flags.cpu()
         counts = flags[1:].tolist()
@@ -405,74 +338,78 @@ class Muon(torch.optim.Optimizer):
             x.mul_(1 - g["lr"] * g["weight_decay"])
             x.addcdiv_(m, denom, value=-g["lr"] / (1 - b1**t))
 
-    def _tasks(self, stats: comm.StepStats):
+    def _tasks(self, stats: StepStats):
         """One AsyncTask per batch, created lazily in plan order."""
-        for mp, batches in self.plans:
+        for mp, batches in self.plan.plans:
             for b in batches:
                 yield self._task(mp, b, stats)
 
-    def _task(self, mp: MeshCommPlan, b: BatchPlan, stats: comm.StepStats):
-        """One batch: momentum on local shards -> exchange + NS -> apply the returned shards."""
-        entries = [self._muon_params[i] for i in b.param_indices]
-        params = [(p, self.param_groups[gi]) for p, gi in entries]
+    def _task(self, mp: MeshCommPlan, b: BatchPlan, stats: StepStats):
+        """One batch, top to bottom: momentum -> exchange + Newton-Schulz -> apply."""
+        params = [
+            (p, self.param_groups[gi]) for p, gi in (self.plan.params[i] for i in b.param_indices)
+        ]
         g0 = params[0][1]
-        d = mp.shard_tensor_dim
         # blocks are runs of dim 0; a matrix sharded on another dim is exchanged with that dim
         # first and orthogonalized in its own layout (see _orthogonalize)
-        block_rows = (b.global_shard_dim_size if d == 0 else b.global_shape[0]) // (
-            b.blocks_per_matrix
-        )
         ortho = partial(
             _orthogonalize,
-            block_rows=block_rows,
-            moved_shape=_moved_shape(b.global_shape, d),
-            dim=d,
+            block_rows=b.block_rows,
+            moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
+            dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
             coefficients=g0["ns_coefficients"],
-            dtype=_DTYPES[g0["ns_dtype"]],
+            dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
-            algorithm=g0.get("ns_algorithm", "standard"),
+            algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
         )
-        rows = b.global_shape[0] // g0["num_experts"]
-        cols = math.prod(b.global_shape) // b.global_shape[0]
+        stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
             for p, g in params:
                 if id(p) in self._gradless:
                     continue
-                shard = self._momentum_update(p, g, mp)
+                shard = self._momentum_step(p, g, mp.shard_tensor_dim)
                 if shard.numel():
-                    shard = stats.orthogonalize(ortho, shard, "local", shard.size(0) // block_rows)
-                self._apply(p, g, shard, rows, cols, mp.shard_tensor_dim)
+                    shard = stats.orthogonalize(
+                        ortho, shard, "local", shard.size(0) // b.block_rows
+                    )
+                self._apply(p, g, shard, b)
             return
+        path = b.exchange
         like = _local(self.state[params[0][0]]["momentum_buffer"])
-        inputs = comm.NSInputs(
-            lambda j, out: self._momentum_update(*params[j], mp, out), like.dtype, like.device
+        # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
+        send, slots = path.send_buffer(
+            b, mp.fsdp_rank, dtype=getattr(torch, b.wire_dtype), device=like.device
         )
-        if b.path == "subgroup":
-            group = self._groups[(mp, b.subgroup_size)]
-            exchange = comm.subgroup_all_gather
-        else:
-            group = self._groups[(mp, 0)]
-            exchange = comm.EXCHANGES[b.path]
-        results = yield from exchange(b, inputs, mp.fsdp_rank, group, ortho, stats)
+        for (p, g), slot in zip(params, slots, strict=True):
+            self._momentum_step(p, g, mp.shard_tensor_dim, out=slot)
+        # 2. exchange: owners assemble, orthogonalize and return their units
+        group = self.plan.groups[(mp, b.subgroup_size if b.path == "subgroup" else 0)]
+        results = yield from path.run(
+            b, send, fsdp_rank=mp.fsdp_rank, group=group, ortho=ortho, stats=stats
+        )
+        # 3. apply the orthogonalized shards
         for (p, g), o in zip(params, results, strict=True):
-            if id(p) not in self._gradless:
-                self._apply(p, g, o, rows, cols, mp.shard_tensor_dim)
+            if id(p) not in self._gradless:  # a parameter without any grad stays untouched
+                self._apply(p, g, o, b)
 
     @staticmethod
-    def _apply(p, g: dict, o: torch.Tensor, rows: int, cols: int, shard_dim: int) -> None:
+    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
+        rows = b.global_shape[0] // g["num_blocks"]
+        cols = math.prod(b.global_shape) // b.global_shape[0]
         lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        x.add_(_from_rows(o, x, shard_dim), alpha=-lr)
+        x.add_(_from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
 
-    def _momentum_update(
-        self, p: torch.Tensor, g: dict, mp: MeshCommPlan, out: torch.Tensor | None = None
+    def _momentum_step(
+        self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Update the momentum buffer and produce the NS input shard as [rows, C], sharded dim
-        first: written into `out` (a send-buffer slot) when given, else returned. A parameter
-        without a grad on any rank keeps its momentum and sends zeros."""
+        """M <- lerp(M, G, 1 - mu); the NS input (lerp(G, M, mu) with Nesterov, else M) as
+        `[rows, C]`, sharded dim first: written into `out` (a send-buffer slot, possibly of a
+        narrower wire dtype) when given, else returned. A parameter without a grad on any rank
+        keeps its momentum and sends zeros."""
         if id(p) in self._gradless:
             return out.zero_()
         buf = _local(self.state[p]["momentum_buffer"])
@@ -481,22 +418,15 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         if out is None:
             update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-            return _to_rows(update, mp.shard_tensor_dim)
-        target = _from_rows(out, buf, mp.shard_tensor_dim)
-        if g["nesterov"]:
-            torch.lerp(grad, buf, mu, out=target)
-        else:
+            return _to_rows(update, shard_dim)
+        target = _from_rows(out, buf, shard_dim)
+        if not g["nesterov"]:
             target.copy_(buf)
+        elif target.dtype == buf.dtype:
+            torch.lerp(grad, buf, mu, out=target)
+        else:  # a narrower wire dtype: round the way Newton-Schulz's own cast would
+            target.copy_(grad.lerp(buf, mu))
         return out
-
-
-def _ns_settings(g: dict) -> tuple:
-    """Settings that must agree within one batch, which shares one Newton-Schulz call (groups
-    from state dicts older than `ns_algorithm` read as "standard")."""
-    coefficients = g["ns_coefficients"]
-    if not isinstance(coefficients, str):
-        coefficients = tuple(map(tuple, coefficients))
-    return (g["ns_steps"], coefficients, g["ns_dtype"], g["eps"], g.get("ns_algorithm", "standard"))
 
 
 def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -552,9 +482,3 @@ def _orthogonalize(
         algorithm=algorithm,
     )
     return o.view(shape).movedim(dim, 0).reshape(m.shape)
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -1,21 +1,24 @@
 """How each Muon matrix is orthogonalized across ranks: plain data, no collectives.
 
-Two levels, resolved once at optimizer construction and identical on every rank:
+Resolved once at optimizer construction, identical on every rank:
 
 - `MeshCommPlan`, per (device_mesh, placements) group: which mesh dim is FSDP (its process group
   is the comm group), which is EP, and the non-FSDP shard factor that turns a global dim into the
   FSDP-visible (EP-local) one.
-- `BatchPlan`, per shape-homogeneous batch of parameters: its path, its FSDP-visible dim size,
+- `BatchPlan`, per batch of same-shape, same-dtype parameters: its path, its FSDP-visible rows,
   the per-rank shard sizes (DTensor's ceil chunking: trailing ranks may be short or empty) and,
-  for exchanges, which FSDP rank assembles (owns) each matrix.
+  for exchanges, which FSDP rank assembles (owns) each unit. Owners are filled in afterwards by
+  `muon.owners.assign_owners`, which balances Newton-Schulz cost over the whole step.
 
-Paths:
+Paths (each one object in `muon.comm`, owning its exchange and its cost):
   local       whole matrices or whole expert blocks already on the rank: no communication
-  subgroup    each expert block spans k consecutive FSDP ranks: all-gather within k-rank groups
+  subgroup    each expert block spans k consecutive FSDP ranks: the k ranks exchange so that
+              every block is assembled on exactly one of them, orthogonalized once, returned
   full        W matrices on a W-rank group: all-to-all, one matrix assembled per rank
-  agrs | pad_all2all | ragged_all_to_all   the remainder batch of R < W matrices
+  agrs | pad_all2all | ragged_all_to_all   a remainder batch of R < W matrices
+  (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
 
-Because plans are plain data, they can be printed, fingerprinted across ranks and built for 512
+Because plans are plain data, they can be printed, fingerprinted across ranks and built for 1024
 fake ranks by the dry-run planner with the optimizer's own code.
 """
 
@@ -23,12 +26,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import torch
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
+from muon.cost import DEFAULT_LINKS, LinkModel, block_flops
+
 REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
+#: what `remainder_strategy` accepts: a strategy, or "auto" (the cheapest per batch)
+REMAINDER_CHOICES: tuple[str, ...] = (*REMAINDER_STRATEGIES, "auto")
 PATHS: tuple[str, ...] = ("local", "subgroup", "full", *REMAINDER_STRATEGIES)
+#: default bound on one batch's exchange buffers on one rank (sub-group batches are sized by it)
+BATCH_BYTES = 256 << 20
 
 
 def shard_sizes(dim_size: int, world: int) -> tuple[int, ...]:
@@ -130,30 +140,9 @@ def _rank_at(grid, coordinate) -> int:
 
 def _mesh_groups(grid, ndim: int, dim: int) -> tuple[tuple[int, ...], ...]:
     """All 1-D slices of the rank grid along `dim`, in a fixed order."""
-    import torch
-
     t = torch.tensor(grid)
     t = t.movedim(dim, -1).reshape(-1, t.shape[dim])
     return tuple(tuple(int(r) for r in row) for row in t.tolist())
-
-
-@dataclass
-class OwnerCursor:
-    """Rotating choice of the FSDP rank that assembles each exchanged matrix.
-
-    One cursor per comm group, advanced across all batches of a step in plan order: full batches
-    give every rank one matrix, and consecutive remainder batches continue where the previous one
-    stopped, so over the whole step the matrix counts per rank differ by at most one instead of
-    ranks 0..R-1 doing every remainder.
-    """
-
-    world: int
-    next_rank: int = 0
-
-    def take(self, n: int) -> tuple[int, ...]:
-        owners = tuple((self.next_rank + i) % self.world for i in range(n))
-        self.next_rank = (self.next_rank + n) % self.world
-        return owners
 
 
 @dataclass(frozen=True)
@@ -163,32 +152,43 @@ class ParamMeta:
     index: int
     global_shape: tuple[int, ...]
     num_blocks: int
+    #: parameter dtype name ("float32", "bfloat16", ...): batches never mix dtypes
+    dtype: str
     itemsize: int
+    #: dtype on the wire: the Newton-Schulz dtype when it is narrower, since Newton-Schulz
+    #: casts its input first and its output is exact in the wider dtype
+    wire_dtype: str
+    ns_steps: int = 5
     #: Newton-Schulz settings of the parameter's group; batches never mix different ones
     ns_settings: tuple = ()
-    #: the parameter's dtype name: a batch shares one exchange buffer, so it holds one dtype
-    #: (float16 and bfloat16 have the same item size but not the same range)
-    dtype: str = ""
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """One shape-homogeneous batch: how its matrices travel and who orthogonalizes them."""
+    """One batch of same-shape, same-dtype parameters: how they travel, who orthogonalizes.
+
+    A *unit* is what one owner assembles and orthogonalizes in one go: a whole FSDP-visible
+    matrix (`num_blocks` blocks) on the exchange paths, one expert block on the sub-group path.
+    `owners` lists the FSDP rank of every unit: matrix j on exchange paths; on the sub-group path
+    unit `g * size + j` is parameter j's block held by sub-group g (FSDP ranks g*k .. g*k+k-1).
+    """
 
     path: str
     param_indices: tuple[int, ...]
     global_shape: tuple[int, ...]
+    dtype: str
     itemsize: int
+    wire_dtype: str
     shard_tensor_dim: int
     #: FSDP-visible (EP-local) size of the sharded dim = global size // non-FSDP shard factor
-    global_shard_dim_size: int
+    fsdp_visible_rows: int
     #: rows of the sharded dim held by each FSDP rank (ceil chunking)
     shard_sizes: tuple[int, ...]
     #: independent blocks in one FSDP-visible matrix (fused experts: the EP-local experts)
-    blocks_per_matrix: int
-    #: FSDP rank that assembles each matrix (exchange paths); pad_all2all lists the W slots
+    num_blocks: int
+    ns_steps: int = 5
     owners: tuple[int, ...] = ()
-    #: ranks per sub-group (subgroup path)
+    #: ranks per sub-group (sub-group path)
     subgroup_size: int = 1
     fsdp_size: int = 1
     group_ranks: tuple[int, ...] = field(default=(), compare=False)
@@ -198,196 +198,178 @@ class BatchPlan:
         return len(self.param_indices)
 
     @property
+    def wire_itemsize(self) -> int:
+        return getattr(torch, self.wire_dtype).itemsize
+
+    @property
     def other_numel(self) -> int:
         """Elements per unit of the sharded dim (the product of the other dims)."""
         return math.prod(self.global_shape) // self.global_shape[self.shard_tensor_dim]
 
     @property
+    def block_rows(self) -> int:
+        """Rows of one block: blocks are runs of the parameter's dim 0 (a matrix sharded on
+        another dim is orthogonalized in its own `[dim 0, rest]` layout)."""
+        rows = self.fsdp_visible_rows if self.shard_tensor_dim == 0 else self.global_shape[0]
+        return rows // self.num_blocks
+
+    @property
+    def block_cols(self) -> int:
+        return self.fsdp_visible_rows * self.other_numel // (self.block_rows * self.num_blocks)
+
+    @property
+    def blocks_per_unit(self) -> int:
+        return 1 if self.path == "subgroup" else self.num_blocks
+
+    @property
+    def units(self) -> int:
+        if self.path == "subgroup":
+            return self.size * (self.fsdp_size // self.subgroup_size)
+        return 0 if self.path == "local" else self.size
+
+    @property
     def matrix_bytes(self) -> int:
-        """Bytes of one FSDP-visible matrix."""
-        return self.global_shard_dim_size * self.other_numel * self.itemsize
+        """Wire bytes of one FSDP-visible matrix."""
+        return self.fsdp_visible_rows * self.other_numel * self.wire_itemsize
 
     @property
     def padded_shard_rows(self) -> int:
         return max(self.shard_sizes) if self.shard_sizes else 0
 
     def shard_bytes(self, fsdp_rank: int) -> int:
-        return self.shard_sizes[fsdp_rank] * self.other_numel * self.itemsize
+        """Wire bytes of one parameter's shard on `fsdp_rank`."""
+        return self.shard_sizes[fsdp_rank] * self.other_numel * self.wire_itemsize
+
+    def block_flops(self) -> int:
+        """Newton-Schulz FLOPs of one `[block_rows, block_cols]` block (`muon.cost`)."""
+        return block_flops(self.block_rows, self.block_cols, steps=self.ns_steps)
+
+    # the path object in `muon.comm` owns every cost; these forward to it
+    @property
+    def exchange(self):
+        from muon.comm import PATHS as _PATHS
+
+        return _PATHS[self.path]
 
     def matrices_on(self, fsdp_rank: int) -> int:
-        """Matrices (or blocks, for local / subgroup paths) this rank orthogonalizes."""
-        if self.path == "local":
-            if self.fsdp_size == 1:
-                return self.size * self.blocks_per_matrix
-            block_rows = self.global_shard_dim_size // self.blocks_per_matrix
-            return self.size * (self.shard_sizes[fsdp_rank] // block_rows)
-        if self.path == "subgroup":
-            return self.size  # each rank's shard lies inside one block, which it orthogonalizes
-        return sum(1 for i, o in enumerate(self.owners) if o == fsdp_rank and i < self.size)
+        """Blocks this rank orthogonalizes for the batch."""
+        return self.exchange.blocks_on(self, fsdp_rank)
+
+    def ns_flops_on(self, fsdp_rank: int) -> int:
+        return self.matrices_on(fsdp_rank) * self.block_flops()
 
     def bytes_sent(self, fsdp_rank: int) -> int:
         """Bytes this rank sends for the batch, both directions, counted from the plan."""
-        w, n = self.fsdp_size, self.size
-        mine = self.shard_bytes(fsdp_rank)
-        padded = self.padded_shard_rows * self.other_numel * self.itemsize
-        if self.path == "local":
-            return 0
-        if self.path == "subgroup":
-            return n * padded * (self.subgroup_size - 1)
-        if self.path == "agrs":
-            # all-gather my padded shard to W-1 peers; reduce-scatter W-1 padded shards back
-            return 2 * n * padded * (w - 1)
-        if self.path == "pad_all2all":
-            # uniform all-to-all of W (real or zero) padded shards, and the same back
-            return 2 * padded * (w - 1)
-        # full and ragged: my shard of each matrix I do not own; each owned matrix's other shards
-        owned = [i for i, o in enumerate(self.owners) if o == fsdp_rank]
-        forward = mine * (n - len(owned))
-        back = sum(self.matrix_bytes - mine for _ in owned)
-        return forward + back
+        return self.exchange.bytes_sent(self, fsdp_rank)
 
     def collective_buffer_bytes(self, fsdp_rank: int) -> int:
-        """Bytes of the largest receive buffer one collective of this batch allocates here.
-
-        For `agrs` this is the all-gather output: all n matrices, sized from the FSDP-visible dim.
-        """
-        w, n = self.fsdp_size, self.size
-        padded = self.padded_shard_rows * self.other_numel * self.itemsize
-        if self.path == "local":
-            return 0
-        if self.path == "subgroup":
-            return self.subgroup_size * n * padded
-        if self.path == "agrs":
-            return w * n * padded
-        if self.path == "pad_all2all":
-            return w * padded
-        owns = any(o == fsdp_rank for o in self.owners)
-        return max(self.matrix_bytes if owns else 0, n * self.shard_bytes(fsdp_rank))
+        """Bytes of the largest receive buffer one collective of this batch allocates here."""
+        return self.exchange.collective_buffer_bytes(self, fsdp_rank)
 
     def exchange_buffer_bytes(self, fsdp_rank: int) -> int:
-        """Peak bytes of exchange buffers alive at once on this rank, phase by phase, as
-        `muon.comm` allocates and frees them (send, receive, assembled, result, return).
-
-        The NS inputs are produced straight into the send buffer, so they are included;
-        Newton-Schulz temporaries are not (see `ns_workspace_bytes`).
-        """
-        w, n = self.fsdp_size, self.size
-        padded = self.padded_shard_rows * self.other_numel * self.itemsize
-        mine = self.shard_bytes(fsdp_rank)
-        full = self.matrix_bytes
-        owned = sum(1 for i, o in enumerate(self.owners) if o == fsdp_rank and i < n)
-        if self.path == "local":
-            return 0
-        if self.path == "subgroup":
-            # send + gathered + one block's NS output (its rows go back into send)
-            return (self.subgroup_size + 1) * n * padded + self.subgroup_size * padded
-        if self.path == "agrs":
-            # send (later the reduce-scatter output) + gathered (later its input) + owned results
-            return n * padded + w * n * padded + owned * full
-        if self.path == "pad_all2all":
-            # send (later the return) + received slab + the NS output copied back into it
-            return 2 * w * padded + full
-        # send (later the return) + assembled matrix + its NS output (owners only)
-        return n * mine + 2 * (full if owned else 0)
+        """Peak bytes of exchange buffers alive at once on this rank (NS inputs included)."""
+        return self.exchange.exchange_buffer_bytes(self, fsdp_rank)
 
     def ns_workspace_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
-        """Rough peak Newton-Schulz temporaries for the matrices this rank orthogonalizes."""
-        # under pad_all2all every rank orthogonalizes its slot, real or zero
-        count = 1 if self.path == "pad_all2all" else self.matrices_on(fsdp_rank)
-        if not count:
-            return 0
-        rows = self.global_shard_dim_size // self.blocks_per_matrix
-        cols = self.other_numel
-        small = min(rows, cols)
-        # the normalized X and the next X, plus the two square Gram products
-        per_block = 2 * rows * cols * ns_itemsize + 2 * small * small * ns_itemsize
-        # one NS call at a time: a parameter's local blocks, one sub-group block, or one matrix
-        if self.path == "local":
-            # one parameter's local blocks at a time, plus its NS output until applied
-            local_rows = self.shard_sizes[fsdp_rank if self.fsdp_size > 1 else 0]
-            return count // self.size * per_block + local_rows * cols * self.itemsize
-        if self.path == "subgroup":
-            return per_block
-        return self.blocks_per_matrix * per_block
+        """Rough peak Newton-Schulz temporaries for what this rank orthogonalizes at once."""
+        return self.exchange.ns_workspace_bytes(self, fsdp_rank, ns_itemsize)
+
+    def peak_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
+        return self.exchange_buffer_bytes(fsdp_rank) + self.ns_workspace_bytes(
+            fsdp_rank, ns_itemsize
+        )
+
+    def modelled_s(self, link: LinkModel) -> float:
+        """Modelled time of the batch's collectives, from the busiest rank's bytes."""
+        ex = self.exchange
+        per_collective = max(ex.bytes_sent(self, r) for r in range(self.fsdp_size)) / 2
+        return ex.collectives * link.collective_s(int(per_collective))
 
 
 def plan_batches(
     params: list[ParamMeta],
+    *,
     mesh_plan: MeshCommPlan,
     remainder_strategy: str,
     enable_all2all: bool,
     expert_aware: bool,
-    cursor: OwnerCursor | None,
+    batch_bytes: int = BATCH_BYTES,
+    link: LinkModel | None = None,
+    memory_budget: int | None = None,
 ) -> list[BatchPlan]:
-    """Bucket parameters by (shape, blocks, dtype, NS settings) in first-seen order and cut into
-    batches.
+    """Bucket parameters by (shape, blocks, dtype, NS settings) in first-seen order and cut each
+    bucket into batches. Owners are left empty: `muon.owners.assign_owners` fills them.
 
     Every batch computes its own FSDP-visible size and shard sizes; nothing is carried over from
     a batch of another shape.
     """
     buckets: dict[tuple, list[ParamMeta]] = {}
     for p in params:
-        key = (p.global_shape, p.num_blocks, p.itemsize, p.dtype, p.ns_settings)
-        buckets.setdefault(key, []).append(p)
-    plans: list[BatchPlan] = []
-    for (shape, num_blocks, itemsize, _, _), members in buckets.items():
-        plans.extend(
-            _plan_bucket(
-                members,
-                shape,
-                num_blocks,
-                itemsize,
-                mesh_plan,
-                remainder_strategy,
-                enable_all2all,
-                expert_aware,
-                cursor,
-            )
+        buckets.setdefault((p.global_shape, p.num_blocks, p.dtype, p.ns_settings), []).append(p)
+    out: list[BatchPlan] = []
+    for members in buckets.values():
+        common = _bucket_fields(members, mesh_plan)
+        out += _cut_bucket(
+            tuple(p.index for p in members),
+            common,
+            mp=mesh_plan,
+            strategy=remainder_strategy,
+            a2a=enable_all2all,
+            expert_aware=expert_aware,
+            batch_bytes=batch_bytes,
+            link=link,
+            memory_budget=memory_budget,
         )
-    return plans
+    return out
 
 
-def _plan_bucket(
-    members, shape, num_blocks, itemsize, mp: MeshCommPlan, strategy, a2a, expert_aware, cursor
-) -> list[BatchPlan]:
-    indices = tuple(p.index for p in members)
-    d = mp.shard_tensor_dim
-    if not mp.sharded:
-        return [BatchPlan("local", indices, shape, itemsize, 0, shape[0], (shape[0],), num_blocks)]
-    full_dim = shape[d]
-    if full_dim % mp.non_fsdp_shard_factor or num_blocks % mp.non_fsdp_shard_factor:
+def _bucket_fields(members: list[ParamMeta], mp: MeshCommPlan) -> dict:
+    p = members[0]
+    shape, num_blocks = p.global_shape, p.num_blocks
+    d = mp.shard_tensor_dim if mp.sharded else 0
+    if shape[d] % mp.non_fsdp_shard_factor or num_blocks % mp.non_fsdp_shard_factor:
         raise ValueError(
             f"Muon: shape {shape} with {num_blocks} blocks is sharded "
-            f"{mp.non_fsdp_shard_factor}-way "
-            "outside FSDP (EP); that factor must divide both the sharded dim and the block count"
+            f"{mp.non_fsdp_shard_factor}-way outside FSDP (EP); that factor must divide both "
+            "the sharded dim and the block count"
         )
-    visible = full_dim // mp.non_fsdp_shard_factor
-    sizes = shard_sizes(visible, mp.fsdp_size)
-    blocks = num_blocks // mp.non_fsdp_shard_factor
-    common = dict(
+    visible = shape[d] // mp.non_fsdp_shard_factor
+    return dict(
         global_shape=shape,
-        itemsize=itemsize,
+        dtype=p.dtype,
+        itemsize=p.itemsize,
+        wire_dtype=p.wire_dtype,
         shard_tensor_dim=d,
-        global_shard_dim_size=visible,
-        shard_sizes=sizes,
-        blocks_per_matrix=blocks,
+        fsdp_visible_rows=visible,
+        shard_sizes=shard_sizes(visible, mp.fsdp_size) if mp.sharded else (visible,),
+        num_blocks=num_blocks // mp.non_fsdp_shard_factor,
+        ns_steps=p.ns_steps,
         fsdp_size=mp.fsdp_size,
         group_ranks=mp.group_ranks,
     )
+
+
+def _cut_bucket(
+    indices, common, *, mp, strategy, a2a, expert_aware, batch_bytes, link, memory_budget
+) -> list[BatchPlan]:
+    if not mp.sharded:
+        return [BatchPlan("local", indices, **common)]
+    w, sizes, d = mp.fsdp_size, common["shard_sizes"], common["shard_tensor_dim"]
+    blocks, visible = common["num_blocks"], common["fsdp_visible_rows"]
     if expert_aware and blocks > 1 and d == 0:
-        block_rows = visible // blocks
-        chunk = sizes[0]
+        block_rows, chunk = visible // blocks, sizes[0]
         if chunk % block_rows == 0:
             return [BatchPlan("local", indices, **common)]
         k = block_rows // chunk if block_rows % chunk == 0 else 0
-        if k > 1 and chunk * mp.fsdp_size == visible and mp.fsdp_size % k == 0:
-            w = mp.fsdp_size
+        if k > 1 and chunk * w == visible and w % k == 0:
+            # memory bound: a rank may assemble every block of its sub-group's batch
+            other = math.prod(common["global_shape"]) // common["global_shape"][0]
+            block = block_rows * other * getattr(torch, common["wire_dtype"]).itemsize
+            n = max(1, batch_bytes // (3 * block + block // k))
             return [
-                BatchPlan("subgroup", indices[i : i + w], subgroup_size=k, **common)
-                for i in range(0, len(indices), w)
+                BatchPlan("subgroup", indices[i : i + n], subgroup_size=k, **common)
+                for i in range(0, len(indices), n)
             ]
-    w = mp.fsdp_size
-    cursor = cursor or OwnerCursor(w)
     out = []
     for i in range(0, len(indices), w):
         batch = indices[i : i + w]
@@ -395,22 +377,49 @@ def _plan_bucket(
             path = "agrs"
         elif len(batch) == w:
             path = "full"
+        elif strategy == "auto":
+            path = choose_remainder(
+                BatchPlan("ragged_all_to_all", batch, owners=tuple(range(len(batch))), **common),
+                link=link,
+                memory_budget=memory_budget,
+            )
         else:
             path = strategy
-        owners = cursor.take(w if path == "pad_all2all" else len(batch))
-        out.append(BatchPlan(path, batch, owners=owners, **common))
+        out.append(BatchPlan(path, batch, **common))
     return out
 
 
-def fingerprint(plans: list[tuple[MeshCommPlan, list[BatchPlan]]], names: list[str]) -> int:
+def choose_remainder(batch: BatchPlan, *, link: LinkModel | None, memory_budget: int | None) -> str:
+    """`remainder_strategy="auto"`: the remainder strategy with the lowest modelled time whose
+    planned per-rank peak fits `memory_budget` (else the one with the smallest peak).
+
+    Newton-Schulz work is the same for the three (padding runs none), so the model compares the
+    collectives: latency per collective + the busiest rank's bytes / bandwidth. Owners are a
+    placeholder here (ranks 0..R-1); which ranks own changes neither figure.
+    """
+    link = link or DEFAULT_LINKS["gloo"]
+    ns_itemsize = batch.wire_itemsize
+    scored = []
+    for s in REMAINDER_STRATEGIES:
+        cand = replace(batch, path=s)
+        peak = max(cand.peak_bytes(r, ns_itemsize) for r in range(cand.fsdp_size))
+        fits = memory_budget is None or peak <= memory_budget
+        scored.append((not fits, cand.modelled_s(link) if fits else peak, s))
+    return min(scored)[2]
+
+
+def fingerprint(
+    plans: list[tuple[MeshCommPlan, list[BatchPlan]]], names: list[str], assignment: int
+) -> int:
     """A 63-bit hash of the rank-independent parts of a plan, for the cross-rank check.
 
     `names` are the Muon parameters' names (or shapes) in optimizer order, so two ranks that hold
-    same-shaped parameters in a different order disagree too.
+    same-shaped parameters in a different order disagree too; `assignment` is the owner
+    assignment's own digest (`muon.owners`), computed for every rank on every rank.
     """
-    h = hashlib.sha256(repr(names).encode())
+    h = hashlib.sha256(repr((names, assignment)).encode())
     for mp, batches in plans:
         h.update(repr((mp.sharded, mp.fsdp_size, mp.non_fsdp_shard_factor)).encode())
         for b in batches:
-            h.update(repr((b.path, b.param_indices, b.global_shape, b.itemsize, b.owners)).encode())
+            h.update(repr((b.path, b.param_indices, b.global_shape, b.dtype)).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1

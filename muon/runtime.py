@@ -2,10 +2,12 @@
 
 An AsyncTask is a generator: it launches a collective with `async_op=True` and yields; resumed,
 it waits, computes, launches the return collective and yields again; resumed once more, it
-applies its result and stops. The runtime round-robins over at most `max_inflight` live tasks and
-creates tasks lazily from an iterator, so the buffers of batches not yet started are never
-allocated. Every rank resumes tasks in the same order, so collectives on a process group are
-issued in the same order on every rank.
+applies its result and stops. The runtime keeps a sliding window of at most `max_inflight` live
+tasks: a new task is created (lazily, so the buffers of batches not yet started are never
+allocated) and launched - run to its first collective - as soon as a slot frees, before any
+other task resumes, so the window never drains between waves. Live tasks are resumed
+round-robin. Every rank creates and resumes tasks in the same order, so collectives on a process
+group are issued in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ AsyncTask = Generator[None, None, object]
 class AsyncRuntime:
     """Drive tasks to completion with a bounded number alive at once."""
 
-    def __init__(self, tasks: Iterable[AsyncTask], max_inflight: int = 3) -> None:
+    def __init__(self, tasks: Iterable[AsyncTask], *, max_inflight: int = 3) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self._tasks = iter(tasks)
@@ -29,20 +31,26 @@ class AsyncRuntime:
 
     def run(self) -> None:
         live: deque[AsyncTask] = deque()
-        exhausted = False
-        while True:
-            while not exhausted and len(live) < self.max_inflight:
+
+        def fill() -> None:
+            """Launch new tasks until the window is full or none are left."""
+            while len(live) < self.max_inflight:
                 task = next(self._tasks, None)
                 if task is None:
-                    exhausted = True
-                else:
-                    live.append(task)
-            if not live:
-                return
-            self.peak_inflight = max(self.peak_inflight, len(live))
+                    return
+                try:
+                    next(task)  # up to its first collective
+                except StopIteration:  # a task without communication is done already
+                    continue
+                live.append(task)
+                self.peak_inflight = max(self.peak_inflight, len(live))
+
+        fill()
+        while live:
             task = live.popleft()
             try:
                 next(task)
             except StopIteration:
+                fill()  # the next batch launches its first collective at once
                 continue
             live.append(task)

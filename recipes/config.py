@@ -47,6 +47,7 @@ class RemainderStrategy(StrEnum):
     agrs = "agrs"
     pad_all2all = "pad_all2all"
     ragged_all_to_all = "ragged_all_to_all"
+    auto = "auto"
 
 
 class NsDtype(StrEnum):
@@ -80,6 +81,17 @@ class Device(StrEnum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class TrainDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class ActivationCheckpointing(StrEnum):
+    none = "none"
+    full = "full"
 
 
 class DataSource(StrEnum):
@@ -157,7 +169,12 @@ class OptimConfig:
     eps: float = _f(1e-8, "AdamW epsilon")
     router: RouterOptim = _f(RouterOptim.adamw, "which algorithm updates router weights")
     remainder_strategy: RemainderStrategy = _f(
-        RemainderStrategy.pad_all2all, "Muon exchange for batches smaller than the FSDP group"
+        RemainderStrategy.pad_all2all,
+        "Muon exchange for batches smaller than the FSDP group; auto: the fastest that fits "
+        "memory_budget_gib, per batch",
+    )
+    memory_budget_gib: float | None = _f(
+        None, "GiB one Muon batch may hold on a rank, for remainder_strategy=auto; null: no bound"
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
@@ -186,6 +203,16 @@ class TrainConfig:
     clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
     router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
+    param_dtype: TrainDtype = _f(
+        TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
+    )
+    reduce_dtype: TrainDtype = _f(
+        TrainDtype.auto, "FSDP2 gradient reduce-scatter dtype; auto: float32"
+    )
+    activation_checkpointing: ActivationCheckpointing = _f(
+        ActivationCheckpointing.none, "none, or full: recompute each decoder layer in backward"
+    )
+    compile: bool = _f(False, "torch.compile each decoder layer (CPU needs a C++ compiler)")
 
 
 @dataclass
@@ -240,6 +267,27 @@ def register() -> None:
         OmegaConf.register_new_resolver("run_id", run_id)
     if not OmegaConf.has_resolver("schema_help"):
         OmegaConf.register_new_resolver("schema_help", schema_help)
+    if not OmegaConf.has_resolver("slurm_tasks"):
+        OmegaConf.register_new_resolver("slurm_tasks", slurm_tasks)
+
+
+def slurm_tasks(what: str, world_size: int, nodes: int) -> int:
+    """Tasks per node or CPUs per task of a submitit job (conf/hydra/launcher/slurm.yaml).
+
+    One node: one task that starts a local world of `world_size` ranks, one CPU per rank.
+    Several nodes: one task per rank (submitit's environment gives each its rank), so
+    `world_size` must split evenly over `nodes`.
+    """
+    if nodes < 1 or world_size % nodes:
+        raise ConfigError(
+            f"hydra.launcher.nodes={nodes} must be a positive divisor of "
+            f"mesh.world_size={world_size} (every node runs world_size / nodes ranks)"
+        )
+    if what == "tasks_per_node":
+        return 1 if nodes == 1 else world_size // nodes
+    if what == "cpus_per_task":
+        return world_size if nodes == 1 else 1
+    raise ValueError(f"slurm_tasks: unknown field {what!r} (tasks_per_node, cpus_per_task)")
 
 
 def run_id(override_dirname: str) -> str:
@@ -298,6 +346,8 @@ def validate(
     _positive(cfg, "optim.weight_decay", "optim.adamw_weight_decay", allow_zero=True)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    if cfg.optim.get("memory_budget_gib") is not None:
+        _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh
     if mesh.world_size % mesh.ep:
         allowed = [d for d in range(1, mesh.world_size + 1) if mesh.world_size % d == 0]

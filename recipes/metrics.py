@@ -32,16 +32,30 @@ def _truncate_after(path: Path, step: int) -> None:
 class MetricsLog:
     """Rank 0's writer of metrics.jsonl and, with `logger.backend=wandb`, one W&B run."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], start_step: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        start_step: int,
+        *,
+        world: dict[str, Any] | None = None,
+    ) -> None:
+        """`world` ({"world_size": W, "hosts": [rank 0's host, ...]}) goes into the first row
+        written by this process (each start or resume) and into the W&B run's config."""
         self.path = Path(run_dir) / "metrics.jsonl"
         _truncate_after(self.path, start_step)
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self.world = dict(world or {})
         self.wandb_run = None
         if config["logger"]["backend"] == "wandb":
             self.wandb_run = _start_wandb(Path(run_dir), config)
+            if self.world:
+                self.wandb_run.config.update(self.world, allow_val_change=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        row = {"step": step, **metrics, **self.world}
+        self.world = {}
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)

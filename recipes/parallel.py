@@ -29,10 +29,31 @@ def build_model(cfg: DictConfig, device: torch.device) -> GLMForCausalLM:
     with torch.device("meta"):
         model = GLMForCausalLM(config)
     meshes = build_meshes(dist.get_world_size(), cfg.mesh.ep, device.type)
-    parallelize(model, meshes)
+    param_dtype, reduce_dtype = train_dtypes(cfg, device)
+    parallelize(
+        model,
+        meshes,
+        param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        reduce_dtype=reduce_dtype,
+        activation_checkpointing=str(cfg.train.activation_checkpointing) == "full",
+        compile_layers=bool(cfg.train.compile),
+    )
     model.to_empty(device=device)
     model.init_weights(cfg.train.seed)
     return model
+
+
+def train_dtypes(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) of `train.*` on `device`: `auto` is bfloat16 compute on
+    CUDA and float32 elsewhere, and float32 reduction everywhere. Parameters stay float32
+    (FSDP2's sharded masters, so optimizer state such as Muon momentum is float32 too)."""
+    param = str(cfg.train.param_dtype)
+    reduce = str(cfg.train.reduce_dtype)
+    if param == "auto":
+        param = "bfloat16" if device.type == "cuda" else "float32"
+    if reduce == "auto":
+        reduce = "float32"
+    return getattr(torch, param), getattr(torch, reduce)
 
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -75,6 +96,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         remainder_strategy=str(o.remainder_strategy),
         enable_all2all=o.enable_all2all,
         max_inflight=o.max_inflight,
+        memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
     )
 
 

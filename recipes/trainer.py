@@ -16,6 +16,7 @@ an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its 
 
 import logging
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -245,7 +246,13 @@ class Trainer:
     def train(self) -> dict[str, Any] | None:
         cfg = self.cfg
         self.resume()
-        sink = MetricsLog(self.run_dir, to_plain(cfg), self.step) if self.rank == 0 else None
+        # Which host each rank runs on (collective): multi-node runs show their layout.
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname())
+        sink = None
+        if self.rank == 0:
+            world = {"world_size": self.world, "hosts": hosts}
+            sink = MetricsLog(self.run_dir, to_plain(cfg), self.step, world=world)
         summary = Summary()
         if self.rank == 0:
             log.info(

@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from muon.plan import PATHS, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan  # noqa: E402
+from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan  # noqa: E402
 
 GiB = 1 << 30
+TOKENS_PER_STEP = 4 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -127,7 +128,8 @@ def input_bytes(b: BatchPlan, r: int, nesterov: bool) -> int:
     into the send buffer, which `exchange_buffer_bytes` counts)."""
     if b.path != "local" or not nesterov:
         return 0
-    return b.shard_bytes(r) if b.fsdp_size > 1 else b.matrix_bytes
+    rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
+    return rows * b.other_numel * b.itemsize
 
 
 def batch_peak(b: BatchPlan, r: int, ns_itemsize: int, nesterov: bool) -> int:
@@ -154,7 +156,7 @@ class ShapeGroup:
     @property
     def key(self) -> tuple:
         b = self.batches[0]
-        return (self.mesh_index, b.global_shape, b.blocks_per_matrix, b.itemsize)
+        return (self.mesh_index, b.global_shape, b.num_blocks, b.itemsize)
 
     @property
     def params(self) -> int:
@@ -177,7 +179,7 @@ def shape_groups(plans: list[tuple[MeshCommPlan, list[BatchPlan]]]) -> list[Shap
     out: list[ShapeGroup] = []
     for i, (mp, batches) in enumerate(plans):
         for b in batches:
-            key = (i, b.global_shape, b.blocks_per_matrix, b.itemsize)
+            key = (i, b.global_shape, b.num_blocks, b.itemsize)
             if out and out[-1].key == key:
                 out[-1].batches.append(b)
             else:
@@ -213,8 +215,9 @@ def step_bound(plans, ns_itemsize: int, nesterov: bool, max_inflight: int) -> in
     return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
 
 
-def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool) -> dict:
-    """Shape groups with per-strategy figures for the busy, idle and view ranks."""
+def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd: float) -> dict:
+    """Shape groups with per-strategy figures for the busy, idle and view ranks, and the
+    Newton-Schulz balance of the whole step (`fwd_bwd`: a training step's FLOPs per rank)."""
     first = next(iter(opts.values()))
     names = muon_names(first)
     per_strategy = {s: shape_groups(o.plans) for s, o in opts.items()}
@@ -227,8 +230,8 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool) -> dict
             "fsdp_size": base.mesh.fsdp_size,
             "non_fsdp_shard_factor": base.mesh.non_fsdp_shard_factor,
             "shape": list(b0.global_shape),
-            "blocks_per_matrix": b0.blocks_per_matrix,
-            "fsdp_visible_rows": b0.global_shard_dim_size,
+            "num_blocks": b0.num_blocks,
+            "fsdp_visible_rows": b0.fsdp_visible_rows,
             "itemsize": b0.itemsize,
             "params": base.params,
             "names": pnames,
@@ -270,8 +273,34 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool) -> dict
                 (g["strategies"][s]["group"]["busy"] or {}).get("peak_bytes", 0) for g in groups
             ),
             "resident_bytes": resident_bytes(o),
+            "ns": ns_figures(o, fwd_bwd),
         }
     return {"groups": groups, "totals": totals}
+
+
+def ns_figures(opt, fwd_bwd: float) -> dict:
+    """`muon.owners.balance_figures` of the optimizer's plan, plus the modelled Newton-Schulz
+    share of a training step: busiest-rank NS FLOPs against forward+backward FLOPs per rank, at
+    the same FLOP rate."""
+    from muon.owners import balance_figures
+
+    fig = balance_figures(opt.plans, opt.plan.ns_flops_per_rank)
+    busiest = fig["ns_flops_busiest"]
+    fig["fwd_bwd_flops_per_rank"] = fwd_bwd
+    fig["ns_share_of_step"] = busiest / (busiest + fwd_bwd) if fwd_bwd else None
+    return fig
+
+
+def active_parameters(model, config) -> int:
+    """Parameters one token passes through: all, less the routed experts it is not sent to."""
+    routed = sum(
+        p.numel()
+        for m in model.modules()
+        if getattr(m, "orthogonal_blocks", None)
+        for p in m.parameters(recurse=False)
+    )
+    unused = routed * (config.n_routed_experts - config.num_experts_per_tok)
+    return model.num_parameters() - unused // config.n_routed_experts
 
 
 # ------------------------------------------------------------------------------------ output
@@ -348,7 +377,7 @@ def format_report(report: dict) -> str:
                     [
                         str(i) if first else "",
                         "x".join(map(str, g["shape"])) if first else "",
-                        str(g["blocks_per_matrix"]) if first else "",
+                        str(g["num_blocks"]) if first else "",
                         str(g["params"]) if first else "",
                         _merge(st["batches"]),
                         str(st["remainder"]),
@@ -380,6 +409,38 @@ def format_report(report: dict) -> str:
             f"{fmt_bytes(peak)}{_over(peak, budget)}, {meta['max_inflight']} batches in flight "
             f"<= {fmt_bytes(bound)}{_over(bound, budget)}; + resident params/grads/state "
             f"{fmt_bytes(t['resident_bytes'])} = {fmt_bytes(need)}{_over(need, budget)}"
+        )
+    lines += [
+        "",
+        f"Newton-Schulz work per rank, whole step: busiest / mean rank and ideal (useful work / "
+        f"{meta['world_size']} ranks), TFLOP; NS share = busiest / (busiest + 6 x "
+        f"{meta['active_parameters'] / 1e9:.1f}B active params x {meta['tokens_per_step']} tokens "
+        f"/ ranks); sent = bytes the busiest rank of comm group g sends (whole step)",
+    ]
+    rows = []
+    for s in meta["strategies"]:
+        ns = report["totals"][s]["ns"]
+        group = ns.get("ns_flops_per_rank") or [0]
+        rows.append(
+            [
+                s,
+                f"{ns['ns_flops_busiest'] / 1e12:.2f}",
+                f"{ns['ns_flops_mean'] / 1e12:.2f}",
+                f"{ns['ns_flops_ideal'] / 1e12:.2f}",
+                f"{ns['busiest_over_ideal']:.3f}",
+                f"{ns['ns_share_of_step']:.2%}" if ns["ns_share_of_step"] is not None else "-",
+                f"{min(group) / 1e12:.2f}..{max(group) / 1e12:.2f}",
+                fmt_bytes(ns.get("bytes_sent_busiest")),
+            ]
+        )
+    header = ["strategy", "busiest", "mean", "ideal", "busiest/ideal", "NS share"]
+    header += ["comm group min..max", "busiest sent"]
+    lines += _render(header, rows, left={0})
+    first = report["totals"][meta["strategies"][0]]["ns"]
+    if "comm_group" in first:
+        g = first["comm_group"]
+        lines.append(
+            f"  comm group g (per-rank lists in --json): ranks {g[:4]}... ({len(g)} ranks)"
         )
     if budget is not None:
         over = report["over_budget"]
@@ -426,7 +487,8 @@ def plan(
     nesterov: bool = True,
     max_inflight: int = 3,
     budget_gib: float | None = None,
-    strategies: tuple[str, ...] = REMAINDER_STRATEGIES,
+    strategies: tuple[str, ...] = REMAINDER_CHOICES,
+    tokens_per_step: int = TOKENS_PER_STEP,
 ) -> dict:
     """Build the optimizer plans in a fake world and return the report as plain data."""
     if not 0 <= rank < world_size:
@@ -434,7 +496,10 @@ def plan(
     t0 = time.perf_counter()
     created = init_fake_world(world_size, rank)
     try:
-        net, _, meshes = build_model(model, world_size, ep, DTYPES[dtype])
+        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype])
+        active = active_parameters(net, config)
+        fwd_bwd = 6 * active * tokens_per_step / world_size
+        budget = None if budget_gib is None else budget_gib * GiB
         opts = {
             s: build_optimizer(
                 net,
@@ -444,17 +509,17 @@ def plan(
                 DTYPES[ns_dtype],
                 nesterov=nesterov,
                 max_inflight=max_inflight,
+                memory_budget=None if budget is None else int(budget),
             )
             for s in strategies
         }
         build_s = time.perf_counter() - t0
         ns_itemsize = DTYPES[ns_dtype].itemsize
-        report = summarize(opts, ns_itemsize, nesterov)
+        report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
         efsdp = meshes.efsdp
     finally:
         if created:
             dist.destroy_process_group()
-    budget = None if budget_gib is None else budget_gib * GiB
     report["meta"] = dict(
         model=model,
         world_size=world_size,
@@ -470,6 +535,8 @@ def plan(
         strategies=list(strategies),
         budget_bytes=budget,
         build_s=build_s,
+        tokens_per_step=tokens_per_step,
+        active_parameters=active,
     )
     report["over_budget"] = over_budget(report, budget)
     return report
@@ -501,10 +568,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--strategy",
         action="append",
-        choices=REMAINDER_STRATEGIES,
-        help="remainder strategies to plan (repeatable; default all)",
+        choices=REMAINDER_CHOICES,
+        help="remainder strategies to plan (repeatable; default all and auto)",
+    )
+    ap.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=TOKENS_PER_STEP,
+        help="tokens per training step, for the NS share of a step (default 4M)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
+    ap.add_argument(
+        "--step", action="store_true", help="also the whole-step per-rank memory estimate"
+    )
+    ap.add_argument("--seq-len", type=int, default=4096, help="--step: tokens per sequence")
+    ap.add_argument("--micro-batch", type=int, default=1, help="--step: sequences per rank")
     args = ap.parse_args(argv)
     report = plan(
         model=args.model,
@@ -518,12 +596,28 @@ def main(argv: list[str] | None = None) -> int:
         nesterov=args.nesterov,
         max_inflight=args.max_inflight,
         budget_gib=args.budget_gib,
-        strategies=tuple(args.strategy or REMAINDER_STRATEGIES),
+        strategies=tuple(args.strategy or REMAINDER_CHOICES),
+        tokens_per_step=args.tokens_per_step,
     )
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    return 1 if report["over_budget"] else 0
+    fits = True
+    if args.step:  # recipes.step_memory: params, grads, state, activations, FSDP2 buffers
+        from recipes.step_memory import step_report
+
+        text, fits = step_report(
+            preset=args.model,
+            world_size=args.world_size,
+            ep=args.ep,
+            rank=args.rank,
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            budget_gib=args.budget_gib,
+            extra=(f"optim.max_inflight={args.max_inflight}",),
+        )
+        print(text)
+    return 1 if report["over_budget"] or not fits else 0
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
-    assert "[agrs, pad_all2all, ragged_all_to_all]" in strategy
+    assert "[agrs, pad_all2all, ragged_all_to_all, auto]" in strategy
     assert "# Muon exchange for batches smaller than the FSDP group" in strategy
     for start in ("optim.lr = 0.003  # ", "optim.nesterov = true  [true, false]  # "):
         assert any(line.startswith(start) for line in lines), start
@@ -218,7 +218,10 @@ def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("optim.remainder_strategy=agsr", "expected one of [agrs, pad_all2all, ragged_all_to_all]"),
+        (
+            "optim.remainder_strategy=agsr",
+            "expected one of [agrs, pad_all2all, ragged_all_to_all, auto]",
+        ),
         ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
         ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
         ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),

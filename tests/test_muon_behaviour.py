@@ -57,12 +57,17 @@ def _behaviour_world():
     for strategy, count in [("pad_all2all", 1), ("ragged_all_to_all", 1), ("agrs", 3)]:
         out[strategy] = _memory_case(meter, mesh, strategy, count)
 
-    # balance: several remainder batches of different shapes
+    # balance: several remainder batches of different shapes, owners by Newton-Schulz cost
     shapes = [(8, 4)] * 3 + [(12, 4)] + [(16, 4)] * 2 + [(20, 4)] * 3 + [(24, 4)] * 5
-    for strategy in ("agrs", "ragged_all_to_all"):
+    for strategy in ("agrs", "ragged_all_to_all", "pad_all2all"):
         opt = Muon(_sharded(shapes, mesh), remainder_strategy=strategy)
         opt.step()
-        out[f"balance/{strategy}"] = opt.step_stats["muon/matrices"]
+        planned = sum(b.matrices_on(mp.fsdp_rank) for mp, bs in opt.plans for b in bs)
+        out[f"balance/{strategy}"] = (
+            opt.step_stats["muon/matrices"],
+            planned,
+            opt.plan.ns_flops_per_rank,
+        )
 
     # the runtime never holds more than max_inflight batches
     opt = Muon(_sharded([(8, 4)] * 9 + [(12, 4)] * 5, mesh), max_inflight=2)
@@ -79,6 +84,32 @@ def _behaviour_world():
     finally:
         AsyncRuntime.run = real_run
     out["peak_inflight"] = seen[0]
+
+    # auto: link constants measured at construction (the same on every rank), a choice per
+    # remainder batch, visible in step_stats
+    opt = Muon(_sharded(shapes, mesh), remainder_strategy="auto")
+    opt.step()
+    out["auto"] = (
+        opt.plan.link,
+        sorted({b.path for _, bs in opt.plans for b in bs}),
+        {k: v for k, v in opt.step_stats.items() if k.endswith("/batches")},
+    )
+
+    # padding slots run no Newton-Schulz: one real matrix on W=4 is orthogonalized once
+    calls: list[bool] = []
+    real_orthogonalize = muon_optimizer._orthogonalize
+
+    def spy(m, **kw):
+        calls.append(bool((m == 0).all()))
+        return real_orthogonalize(m, **kw)
+
+    muon_optimizer._orthogonalize = spy
+    try:
+        opt = Muon(_sharded([(16, 8)], mesh), remainder_strategy="pad_all2all")
+        opt.step()
+    finally:
+        muon_optimizer._orthogonalize = real_orthogonalize
+    out["pad_ns_calls"] = calls
 
     # a rank with a different parameter order fails with the fingerprint error, fast
     shapes = [(8, 4), (12, 4)] if rank != 1 else [(12, 4), (8, 4)]
@@ -108,11 +139,24 @@ def test_memory_balance_inflight_and_fingerprint():
     assert max(idle) < 0.75 * S, f"ragged idle ranks must not allocate a full matrix: {idle}"
     agrs = [r["agrs"][0] for r in results]
     assert min(agrs) >= 3 * S, f"agrs: every rank holds all R=3 matrices; peaks {agrs}"
-    for strategy in ("agrs", "ragged_all_to_all"):
-        counts = [r[f"balance/{strategy}"] for r in results]
-        assert max(counts) - min(counts) <= 1, (strategy, counts)
-        assert sum(counts) == 14
+    from muon.cost import block_flops as ns_flops
+
+    for strategy in ("agrs", "ragged_all_to_all", "pad_all2all"):
+        counts = [r[f"balance/{strategy}"][0] for r in results]
+        assert counts == [r[f"balance/{strategy}"][1] for r in results], strategy
+        assert sum(counts) == 14  # every matrix orthogonalized once, padding slots never
+        loads = results[0][f"balance/{strategy}"][2]
+        assert all(r[f"balance/{strategy}"][2] == loads for r in results)  # same on every rank
+        # LPT by cost: no rank more than the largest matrix's cost above the least loaded
+        assert max(loads) - min(loads) <= ns_flops(24, 4, steps=5), (strategy, loads)
     assert all(r["peak_inflight"] == 2 for r in results)
+    link, paths, batches = results[0]["auto"]
+    assert all(r["auto"][0] == link for r in results)
+    assert link.latency_s > 0 and link.bytes_per_s > 0
+    assert paths == ["full", "ragged_all_to_all"]  # one full batch, five remainders on W=4
+    assert batches == {"muon/full/batches": 1.0, "muon/ragged_all_to_all/batches": 5.0}
+    calls = [c for r in results for c in r["pad_ns_calls"]]
+    assert calls == [False], f"pad_all2all ran Newton-Schulz on padding slots: {calls}"
     for r in results:
         assert r["fingerprint"] and "different optimizer plans" in r["fingerprint"]
         assert r["fingerprint_s"] < 10
@@ -145,7 +189,7 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
     muon_optimizer.orthogonalize_blocks = spy
     try:
         opt = Muon(
-            [{"params": list(holder), "num_experts": E}],
+            [{"params": list(holder), "num_blocks": E}],
             remainder_strategy=strategy,
             expert_aware=expert_aware,
         )
@@ -153,7 +197,7 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
     finally:
         muon_optimizer.orthogonalize_blocks = real
     batch = opt.plans[0][1][-1]
-    return seen, batch.path, batch.global_shard_dim_size, batch.collective_buffer_bytes(0)
+    return seen, batch.path, batch.fsdp_visible_rows, batch.collective_buffer_bytes(0)
 
 
 @pytest.mark.slow
@@ -162,7 +206,8 @@ def test_ns_sees_ep_local_blocks_and_agrs_buffer_from_fsdp_visible_dim():
     for seen, path, visible, buf in results:
         assert path == "agrs"
         assert visible == 12  # 24 global rows // ep 2
-        assert buf == 2 * 1 * 6 * 5 * 4  # W=2 padded shards of 6 rows, one matrix, fp32
+        # W=2 padded shards of 6 rows, one matrix; fp32 params travel in the bf16 NS dtype
+        assert buf == 2 * 1 * 6 * 5 * 2
         for shape, blocks in seen:
             assert shape == (12, 5) and blocks == 2, seen  # EP-local matrix, 2 blocks of [6, 5]
     # the agrs batch of 3 is split 2+1 over efsdp=2... each rank owns some, so NS ran somewhere

@@ -2,8 +2,9 @@
 
 Each world runs every case of its size: the three remainder strategies with all-to-all on, and
 all-to-all off, over parameter sets that hit every path (full batches, remainders R = 1..W-1,
-uneven and empty shards, fused experts whole on a rank, experts spanning sub-groups with more
-parameters than ranks, and FSDP2's strided (efsdp, ep) expert layout). After a few steps every
+uneven and empty shards, fused experts whole on a rank, experts spanning sub-groups of k = 2 and
+k = 4 ranks with more parameters than ranks, mixed shapes whose owners are balanced by cost, and
+FSDP2's strided (efsdp, ep) expert layout). After a few steps every
 parameter and momentum buffer must equal the single-process reference.
 """
 
@@ -46,6 +47,9 @@ def _flat_specs(world: int) -> list[tuple[tuple[int, int], int]]:
     if world >= 4 and world % 2 == 0:
         # blocks of 8 rows over chunks of 4 rows: each block spans 2 ranks; more params than W
         specs += [((world * 4, 6), world // 2)] * (world + 1)
+    if world >= 8 and world % 4 == 0:
+        # blocks of 16 rows over chunks of 4 rows: each block spans a sub-group of k = 4 ranks
+        specs += [((world * 4, 6), world // 4)] * 3
     return specs
 
 
@@ -67,7 +71,7 @@ def _groups(params, specs):
     by_blocks: dict[int, list] = {}
     for p, (_, blocks) in zip(params, specs, strict=True):
         by_blocks.setdefault(blocks, []).append(p)
-    return [{"params": ps, "num_experts": b} for b, ps in by_blocks.items()]
+    return [{"params": ps, "num_blocks": b} for b, ps in by_blocks.items()]
 
 
 # The Newton-Schulz variants beside the default: Polar Express coefficients through Gram

@@ -1,13 +1,18 @@
 """Muon's plan as plain data: mesh comm plans, batch paths, shard sizes, owners, buffer sizes.
 
-No collectives: these run in-process. The GLM-5.2 numbers come from the seed discussion.
+No collectives: these run in-process. GLM-5.2 at 512 ranks, ep 8: an AGRS remainder of 12 down
+weights all-gathers the FSDP-visible rows (9 GiB), not the global rows (72 GiB).
 """
+
+from dataclasses import replace
 
 import pytest
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
+from muon.cost import block_flops as ns_flops
+from muon.owners import assign_owners
 from muon.plan import (
-    OwnerCursor,
+    MeshCommPlan,
     ParamMeta,
     plan_batches,
     resolve_mesh_comm_plan,
@@ -58,12 +63,27 @@ def test_unsupported_placements_name_them():
         )
 
 
+def _meta(i, shape, blocks=1, dtype="bfloat16", itemsize=2):
+    return ParamMeta(i, shape, blocks, dtype, itemsize, dtype)
+
+
+def _plan(metas, mp, strategy="ragged_all_to_all", expert_aware=True, **kw):
+    return plan_batches(
+        metas,
+        mesh_plan=mp,
+        remainder_strategy=strategy,
+        enable_all2all=True,
+        expert_aware=expert_aware,
+        **kw,
+    )
+
+
 def _glm52_batches(expert_aware, strategy="agrs"):
     mp = _glm52_mesh()
     E = 256
-    gate_up = [ParamMeta(i, (E * 2 * 2048, 6144), 2 * E, 2) for i in range(76)]
-    down = [ParamMeta(76 + i, (E * 6144, 2048), E, 2) for i in range(76)]
-    return plan_batches(gate_up + down, mp, strategy, True, expert_aware, OwnerCursor(64))
+    gate_up = [_meta(i, (E * 2 * 2048, 6144), 2 * E) for i in range(76)]
+    down = [_meta(76 + i, (E * 6144, 2048), E) for i in range(76)]
+    return _plan(gate_up + down, mp, strategy, expert_aware)
 
 
 def test_glm52_expert_aware_paths():
@@ -72,48 +92,94 @@ def test_glm52_expert_aware_paths():
     down = [b for b in batches if b.global_shape == (1572864, 2048)]
     assert {b.path for b in gate_up} == {"local"}
     assert sum(b.size for b in gate_up) == 76
-    # no parameter-count guard: all 76 down weights take the sub-group path, 2 ranks per block
+    # no parameter-count guard: all 76 down weights take the sub-group path, 2 ranks per block,
+    # in batches bounded by memory (not all 64 at once: 2.34 GiB planned peak before)
     assert {b.path for b in down} == {"subgroup"} and sum(b.size for b in down) == 76
     assert {b.subgroup_size for b in down} == {2}
-    assert down[0].global_shard_dim_size == 196608 and down[0].shard_sizes[0] == 3072
+    assert down[0].fsdp_visible_rows == 196608 and down[0].shard_sizes[0] == 3072
+    (mp, owned), *_ = assign_owners([(_glm52_mesh(), down)], world_size=512)[0]
+    assert max(b.peak_bytes(r, 2) for b in owned for r in range(64)) < 0.5 * GiB
 
 
 def test_glm52_without_expert_paths_agrs_buffer_is_ep_local():
     down = [b for b in _glm52_batches(expert_aware=False) if b.global_shape == (1572864, 2048)]
     assert [(b.path, b.size) for b in down] == [("full", 64), ("agrs", 12)]
     rem = down[1]
-    assert rem.global_shard_dim_size == 1572864 // 8  # FSDP-visible, not global
+    assert rem.fsdp_visible_rows == 1572864 // 8  # FSDP-visible, not global
     buf = rem.collective_buffer_bytes(0)
     assert buf == 12 * 196608 * 2048 * 2
-    assert 8.9 * GiB < buf < 9.1 * GiB  # the seed's 9 GiB, not 72 GiB
+    assert 8.9 * GiB < buf < 9.1 * GiB  # FSDP-visible rows: 9 GiB, not 72 GiB
 
 
 def test_each_batch_plans_its_own_shapes():
-    from muon.plan import MeshCommPlan
-
-    mp = MeshCommPlan(sharded=True, fsdp_mesh_dim=0, fsdp_size=4, group_ranks=(0, 1, 2, 3))
-    metas = [ParamMeta(0, (10, 3), 1, 4), ParamMeta(1, (16, 3), 1, 4), ParamMeta(2, (10, 3), 1, 4)]
-    batches = plan_batches(metas, mp, "ragged_all_to_all", True, True, OwnerCursor(4))
+    mp = _flat_mesh(4)
+    metas = [_meta(0, (10, 3)), _meta(1, (16, 3)), _meta(2, (10, 3))]
+    batches = _plan(metas, mp)
     by_shape = {b.global_shape: b for b in batches}
     assert by_shape[(10, 3)].shard_sizes == (3, 3, 3, 1)
     assert by_shape[(16, 3)].shard_sizes == (4, 4, 4, 4)
     assert by_shape[(10, 3)].param_indices == (0, 2)
 
 
-def test_owner_cursor_balances_remainders_across_batches():
-    from muon.plan import MeshCommPlan
+def _flat_mesh(w):
+    ranks = tuple(range(w))
+    return MeshCommPlan(
+        sharded=True, fsdp_mesh_dim=0, fsdp_size=w, group_ranks=ranks, all_groups=(ranks,)
+    )
 
+
+def test_lpt_owners_balance_cost_across_shapes_and_batches():
+    """Owners by Newton-Schulz cost, largest first: an 8192x6144-like matrix counts for more
+    than a small one, and no rank ends more than one unit's cost above the least loaded."""
     w = 4
-    mp = MeshCommPlan(sharded=True, fsdp_mesh_dim=0, fsdp_size=w, group_ranks=(0, 1, 2, 3))
     metas, i = [], 0
-    for rows, count in [(8, 3), (12, 1), (16, 2), (20, 3), (24, 5)]:
-        metas += [ParamMeta(i + k, (rows, 4), 1, 4) for k in range(count)]
+    for shape, count in [((64, 48), 3), ((8, 48), 5), ((32, 16), 6), ((16, 16), 2), ((48, 48), 1)]:
+        metas += [_meta(i + k, shape, dtype="float32", itemsize=4) for k in range(count)]
         i += count
-    for strategy in ("agrs", "ragged_all_to_all"):
-        batches = plan_batches(metas, mp, strategy, True, True, OwnerCursor(w))
-        counts = [sum(b.matrices_on(r) for b in batches) for r in range(w)]
-        assert max(counts) - min(counts) <= 1, (strategy, counts)
-        assert sum(counts) == len(metas)
+    for strategy in ("agrs", "pad_all2all", "ragged_all_to_all"):
+        plans, loads, digest = assign_owners(
+            [(_flat_mesh(w), _plan(metas, _flat_mesh(w), strategy))], world_size=w
+        )
+        batches = plans[0][1]
+        per_rank = [sum(b.ns_flops_on(r) for b in batches) for r in range(w)]
+        assert per_rank == loads
+        biggest = max(ns_flops(*m.global_shape, steps=5) for m in metas)
+        assert sum(loads) == sum(ns_flops(*m.global_shape, steps=5) for m in metas)
+        assert max(loads) - min(loads) <= biggest, (strategy, loads)
+        for b in batches:  # one unit per rank and batch: pad_all2all's slots need it
+            assert len(set(b.owners)) == b.size
+        # deterministic: the same plan gives the same owners and digest
+        again = assign_owners(
+            [(_flat_mesh(w), _plan(metas, _flat_mesh(w), strategy))], world_size=w
+        )
+        assert again[2] == digest and again[0][0][1] == batches
+
+
+def test_existing_work_counts_as_load():
+    """A rank holding local expert blocks takes fewer exchanged matrices; sub-group blocks go to
+    exactly one rank of their sub-group, and a rank owning a big matrix takes fewer of them."""
+    w = 4
+    flat = _flat_mesh(w)
+    # experts: 2 blocks of 32 rows over 4 ranks of 16 rows (k = 2); dense: one big, three small
+    experts = [_meta(i, (64, 16), 2, "float32", 4) for i in range(6)]
+    dense = [_meta(6, (64, 64), 1, "float32", 4)] + [
+        _meta(7 + i, (8, 64), 1, "float32", 4) for i in range(3)
+    ]
+    plans = [(flat, _plan(experts, flat)), (flat, _plan(dense, flat))]
+    assert {b.path for b in plans[0][1]} == {"subgroup"}
+    plans, loads, _ = assign_owners(plans, world_size=w)
+    sub = plans[0][1]
+    for b in sub:
+        k = b.subgroup_size
+        for u, o in enumerate(b.owners):
+            g = u // b.size
+            assert g * k <= o < (g + 1) * k  # a rank of the block's own sub-group
+    big_owner = plans[1][1][0].owners[0]
+    blocks = [sum(b.matrices_on(r) for b in sub) for r in range(w)]
+    partner = big_owner ^ 1
+    assert blocks[big_owner] < blocks[partner], (big_owner, blocks)
+    assert sum(blocks) == 6 * 2  # every block orthogonalized exactly once
+    assert blocks[big_owner] == 0 and blocks[partner] == 6
 
 
 def test_groups_replaced_by_load_state_dict_are_used():
@@ -129,3 +195,46 @@ def test_groups_replaced_by_load_state_dict_are_used():
     p.grad = torch.randn(4, 4)
     opt.step()
     assert torch.allclose(p, torch.ones(4, 4))
+
+
+def test_auto_picks_the_fastest_remainder_that_fits_the_budget():
+    """`remainder_strategy="auto"`: per remainder batch, the lowest modelled time among the
+    strategies whose planned peak fits; with no strategy fitting, the smallest peak."""
+    from muon.cost import LinkModel
+    from muon.plan import choose_remainder
+
+    mp = _flat_mesh(8)
+    metas = [_meta(i, (1024, 256), dtype="float32", itemsize=4) for i in range(11)]
+    link = LinkModel(latency_s=1e-5, bytes_per_s=1e10, flops_per_s=1e12)
+    full, rem = _plan(metas, mp, "auto", link=link)
+    assert (full.path, full.size, rem.size) == ("full", 8, 3)
+    # the ragged exchange sends the fewest bytes from its busiest rank and holds the least
+    assert rem.path == "ragged_all_to_all"
+    times = {
+        s: _plan(metas, mp, s)[1].modelled_s(link)
+        for s in ("agrs", "pad_all2all", "ragged_all_to_all")
+    }
+    assert min(times, key=times.get) == "ragged_all_to_all", times
+    # a budget only agrs-sized batches would exceed leaves the choice alone; one nothing fits
+    # picks the smallest planned peak
+    probe = replace(rem, owners=(0, 1, 2))
+    peaks = {
+        s: max(replace(probe, path=s).peak_bytes(r, 4) for r in range(8))
+        for s in ("agrs", "pad_all2all", "ragged_all_to_all")
+    }
+    assert choose_remainder(probe, link=link, memory_budget=max(peaks.values())) == rem.path
+    smallest = min(peaks, key=peaks.get)
+    assert choose_remainder(probe, link=link, memory_budget=1) == smallest
+    # without all-to-all, auto means agrs (no warning: nothing the user asked for is dropped)
+    import warnings
+
+    import torch
+
+    from muon import Muon
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = Muon(
+            [torch.nn.Parameter(torch.ones(4, 4))], remainder_strategy="auto", enable_all2all=False
+        )
+    assert opt.remainder_strategy == "agrs"

@@ -6,7 +6,7 @@ Single process, CPU, fast. Oracles:
   M = mu*M + G / G + mu*M. Newton-Schulz normalizes by the Frobenius norm, so the updates agree
   up to bf16 rounding (measured: ~2.5% relative error of the accumulated 5-step update), while
   the spec's buffer would differ by the factor (1 - mu). The implementation keeps torch's EMA
-  buffer (the issue text says M = mu*M + G), so buffers are compared with torch's directly.
+  buffer (not the spec form M = mu*M + G), so buffers are compared with torch's directly.
   torch's weight decay is p *= 1 - lr*wd with the unadjusted lr; eps enters as
   X / max(||X||_F, eps).
 - A float64 transcription of the spec (ref_muon_steps) for tight float32 checks.
@@ -255,7 +255,7 @@ def test_num_experts_equals_independent_blocks(mode, E, out_dim, in_dim):
 
     kw = dict(lr=lr, momentum=mu, weight_decay=wd, adjust_lr=mode, ns_dtype=torch.float32)
     W = nn.Parameter(W0.clone())
-    fused = Muon([{"params": [W], "num_experts": E}], **kw)
+    fused = Muon([{"params": [W], "num_blocks": E}], **kw)
     run(fused, [W], [[g] for g in grads])
 
     blocks = [nn.Parameter(W0[e * out_dim : (e + 1) * out_dim].clone()) for e in range(E)]
@@ -364,7 +364,7 @@ def test_mixed_muon_and_adamw_groups():
         ns_dtype=torch.float32,
     )
     assert opt.param_groups[0]["algorithm"] == "muon"
-    assert opt.param_groups[0].get("num_experts", 1) == 1
+    assert opt.param_groups[0].get("num_blocks", 1) == 1
     assert opt.param_groups[1]["algorithm"] == "adamw"
     run(opt, pm + pa, grads)
 
@@ -465,7 +465,7 @@ def _where(groups, model):
         alg = g.get("algorithm", "muon")
         for p in g["params"]:
             assert id(p) not in by_id, "parameter placed in two groups"
-            by_id[id(p)] = (alg, g.get("num_experts", 1) if alg == "muon" else None)
+            by_id[id(p)] = (alg, g.get("num_blocks", 1) if alg == "muon" else None)
     names = dict(model.named_parameters())  # de-duplicates tied weights
     assert set(by_id) == {id(p) for p in names.values()}, "some parameter missing or foreign"
     return {n: by_id[id(p)] for n, p in names.items()}
@@ -513,7 +513,7 @@ def test_param_groups_placement(router, tied):
         if g.get("algorithm", "muon") == "muon":
             assert g["lr"] == 0.03 and g["weight_decay"] == 0.1
             assert all(
-                p.ndim == 2 and p.shape[0] % g.get("num_experts", 1) == 0 for p in g["params"]
+                p.ndim == 2 and p.shape[0] % g.get("num_blocks", 1) == 0 for p in g["params"]
             )
         else:
             assert g["algorithm"] == "adamw"
@@ -547,7 +547,7 @@ def _build_mixed(params, **kw):
     return Muon(
         [
             {"params": [params[0]]},
-            {"params": [params[1]], "num_experts": 4},
+            {"params": [params[1]], "num_blocks": 4},
             {"params": params[2:], "algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.01},
         ],
         weight_decay=0.1,
@@ -627,8 +627,8 @@ def _p2d():
         (lambda: Muon(_p2d(), ns_coefficients="fancy"), "coefficients"),
         (lambda: Muon(_p2d(), ns_algorithm="fast"), "ns_algorithm"),
         (lambda: Muon([{"params": _p2d(), "ns_algorithm": "fast"}]), "ns_algorithm"),
-        (lambda: Muon([{"params": _p2d(), "num_experts": 3}]), "num_experts"),
-        (lambda: Muon([{"params": _p2d(), "num_experts": 0}]), "num_experts"),
+        (lambda: Muon([{"params": _p2d(), "num_blocks": 3}]), "num_blocks"),
+        (lambda: Muon([{"params": _p2d(), "num_blocks": 0}]), "num_blocks"),
         (lambda: Muon([nn.Parameter(torch.randn(8))]), "param"),
         (lambda: Muon(_p2d(), remainder_strategy="scatter"), "remainder_strategy"),
     ],

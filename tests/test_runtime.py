@@ -46,3 +46,20 @@ def test_tasks_interleave_so_communication_can_overlap():
 def test_max_inflight_must_be_positive():
     with pytest.raises(ValueError, match="max_inflight"):
         AsyncRuntime(iter(()), max_inflight=0)
+
+
+def test_sliding_window_launches_the_next_task_as_soon_as_one_finishes():
+    """With 3 in flight, the 4th batch launches (runs to its first collective) before the 3rd
+    returns: the window never drains between waves."""
+    log = []
+    AsyncRuntime(_tasks(log, 6), max_inflight=3).run()
+    assert log.index(("phase", 3, 0)) < log.index(("done", 2))
+    assert log.index(("phase", 3, 0)) == log.index(("done", 0)) + 3  # create, start, launch
+    alive, most = set(), 0
+    for event in log:
+        if event[0] == "start":
+            alive.add(event[1])
+        elif event[0] == "done":
+            alive.discard(event[1])
+        most = max(most, len(alive))
+    assert most == 3

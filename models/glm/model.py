@@ -5,18 +5,28 @@ Shape legend: B batch, T sequence, D hidden, V vocab, E experts.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from models.glm import init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
-from models.glm.moe import FusedExperts, MoE, Router
+from models.glm.moe import FusedExperts, MoE, Router, recomputing
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)) with a dense MLP or an MoE."""
+    """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h)) with a dense MLP or an MoE.
+
+    With `checkpoint_activations` (set by `parallelize`) the block keeps only its input for
+    backward and runs its forward again there (non-reentrant activation checkpointing); the
+    recomputation does not count expert loads a second time."""
+
+    checkpoint_activations = False
 
     def __init__(self, config: GLMConfig, is_moe: bool) -> None:
         super().__init__()
@@ -27,6 +37,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h_BTD, cos_TR, sin_TR):
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(
+                self._block,
+                h_BTD,
+                cos_TR,
+                sin_TR,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), recomputing()),
+            )
+        return self._block(h_BTD, cos_TR, sin_TR)
+
+    def _block(self, h_BTD, cos_TR, sin_TR):
         h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TR, sin_TR)
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
@@ -135,52 +157,48 @@ class GLMForCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int) -> int:
         """Deterministic init from `seed`: matrices ~ N(0, initializer_range), norms 1, biases and
-        the router correction bias 0, expert loads 0. Draws on a CPU generator in module order,
-        so the result does not depend on the device; DTensor parameters receive their shard of
-        the same full tensor. A no-op on meta tensors."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        the router correction bias 0, expert loads 0. Each rank fills only its own shard of a
+        DTensor parameter, drawing the fixed global row chunks it overlaps (`models.glm.init`),
+        so the values do not depend on the mesh and the cost is proportional to the shard; on
+        CUDA the values are drawn on the device. A no-op on meta tensors. Returns the number of
+        random values this rank drew."""
         std = self.config.initializer_range
+        generators: dict[torch.device, torch.Generator] = {}
         seen: set[int] = set()
+        drawn = 0
 
-        def fill(p: torch.Tensor, kind: str) -> None:
-            if id(p) in seen:
+        def fill(p: torch.Tensor, name: str, kind: str) -> None:
+            nonlocal drawn
+            if id(p) in seen or p.is_meta:
                 return
             seen.add(id(p))
-            if p.is_meta:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if kind != "normal":
+                local.fill_(1.0 if kind == "ones" else 0.0)
                 return
-            if kind == "normal":
-                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            else:
-                full = torch.full(p.shape, 1.0 if kind == "ones" else 0.0)
-            _copy_full_into(p, full)
+            if local.device not in generators:
+                generators[local.device] = torch.Generator(device=local.device)
+            gen = generators[local.device]
+            drawn += init.normal_(p, std=std, seed=seed, name=name, generator=gen)
 
-        for module in self.modules():
+        for prefix, module in self.named_modules():
+            at = f"{prefix}." if prefix else ""
             if isinstance(module, RMSNorm):
-                fill(module.weight, "ones")
+                fill(module.weight, at + "weight", "ones")
             elif isinstance(module, nn.Linear):
-                fill(module.weight, "normal")
+                fill(module.weight, at + "weight", "normal")
                 if module.bias is not None:
-                    fill(module.bias, "zeros")
+                    fill(module.bias, at + "bias", "zeros")
             elif isinstance(module, nn.Embedding):
-                fill(module.weight, "normal")
+                fill(module.weight, at + "weight", "normal")
             elif isinstance(module, Router):
-                fill(module.weight, "normal")
-                fill(module.e_score_correction_bias, "zeros")
+                fill(module.weight, at + "weight", "normal")
+                fill(module.e_score_correction_bias, at + "e_score_correction_bias", "zeros")
                 if not module.expert_load.is_meta:
                     module.expert_load.zero_()
             elif isinstance(module, FusedExperts):
-                fill(module.gate_up_proj, "normal")
-                fill(module.down_proj, "normal")
-
-
-def _copy_full_into(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full (global) CPU tensor into a parameter that may be a sharded DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(p, DTensor):
-        full = distribute_tensor(full.to(p.device, p.dtype), p.device_mesh, p.placements)
-        p.to_local().copy_(full.to_local())
-    else:
-        p.copy_(full)
+                fill(module.gate_up_proj, at + "gate_up_proj", "normal")
+                fill(module.down_proj, at + "down_proj", "normal")
+        return drawn

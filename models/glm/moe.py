@@ -7,6 +7,9 @@ I expert inner size, L local experts, S rows for the local experts.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +17,20 @@ from torch import nn
 from models.glm.config import GLMConfig
 from models.glm.expert_parallel import routed_experts_forward
 from models.glm.layers import MLP
+
+_recomputing = 0  # > 0 while activation checkpointing re-runs a forward in backward
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """The context of an activation-checkpoint recomputation: routers do not count loads again
+    (the counts feed the load-balancing bias, which must see each token once)."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
 
 
 class Router(nn.Module):
@@ -52,7 +69,8 @@ class Router(nn.Module):
                 keep_NG.scatter_(1, group_score_NG.topk(self.topk_group, dim=-1).indices, True)
                 choice_NE = choice_NGe.masked_fill(~keep_NG[..., None], float("-inf")).view(N, -1)
             idx_NK = choice_NE.topk(self.top_k, dim=-1, sorted=False).indices
-            self.expert_load += torch.bincount(idx_NK.reshape(-1), minlength=self.num_experts)
+            if not _recomputing:
+                self.expert_load += torch.bincount(idx_NK.reshape(-1), minlength=self.num_experts)
         w_NK = scores_NE.gather(1, idx_NK)
         if self.norm_topk_prob:
             w_NK = w_NK / (w_NK.sum(-1, keepdim=True) + 1e-20)
@@ -94,6 +112,12 @@ class FusedExperts(nn.Module):
         return torch.cat(outs)
 
 
+# Data-dependent dispatch (expert counts read on the host, uneven all-to-alls) runs eagerly
+# under torch.compile: compiled, it would break the graph and recompile for every new set of
+# counts. The rest of the layer (attention, norms, router, shared expert) compiles.
+_routed = torch.compiler.disable(routed_experts_forward, recursive=True)
+
+
 class MoE(nn.Module):
     """Routed experts (top-k of E, sigmoid router) plus one always-on shared expert."""
 
@@ -108,7 +132,7 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         idx_NK, w_NK = self.gate(x_ND)
-        routed_ND = routed_experts_forward(
+        routed_ND = _routed(
             self.experts, x_ND, idx_NK, w_NK, self.gate.num_experts, self.experts.ep_group
         )
         return (routed_ND + self.shared_experts(x_ND)).view_as(x_BTD)

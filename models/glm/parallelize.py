@@ -83,27 +83,40 @@ def parallelize(
     meshes: GLMMeshes,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    *,
+    activation_checkpointing: bool = False,
+    compile_layers: bool = False,
 ) -> GLMForCausalLM:
-    """Shard `model` in place (and return it): EP for the routed experts, then FSDP2 per expert
-    block (efsdp mesh), per decoder layer and at the root (dense mesh). `param_dtype` /
-    `reduce_dtype` set FSDP2 mixed precision; with a `param_dtype` the routers keep float32
-    parameters (their own FSDP unit), as GLM checkpoints keep `gate.weight` in float32."""
+    """Shard `model` in place (and return it), per decoder layer in the order EP, activation
+    checkpointing, compile, FSDP2: EP for the routed experts; `activation_checkpointing`
+    recomputes each decoder layer in backward; `compile_layers` compiles each decoder layer in
+    place (`nn.Module.compile`, so parameter names do not change); then FSDP2 per expert block
+    (efsdp mesh), per decoder layer and at the root (dense mesh). `param_dtype` /
+    `reduce_dtype` set FSDP2 mixed precision over the float32 sharded parameters; with a
+    `param_dtype` the routers keep float32 parameters (their own FSDP unit), as GLM checkpoints
+    keep `gate.weight` in float32. The MTP layers, which forward does not run, get neither
+    checkpointing nor compilation."""
     ep, W = meshes.ep, meshes.world_size
     check_layout(model.config, world_size=W, ep=ep)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     router_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     ep_mesh, efsdp_mesh = meshes.expert["ep"], meshes.expert["efsdp"]
 
-    for layer in [*model.model.layers, *model.model.mtp_layers]:
-        if layer.is_moe:
-            experts = layer.mlp.experts
-            if ep > 1:
-                for name in ("gate_up_proj", "down_proj"):
-                    full = getattr(experts, name)
-                    # Every rank holds the same full weight: take the local shard, no comm.
-                    shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
-                    experts.register_parameter(name, nn.Parameter(shard))
-                experts.ep_group = ep_mesh.get_group()
+    n_forward = len(model.model.layers)
+    for i, layer in enumerate([*model.model.layers, *model.model.mtp_layers]):
+        experts = layer.mlp.experts if layer.is_moe else None
+        if experts is not None and ep > 1:
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                # Every rank holds the same full weight: take the local shard, no comm.
+                shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
+                experts.register_parameter(name, nn.Parameter(shard))
+            experts.ep_group = ep_mesh.get_group()
+        if i < n_forward:
+            layer.checkpoint_activations = activation_checkpointing
+            if compile_layers:
+                layer.compile()
+        if experts is not None:
             fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp)
             experts.set_gradient_divide_factor(float(W))
             # With an efsdp group of one rank FSDP2 (torch 2.13) issues no collective, divides

@@ -1,0 +1,164 @@
+"""Who orthogonalizes what: owners balanced by Newton-Schulz cost over the whole step.
+
+Every exchanged unit (a matrix of a full or remainder batch, an expert block of a sub-group
+batch) gets its owner from one deterministic LPT pass (largest first, to the least-loaded
+eligible rank), over every comm group and every FSDP group of the world at once, so a rank that
+owns a large dense matrix takes fewer expert blocks. Work a rank already has counts as its
+initial load: its local expert blocks, and replicated matrices. Costs are integer
+`muon.newton_schulz.ns_flops` (`muon.cost.block_flops`) and ties break by rank, so every
+rank computes the same assignment; its digest goes into the plan fingerprint.
+
+Constraints: a unit goes to a rank of its exchange group (the FSDP group; the sub-group for
+expert blocks that span k ranks). In full and remainder batches a rank owns at most one unit
+(`pad_all2all` has one slot per rank; it also bounds a batch's memory); in a sub-group batch a
+rank may own several (the batch size is already bounded by memory, see `muon.plan`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from muon.plan import BatchPlan, MeshCommPlan
+
+Plans = list[tuple[MeshCommPlan, list[BatchPlan]]]
+
+
+def assign_owners(plans: Plans, *, world_size: int) -> tuple[Plans, list[int], int]:
+    """Fill in every batch's owners; return (plans, NS FLOPs per global rank, digest).
+
+    Three passes. (1) Fixed work: local blocks. (2) Whole matrices (full and remainder batches),
+    largest first, each to the eligible rank whose load is expected lowest once the sub-group
+    blocks are shared out: the larger of its own load and the mean load of the ranks it shares
+    sub-groups with (sub-group blocks can move between those ranks, so two big matrices do not
+    land on the two ranks of one pair). (3) Sub-group blocks, largest first, to the least loaded
+    rank of their sub-group, so a rank that took a big matrix takes fewer blocks.
+    """
+    loads = [0] * world_size
+    whole, blocks = [], []  # (-cost, mesh index, batch index, FSDP group, unit, lo, hi, cap)
+    for mi, (mp, batches) in enumerate(plans):
+        groups = mp.all_groups if mp.sharded else (tuple(range(world_size)),)
+        for bi, b in enumerate(batches):
+            if b.path == "local":
+                for ranks in groups:
+                    for r, g in enumerate(ranks):
+                        loads[g] += b.ns_flops_on(r if mp.sharded else 0)
+                continue
+            cost = b.blocks_per_unit * b.block_flops()
+            for q in range(len(groups)):
+                for u in range(b.units):
+                    if b.path == "subgroup":
+                        lo = (u // b.size) * b.subgroup_size
+                        blocks.append((-cost, mi, bi, q, u, lo, lo + b.subgroup_size, b.size))
+                    else:
+                        whole.append((-cost, mi, bi, q, u, 0, b.fsdp_size, 1))
+    # ranks joined by sub-groups share their blocks: their loads even out in pass (3)
+    parent = list(range(world_size))
+
+    def root(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    pool_total = list(loads)
+    for neg_cost, mi, _, q, _, lo, hi, _ in blocks:
+        ranks = plans[mi][0].all_groups[q]
+        for g in ranks[lo + 1 : hi]:
+            a, c = root(ranks[lo]), root(g)
+            if a != c:
+                parent[c] = a
+                pool_total[a] += pool_total[c]
+        pool_total[root(ranks[lo])] -= neg_cost
+    pool_size = [0] * world_size
+    for g in range(world_size):
+        pool_size[root(g)] += 1
+
+    owners: dict[tuple[int, int, int], list[int]] = {}
+    used: dict[tuple[int, int, int], list[int]] = {}
+
+    def place(item, key) -> None:
+        neg_cost, mi, bi, q, u, lo, hi, cap = item
+        b, ranks = plans[mi][1][bi], plans[mi][0].all_groups[q]
+        count = used.setdefault((mi, bi, q), [0] * b.fsdp_size)
+        best = min((r for r in range(lo, hi) if count[r] < cap), key=lambda r: key(ranks[r], r))
+        count[best] += 1
+        loads[ranks[best]] -= neg_cost
+        pool_total[root(ranks[best])] -= neg_cost
+        owners.setdefault((mi, bi, q), [0] * b.units)[u] = best
+
+    def expected(g: int, r: int) -> tuple:
+        c = root(g)
+        return (max(loads[g], pool_total[c] / pool_size[c]), loads[g], r)
+
+    for item in sorted(whole):
+        place(item, expected)
+    for item in sorted(blocks):
+        place(item, lambda g, r: (loads[g], r))
+    out: Plans = []
+    for mi, (mp, batches) in enumerate(plans):
+        mine = mp.all_groups.index(mp.group_ranks) if mp.sharded else 0
+        out.append(
+            (
+                mp,
+                [
+                    b if b.path == "local" else _with_owners(b, owners[(mi, bi, mine)])
+                    for bi, b in enumerate(batches)
+                ],
+            )
+        )
+    digest = int.from_bytes(hashlib.sha256(repr(loads).encode()).digest()[:8], "little") >> 1
+    return out, loads, digest
+
+
+def _with_owners(b: BatchPlan, owners: list[int]) -> BatchPlan:
+    from dataclasses import replace
+
+    return replace(b, owners=tuple(owners))
+
+
+def useful_ns_flops(plans: Plans) -> int:
+    """Newton-Schulz FLOPs of one step with every block orthogonalized exactly once, world-wide
+    (replicated plain tensors count once)."""
+    total = 0
+    for mp, batches in plans:
+        groups = len(mp.all_groups) if mp.sharded else 1
+        total += sum(b.size * b.num_blocks * b.block_flops() for b in batches) * groups
+    return total
+
+
+def balance_figures(plans: Plans, loads: list[int]) -> dict:
+    """The balance of a planned step: busiest and mean rank against the ideal (the useful work
+    spread evenly), and for the FSDP group of the rank's most loaded mesh group its ranks' NS
+    FLOPs and bytes sent (the whole step's, every mesh group they are part of)."""
+    world = len(loads)
+    ideal = useful_ns_flops(plans) / world
+    sharded = [(mp, bs) for mp, bs in plans if mp.sharded]
+    figures = {
+        "ns_flops_busiest": max(loads),
+        "ns_flops_mean": sum(loads) / world,
+        "ns_flops_ideal": ideal,
+        "busiest_over_ideal": max(loads) / ideal if ideal else 1.0,
+    }
+    if not sharded:
+        return figures
+    # the comm group with the most non-FSDP sharding (experts), else the first
+    mi, (group_mp, _) = max(
+        enumerate(sharded), key=lambda t: (t[1][0].non_fsdp_shard_factor, -t[0])
+    )
+    ranks = group_mp.group_ranks
+    sent = [
+        sum(
+            b.bytes_sent(mp.group_ranks.index(g))
+            for mp, bs in sharded
+            if g in mp.group_ranks
+            for b in bs
+        )
+        for g in ranks
+    ]
+    figures.update(
+        comm_group=list(ranks),
+        ns_flops_per_rank=[loads[g] for g in ranks],
+        bytes_sent_per_rank=sent,
+        bytes_sent_busiest=max(sent),
+    )
+    return figures

@@ -1,0 +1,326 @@
+"""Whole-step per-rank memory estimate of a training step: does this preset fit this mesh?
+
+The estimate reads the rank's real sharded (meta-device) model and optimizer, built with the
+recipe's own code on a fake process group of any size, so shard sizes, padding-free FSDP2
+layouts and the optimizer's plans are the ones a real run gets. What it adds up:
+
+- resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
+- forward/backward peak (at the start of backward, where every activation is still alive):
+  activations of all decoder layers for one micro-batch (or, with activation checkpointing,
+  each layer's input plus one recomputed layer), the loss head, the root's unsharded
+  parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
+  flat staging copy of an all-gather on CPU, one layer's unsharded gradients before their
+  reduce-scatter, and the gradient temporaries of the loss head;
+- optimizer peak: gradient shards plus the optimizer's transient from its plans (the
+  exchange buffers and Newton-Schulz workspace of `max_inflight` consecutive batches).
+The step peak is resident + the larger of the two peaks.
+
+Activation bytes per token are counted op by op from the model code (what autograd saves:
+`tests/test_step_memory.py` checks them against `saved_tensors_hooks` on real layers).
+Tokens are assumed evenly routed (each rank's experts receive N*K rows on average).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from models.glm import GLMConfig
+
+GiB = 1 << 30
+
+
+def attention_bytes_per_token(config: GLMConfig, a: int) -> int:
+    """Saved by input norm + attention of one layer, per token; `a` = compute itemsize."""
+    D, hd = config.hidden_size, config.head_dim_resolved
+    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    total = norm_bytes_per_token(D, a) + D * a  # norm; its output, saved by q/k/v
+    if config.use_qk_norm:
+        total += (nh + nkv) * (hd * (4 + a) + 4)  # per-head norms of q and k
+    # SDPA (flash kernels) saves q, the head-repeated k and v, its output and the
+    # log-sum-exp; the output's transpose-reshape for o_proj is a view of it.
+    total += 4 * nh * hd * a + nh * 4
+    return total
+
+
+def norm_bytes_per_token(dim: int, a: int) -> int:
+    """RMSNorm: the float32 input, the normalized value in the compute dtype, the rsqrt."""
+    return dim * 4 + dim * a + 4
+
+
+def mlp_bytes_per_token(inner: int, a: int) -> int:
+    """SwiGLU: gate and up outputs, silu(gate), their product (the input is counted by the
+    norm that produced it)."""
+    return 4 * inner * a
+
+
+def moe_bytes_per_token(config: GLMConfig, a: int, ep: int) -> int:
+    """Router, routed experts (K rows per token, evenly routed) and shared expert."""
+    D, E, K = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
+    I = config.moe_intermediate_size
+    router = E * 4 + K * 8 + K * 4 + 4  # sigmoid scores, chosen ids, weights and their sum
+    if a != 4:
+        router += D * 4  # the float32 copy of the input the router's linear saves
+    # Dispatch indices (token of each assignment, sort order), the routing weights; with EP the
+    # permutation into local-expert order and back.
+    routed = K * (8 + 8 + 4) + (K * 16 if ep > 1 else 0)
+    # Per row: the gathered input, gate+up output, silu, product; then the expert output
+    # saved by the weighting multiply and the weighted rows saved by index_add.
+    routed += K * (3 * D + 4 * I) * a
+    shared = mlp_bytes_per_token(I * config.n_shared_experts, a)
+    return router + routed + shared
+
+
+def layer_bytes_per_token(config: GLMConfig, is_moe: bool, a: int, ep: int) -> int:
+    """Activation bytes one decoder layer keeps for backward, per token."""
+    D = config.hidden_size
+    total = attention_bytes_per_token(config, a) + norm_bytes_per_token(D, a) + D * a
+    if is_moe:
+        return total + moe_bytes_per_token(config, a, ep)
+    return total + mlp_bytes_per_token(config.intermediate_size, a)
+
+
+def head_bytes_per_token(config: GLMConfig, a: int) -> int:
+    """Final norm, its output (saved by lm_head), log-softmax output, target, token ids."""
+    D, V = config.hidden_size, config.vocab_size
+    return norm_bytes_per_token(D, a) + D * a + V * 4 + 8 + 8
+
+
+@dataclass
+class StepMemory:
+    """Per-rank bytes of one training step, by part (see the module docstring)."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+    forward_backward: list[str] = field(default_factory=list)  # parts of that peak
+    optimizer: list[str] = field(default_factory=list)  # parts of that peak
+    resident: list[str] = field(default_factory=list)
+
+    def peak(self, names: list[str]) -> int:
+        return sum(self.parts[n] for n in names)
+
+    @property
+    def total(self) -> int:
+        """Estimated step peak: resident + the larger of the two phase peaks."""
+        return self.peak(self.resident) + max(
+            self.peak(self.forward_backward), self.peak(self.optimizer)
+        )
+
+    def format(self, budget_gib: float | None = None) -> str:
+        """A table: one line per part, the phase peaks, the step peak (and the budget)."""
+        lines = []
+        for phase, names in (
+            ("resident", self.resident),
+            ("forward/backward", self.forward_backward),
+            ("optimizer step", self.optimizer),
+        ):
+            lines.append(f"  {phase}: {self.peak(names) / GiB:.3f} GiB")
+            lines += [f"    {n:<34} {self.parts[n] / GiB:10.3f} GiB" for n in names]
+        verdict = ""
+        if budget_gib is not None:
+            fits = self.total <= budget_gib * GiB
+            verdict = f"  {'fits' if fits else 'DOES NOT FIT'} in {budget_gib:g} GiB"
+        lines.append(f"  step peak per rank: {self.total / GiB:.3f} GiB{verdict}")
+        return "\n".join(lines)
+
+
+def _local_bytes(params, itemsize: int | None = None) -> int:
+    total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * (itemsize or local.element_size())
+    return total
+
+
+def _unsharded_bytes(module: torch.nn.Module, itemsize: int, ep: int) -> int:
+    """Bytes of a module's parameters once FSDP2 all-gathers them (experts: the EP shard)."""
+    total = 0
+    for name, p in module.named_parameters():
+        n = p.numel()
+        if ".experts." in f".{name}" and ep > 1:
+            n //= ep
+        size = 4 if name.endswith("gate.weight") else itemsize  # routers stay float32
+        total += n * size
+    return total
+
+
+def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
+    """The largest sum of per-batch peaks (exchange buffers + Newton-Schulz workspace + the
+    local path's Nesterov input) over `max_inflight` consecutive batches of the optimizer's
+    plans on this rank; 0 for optimizers without plans (AdamW)."""
+    peaks = []
+    for mesh_plan, batches in getattr(opt, "plans", []):
+        r = mesh_plan.fsdp_rank
+        for b in batches:
+            nesterov_input = 0
+            if b.path == "local" and nesterov:
+                nesterov_input = b.shard_bytes(r) if b.fsdp_size > 1 else b.matrix_bytes
+            peaks.append(
+                nesterov_input + b.exchange_buffer_bytes(r) + b.ns_workspace_bytes(r, ns_itemsize)
+            )
+    k = max(1, max_inflight)
+    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
+
+
+def estimate_step_memory(
+    model,
+    opt,
+    *,
+    tokens: int,
+    ep: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    activation_checkpointing: bool,
+    ns_itemsize: int,
+    nesterov: bool,
+    max_inflight: int,
+    gloo: bool,
+) -> StepMemory:
+    """Per-rank memory of one step of `model` (this rank's sharded GLMForCausalLM, on any
+    device incl. meta) with optimizer `opt`, for micro-batches of `tokens` tokens per rank."""
+    config: GLMConfig = model.config
+    a = torch.finfo(param_dtype).bits // 8
+    layers = list(model.model.layers)
+    per_layer = [tokens * layer_bytes_per_token(config, x.is_moe, a, ep) for x in layers]
+    inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
+    head = tokens * head_bytes_per_token(config, a)
+    parts: dict[str, int] = {}
+    trained = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")]
+    parts["master parameters (fp32 shards)"] = _local_bytes(model.parameters())
+    state = 0
+    for g in opt.param_groups:
+        copies = 1 if g.get("algorithm") == "muon" else 2
+        state += copies * _local_bytes(g["params"], 4)
+    parts["optimizer state"] = state
+    if activation_checkpointing:
+        parts["activations (layer inputs)"] = inputs * len(layers)
+        parts["activations (recomputed layer)"] = max(per_layer, default=0)
+    else:
+        parts["activations (all layers)"] = sum(per_layer)
+    parts["loss head activations"] = head
+    # The gradient of the logits (float32) and its cast to the compute dtype, at backward start.
+    parts["loss head gradients"] = tokens * config.vocab_size * (4 + a)
+    root = _unsharded_bytes(model.model.embed_tokens, a, ep)
+    root += _unsharded_bytes(model.lm_head, a, ep) + _unsharded_bytes(model.model.norm, a, ep)
+    parts["root parameters (unsharded)"] = root
+    layer_full = max((_unsharded_bytes(x, a, ep) for x in layers), default=0)
+    parts["2 decoder layers (unsharded)"] = 2 * layer_full
+    parts["all-gather staging (gloo)"] = layer_full if gloo else 0
+    # A layer's unsharded gradients (compute dtype) and FSDP2's flat reduce-scatter input.
+    reduce_size = torch.finfo(reduce_dtype).bits // 8
+    parts["layer gradients (unsharded)"] = layer_full // a * (a + reduce_size)
+    parts["gradient shards"] = _local_bytes(trained, 4)
+    parts["optimizer transient (plans)"] = optimizer_transient_bytes(
+        opt, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight
+    )
+    resident = ["master parameters (fp32 shards)", "optimizer state"]
+    optimizer = ["gradient shards", "optimizer transient (plans)"]
+    return StepMemory(
+        parts=parts,
+        resident=resident,
+        forward_backward=[n for n in parts if n not in resident + optimizer],
+        optimizer=optimizer,
+    )
+
+
+def estimate_for_config(
+    cfg, *, world_size: int, rank: int = 0, device_type: str = "cuda"
+) -> StepMemory:
+    """The estimate for `cfg` (a composed training config) on `world_size` ranks, seen from
+    `rank`, built in torch's fake process group (joined here if no group exists): the model on
+    the meta device, parallelized and given its optimizer by the recipe's own code.
+    `device_type` picks the `auto` dtypes and whether gloo's staging copy counts."""
+    import torch.distributed as dist
+
+    from models.glm import GLMForCausalLM
+    from models.glm.parallelize import build_meshes, parallelize
+    from recipes.parallel import build_optimizer, model_config, train_dtypes
+
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"a process group of {dist.get_world_size()} ranks exists")
+    param_dtype, reduce_dtype = train_dtypes(cfg, torch.device(device_type))
+    checkpointing = str(cfg.train.activation_checkpointing) == "full"
+    with torch.device("meta"):
+        model = GLMForCausalLM(model_config(cfg))
+    parallelize(
+        model,
+        build_meshes(world_size, cfg.mesh.ep, "cpu"),
+        param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        reduce_dtype=reduce_dtype,
+        activation_checkpointing=checkpointing,
+    )
+    opt = build_optimizer(cfg, model)
+    o = cfg.optim
+    return estimate_step_memory(
+        model,
+        opt,
+        tokens=cfg.data.batch_size * cfg.data.seq_len,
+        ep=cfg.mesh.ep,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        activation_checkpointing=checkpointing,
+        ns_itemsize=torch.finfo(getattr(torch, str(o.ns_dtype))).bits // 8,
+        nesterov=bool(o.nesterov),
+        max_inflight=int(o.max_inflight),
+        gloo=device_type == "cpu",
+    )
+
+
+def compose_train_config(overrides: list[str]):
+    """The config `python train.py <overrides>` composes (conf/ next to this package)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import recipes.config  # noqa: F401 - registers the schema the defaults list names
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(str(conf), version_base=None):
+        return compose("train", overrides=overrides)
+
+
+def step_report(
+    *,
+    preset: str,
+    world_size: int,
+    ep: int,
+    rank: int = 0,
+    seq_len: int,
+    micro_batch: int,
+    budget_gib: float | None = None,
+    extra: tuple[str, ...] = (),
+) -> tuple[str, bool]:
+    """Text of the whole-step estimate of `preset` on `world_size` CUDA ranks (bf16 compute,
+    the recipe's defaults otherwise), without and with activation checkpointing, and whether
+    the smaller one fits `budget_gib`."""
+    from models.glm import get_preset
+
+    vocab = get_preset(preset).vocab_size
+    lines = [
+        f"whole step per rank: {preset}, {world_size} ranks, ep {ep}, rank {rank}, "
+        f"micro-batch {micro_batch} x {seq_len} tokens"
+    ]
+    totals = []
+    for mode in ("none", "full"):
+        cfg = compose_train_config(
+            [
+                f"model={preset}",
+                f"mesh.world_size={world_size}",
+                f"mesh.ep={ep}",
+                f"data.vocab_size={vocab}",
+                "data.dtype=uint32",
+                f"data.seq_len={seq_len}",
+                f"data.batch_size={micro_batch}",
+                f"train.activation_checkpointing={mode}",
+                *extra,
+            ]
+        )
+        est = estimate_for_config(cfg, world_size=world_size, rank=rank, device_type="cuda")
+        totals.append(est.total)
+        lines += [f" train.activation_checkpointing={mode}:", est.format(budget_gib)]
+    fits = budget_gib is None or min(totals) <= budget_gib * GiB
+    return "\n".join(lines), fits
