@@ -223,7 +223,7 @@ def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
                 for pname, p in zip(g["param_names"], g["params"], strict=True):
                     buf = opt.state[p]["momentum_buffer"]
                     inp = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-                    e = g["num_experts"]
+                    e = g["num_blocks"]
                     key = f"{pname.split('.')[-2]} [{e}x{p.size(0) // e}x{p.size(1)}]"
                     if key not in momentum:
                         momentum[key] = inp.reshape(e, p.size(0) // e, -1).float()
