@@ -64,6 +64,10 @@ VARIANTS = {
         coefficients="polar_express", algorithm="gram", restarts=(1, 3)
     ),
     "fixed gram": dict(coefficients="fixed", algorithm="gram"),
+    "polar_express fp32": dict(coefficients="polar_express", dtype=torch.float32),
+    "polar_express gram fp32": dict(
+        coefficients="polar_express", algorithm="gram", dtype=torch.float32
+    ),
 }
 # Muon-level variants (ns_coefficients, ns_algorithm) for training and the W=4 step.
 OPT_VARIANTS = {
@@ -162,7 +166,8 @@ def bench_shapes(args, momentum: dict[str, torch.Tensor]) -> list[dict]:
             )
     std = {(r["shape"], r["variant"]): r for r in rows}
     for r in rows:  # Gram against the standard iteration with the same coefficients
-        same = std.get((r["shape"], r["variant"].split(" gram")[0].replace(" sym", "")))
+        base_name = r["variant"].replace(" sym", "").replace(" r1,3", "")
+        same = std.get((r["shape"], base_name.replace(" gram", "")))
         r["time_vs_standard_same_coefs"] = r["ms_per_block"] / same["ms_per_block"]
     for key, G in momentum.items():
         for v, kw in VARIANTS.items():
