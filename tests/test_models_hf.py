@@ -5,6 +5,8 @@ transformers itself (when installed: the dev extra pins it)."""
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.hf_adapter import INDEX, export_hf, import_hf
 from tests.harness import run_world
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CFG = GLMConfig(
     vocab_size=40,
@@ -499,3 +503,53 @@ def test_init_from_is_checked_before_launch(tmp_path):
     _write_single(tmp_path, hf)
     with pytest.raises(ConfigError, match=r"experts\.0\.down_proj\.weight.*model\.norm\.weight"):
         validate(cfg())
+
+
+def _run(cmd: list[str], cwd) -> str:
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_train_py_init_from_and_export_script_on_1_and_2_ranks(tmp_path):
+    """`python train.py checkpoint.init_from=<dir>` (2 ranks, ep 2) starts from the directory's
+    weights (a near-zero learning rate keeps them: a seeded init would be far off); the run's
+    own export and scripts/export_hf.py, in one process and on 2 torchrun ranks, write the
+    same tensors; the two script runs write byte-identical files."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import Config
+    from recipes.parallel import model_config
+
+    src = tmp_path / "src"
+    config = model_config(OmegaConf.structured(Config))  # the default (tiny) run's model
+    model = _model(config)
+    export_hf(model, config, str(src), max_shard_bytes=64 << 10)
+    args = ["mesh.world_size=2", "mesh.ep=2", "train.steps=1", "logger=none"]
+    args += ["optim.lr=1e-9", "optim.adamw_lr=1e-9", "train.router_bias_rate=0"]
+    args += ["data.seq_len=16", "data.batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]
+    args += [f"checkpoint.init_from={src}", f"run.root={tmp_path / 'runs'}"]
+    out = _run([sys.executable, str(ROOT / "train.py"), *args], tmp_path)
+    assert "initialized from the transformers directory" in out
+    (run_dir,) = (tmp_path / "runs" / "default").iterdir()
+    run_export = _read_dir(run_dir / "hf")
+    for name, want in _read_dir(src).items():  # lr 1e-9: one step moves nothing visibly
+        torch.testing.assert_close(run_export[name], want, rtol=0, atol=1e-6, msg=name)
+
+    ckpt = str(run_dir / "checkpoints" / "step_00000001")
+    script = str(ROOT / "scripts" / "export_hf.py")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run([sys.executable, script, ckpt, str(one), "--max-shard-gib", "1e-4"], tmp_path)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    printed = _run([*launch, script, ckpt, str(two), "--max-shard-gib", "1e-4"], tmp_path)
+    assert "[rank 0] wrote" in printed and "[rank 1] wrote" in printed
+    files = sorted(p.name for p in one.iterdir())
+    assert len(files) > 4 and files == sorted(p.name for p in two.iterdir())
+    for name in files:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    exported = _read_dir(one)
+    assert exported.keys() == run_export.keys()
+    for name, tensor in run_export.items():
+        assert torch.equal(exported[name], tensor), name
