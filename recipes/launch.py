@@ -2,7 +2,9 @@
 
 - Under torchrun / SLURM (RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR in the environment) the
   current process is one rank: it joins that world. Every rank ran Hydra; rank 0's run dir is
-  broadcast so all agree on it.
+  broadcast so all agree on it. A submitit job of several tasks (Hydra's submitit launcher with
+  `hydra.launcher.nodes` > 1) is such a world too: submitit's environment gives each task its
+  rank, exported here in torch's variables.
 - Otherwise `mesh.world_size` ranks are started here with torch's elastic launcher (one fresh
   world per call, so Hydra multirun jobs each get their own). Ranks receive the resolved config
   as a YAML string, never Hydra objects.
@@ -11,7 +13,9 @@ Devices: CUDA + NCCL when `mesh.device` allows and enough GPUs are present, else
 
 import logging
 import os
+import signal
 import sys
+import threading
 import uuid
 import warnings
 from pathlib import Path
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from recipes.config import from_yaml, validate
@@ -29,8 +34,33 @@ log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
+def export_submitit_world() -> None:
+    """In a submitit job of several tasks, set RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK
+    and LOCAL_WORLD_SIZE from submitit's environment (first node hosts the rendezvous)."""
+    if "SUBMITIT_FOLDER" not in os.environ or any(k in os.environ for k in _RANK_ENV):
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        # Every rank keeps all of its node's GPUs visible and picks cuda:LOCAL_RANK.
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def _submitit_preempt_signals() -> list[str]:
+    """Submitit's preemption signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL), in a submitit job.
+
+    Slurm sends it to every process of the job; the job's own process handles it (requeue) and
+    then stops the local world with SIGTERM, which the ranks answer with a checkpoint. Ranks
+    started here ignore it: its default action would kill them on the spot.
+    """
+    if "SUBMITIT_FOLDER" not in os.environ:
+        return []
+    return ["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").removeprefix("SIG")]
+
+
 def launcher_world_size() -> int | None:
     """WORLD_SIZE when a launcher (torchrun, SLURM via the submitit launcher) started us."""
+    export_submitit_world()
     if all(k in os.environ for k in _RANK_ENV):
         return int(os.environ["WORLD_SIZE"])
     return None
@@ -60,6 +90,7 @@ def run(cfg: DictConfig) -> float | None:
         result = rank_main(payload)
     else:
         payload["device"] = choose_device(str(cfg.mesh.device), cfg.mesh.world_size)
+        payload["ignore_signals"] = _submitit_preempt_signals()
         result = _launch_local(cfg.mesh.world_size, payload)
     if result is None:
         return None
@@ -106,6 +137,16 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
         os.environ["OMP_NUM_THREADS"] = "1"
     try:
         results = elastic_launch(config, rank_main)(payload)
+    except SignalException as err:
+        # The launching process got SIGTERM/SIGINT/... (Slurm ending or requeueing the job):
+        # the agent has stopped the ranks. torch's SignalException cannot be unpickled (it needs
+        # `sigval`), and Hydra's submitit launcher would pickle it as this job's result, so the
+        # waiting `train.py -m` crashed reading it. Exit without a result instead: submitit then
+        # waits for the requeued run's result, or reports the job's final Slurm state.
+        raise SystemExit(
+            f"train.py: stopped by {err.sigval.name} (the ranks were stopped; the run resumes "
+            "from its latest committed checkpoint when the same command runs again)"
+        ) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = failure.message
@@ -162,6 +203,11 @@ def _setup_logging(rank: int, run_dir: Path) -> logging.Logger:
     # Under torchrun, rank 0's root logger also holds Hydra's handlers; they stay.
     root = logging.getLogger()
     _replace(root, [files[0]] + ([] if _has_console(root) else [stderr]))
+    for name, other in list(logging.root.manager.loggerDict.items()):
+        # torch's loggers print to stderr themselves and do not propagate to the root
+        torch_own = name.split(".")[0] == "torch" and isinstance(other, logging.Logger)
+        if torch_own and not other.propagate:
+            _replace(other, [files[0]])
     logging.captureWarnings(True)
     failure = logging.getLogger("recipes.failure")
     failure.propagate = False
@@ -189,6 +235,8 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
     from recipes.trainer import Trainer
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    for name in payload.get("ignore_signals", ()):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     # torch's own FSDP/DTensor internals call the deprecated collective names, once per rank.
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
@@ -214,4 +262,9 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
             failure.error("rank %d failed: %r", rank, err, exc_info=True)
             raise
     finally:
+        # A stop request that comes after training (scripts/slurm/torchrun_node.sh resends it
+        # until torchrun exits) must not kill a rank on its way out: Python puts back the
+        # default action, termination, for the signals it handled when it finalizes.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         dist.destroy_process_group()

@@ -268,3 +268,59 @@ def estimate_for_config(
         max_inflight=int(o.max_inflight),
         gloo=device_type == "cpu",
     )
+
+
+def compose_train_config(overrides: list[str]):
+    """The config `python train.py <overrides>` composes (conf/ next to this package)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import recipes.config  # noqa: F401 - registers the schema the defaults list names
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(str(conf), version_base=None):
+        return compose("train", overrides=overrides)
+
+
+def step_report(
+    *,
+    preset: str,
+    world_size: int,
+    ep: int,
+    rank: int = 0,
+    seq_len: int,
+    micro_batch: int,
+    budget_gib: float | None = None,
+    extra: tuple[str, ...] = (),
+) -> tuple[str, bool]:
+    """Text of the whole-step estimate of `preset` on `world_size` CUDA ranks (bf16 compute,
+    the recipe's defaults otherwise), without and with activation checkpointing, and whether
+    the smaller one fits `budget_gib`."""
+    from models.glm import get_preset
+
+    vocab = get_preset(preset).vocab_size
+    lines = [
+        f"whole step per rank: {preset}, {world_size} ranks, ep {ep}, rank {rank}, "
+        f"micro-batch {micro_batch} x {seq_len} tokens"
+    ]
+    totals = []
+    for mode in ("none", "full"):
+        cfg = compose_train_config(
+            [
+                f"model={preset}",
+                f"mesh.world_size={world_size}",
+                f"mesh.ep={ep}",
+                f"data.vocab_size={vocab}",
+                "data.dtype=uint32",
+                f"data.seq_len={seq_len}",
+                f"data.batch_size={micro_batch}",
+                f"train.activation_checkpointing={mode}",
+                *extra,
+            ]
+        )
+        est = estimate_for_config(cfg, world_size=world_size, rank=rank, device_type="cuda")
+        totals.append(est.total)
+        lines += [f" train.activation_checkpointing={mode}:", est.format(budget_gib)]
+    fits = budget_gib is None or min(totals) <= budget_gib * GiB
+    return "\n".join(lines), fits

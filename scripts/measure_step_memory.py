@@ -59,17 +59,16 @@ def measure(args, mode: str, root: Path) -> list[float]:
 
 def estimate(args, modes: list[str]) -> dict[str, object]:
     """The estimates of every mode, from the config train.py composes."""
-    from hydra import compose, initialize_config_dir
+    from recipes.step_memory import compose_train_config, estimate_for_config
 
-    import recipes.config  # noqa: F401 - registers the schema the defaults list names
-    from recipes.step_memory import estimate_for_config
-
-    out = {}
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        for mode in modes:
-            cfg = compose("train", overrides=overrides(args, mode))
-            out[mode] = estimate_for_config(cfg, world_size=args.world_size, device_type="cpu")
-    return out
+    return {
+        mode: estimate_for_config(
+            compose_train_config(overrides(args, mode)),
+            world_size=args.world_size,
+            device_type="cpu",
+        )
+        for mode in modes
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

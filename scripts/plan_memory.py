@@ -578,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens per training step, for the NS share of a step (default 4M)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
+    ap.add_argument(
+        "--step", action="store_true", help="also the whole-step per-rank memory estimate"
+    )
+    ap.add_argument("--seq-len", type=int, default=4096, help="--step: tokens per sequence")
+    ap.add_argument("--micro-batch", type=int, default=1, help="--step: sequences per rank")
     args = ap.parse_args(argv)
     report = plan(
         model=args.model,
@@ -597,7 +602,22 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    return 1 if report["over_budget"] else 0
+    fits = True
+    if args.step:  # recipes.step_memory: params, grads, state, activations, FSDP2 buffers
+        from recipes.step_memory import step_report
+
+        text, fits = step_report(
+            preset=args.model,
+            world_size=args.world_size,
+            ep=args.ep,
+            rank=args.rank,
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            budget_gib=args.budget_gib,
+            extra=(f"optim.max_inflight={args.max_inflight}",),
+        )
+        print(text)
+    return 1 if report["over_budget"] or not fits else 0
 
 
 if __name__ == "__main__":

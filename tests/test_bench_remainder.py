@@ -1,4 +1,4 @@
-"""scripts/bench_remainder.py at a tiny size: the seed's relations hold on measured figures.
+"""scripts/bench_remainder.py at a tiny size: the strategies' memory relations hold, measured.
 
 Runs the script as a user does (a subprocess, W=4 gloo ranks, 256x192 bf16 matrices, R=1 and
 3, two timed steps) and checks its outputs: memory relations per strategy (measured with
@@ -53,7 +53,7 @@ def bench(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_memory_relations_of_the_seed(bench):
+def test_memory_relations_of_the_strategies(bench):
     _, _, result, rows = bench
     S = rows[("agrs", 1)]["matrix_mib"]
     for R in RS:

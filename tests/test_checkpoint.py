@@ -265,3 +265,22 @@ def test_glm_save_peak_per_rank_and_async_save(tmp_path):
         assert step == 2 and loaded.keys() == saved.keys()
         for key, value in saved.items():
             np.testing.assert_array_equal(loaded[key], value, err_msg=key)
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_script_table(tmp_path):
+    """scripts/bench_checkpoint.py on a 2-rank world: table and results written, every rank
+    wrote its checkpoint files, the import within one expert per rank."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_checkpoint.py"
+    args = ["--preset", "tiny", "--layouts", "2x2", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 2 | 2 |" in proc.stdout
+    (row,) = json.loads((tmp_path / "results.json").read_text())
+    assert row["files"] == 2 and len(row["ranks"]) == 2
+    assert 0 < row["import"] <= row["expert"] and row["save"] > 0 and row["own"] > row["largest"]
+    assert row["world"] == 2
+    assert "| 2 | 2 |" in (tmp_path / "table.md").read_text()

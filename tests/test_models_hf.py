@@ -3,7 +3,11 @@ multi-file export split by size, fused 3-D import, sharded import on a mesh, and
 transformers itself (when installed: the dev extra pins it)."""
 
 import json
+import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.hf_adapter import INDEX, export_hf, import_hf
 from tests.harness import run_world
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CFG = GLMConfig(
     vocab_size=40,
@@ -55,7 +61,8 @@ def _model(cfg: GLMConfig) -> GLMForCausalLM:
 
 
 def _expected_hf_shapes(c: GLMConfig) -> dict[str, tuple]:
-    """hf-glm4moe.md sections 2a/2b, written out for config c (MTP layer as layer N)."""
+    """transformers' Glm4Moe state-dict shapes (fused 3-D experts in memory, per-expert 2-D
+    keys on disk), written out for config c (MTP layer as layer N)."""
     V, H, nh, nkv, hd = (
         c.vocab_size,
         c.hidden_size,
@@ -312,7 +319,7 @@ def test_import_errors_and_hf_defaults(tmp_path):
 # ---------------------------------------------------------------- transformers itself (W=4, ep 2)
 
 HF_KW = dict(
-    vocab_size=96,
+    vocab_size=256,  # the stdlib byte tokens of a run need >= 256
     hidden_size=64,
     intermediate_size=80,
     moe_intermediate_size=32,
@@ -375,9 +382,10 @@ def _transformers_logits(path, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
 def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, ids):
     """Start from the transformers directory as a run does (checks, build, init_from), measure
     the import, run the forward, then checkpoint and export on every rank."""
+    from models.glm.hf_adapter import hf_tensors
     from recipes import checkpoint
     from recipes.config import from_yaml, validate
-    from recipes.hf import export_checkpoint, init_from
+    from recipes.hf import DCPRegions, export_checkpoint, init_from
     from recipes.memory import MemoryMeter
     from recipes.parallel import build_model, model_config
 
@@ -397,8 +405,13 @@ def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, id
     opt.step()
     state = {"model_config": model_config(cfg).to_dict()}
     ckpt = checkpoint.save(ckpt_root, 1, model, opt, state, keep=1)
-    written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
-    return logits, m.peak_delta_bytes(), written
+    with meter.measure("export") as e:
+        written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
+    # What one read may hold: the transformers tensor and the saved piece it is cut from.
+    largest_hf = max(math.prod(t.shape) * 4 for t in hf_tensors(model_config(cfg)))
+    md = DCPRegions(Path(ckpt) / "model").metadata.state_dict_metadata.values()
+    largest_piece = max(math.prod(c.sizes) * 4 for entry in md for c in entry.chunks)
+    return logits, m.peak_delta_bytes(), written, e.peak_delta_bytes(), largest_hf + largest_piece
 
 
 @pytest.mark.slow
@@ -406,7 +419,8 @@ def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tm
     """A bf16 checkpoint saved by transformers (several files) starts a 4-rank ep=2 run with
     the logits of transformers' float32 forward; our export of it (written by all 4 ranks)
     loads back in transformers with every tensor and the same logits. Each rank's import
-    peak above its shards stays within one expert's weights."""
+    peak above its shards stays within one expert's weights, its export peak within the
+    tensor it reads plus the saved piece that tensor is cut from."""
     pytest.importorskip("transformers")
     from omegaconf import OmegaConf
 
@@ -436,13 +450,15 @@ def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tm
         ids.tolist(),
     )
     # Both forwards run in float32 on the same bf16-valued weights: they differ only by
-    # summation order (~1e-6 relative, hf-glm4moe.md section 4), far below bf16's 2^-8.
-    for logits, _, _ in results:
+    # summation order (a few 2^-24 ulps per op, ~1e-6 relative), far below bf16's 2^-8.
+    for logits, *_ in results:
         torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-5)
     I, D = HF_KW["moe_intermediate_size"], HF_KW["hidden_size"]
     one_expert = 3 * I * D * 4  # gate, up and down of one expert, float32
-    assert all(0 < peak <= one_expert for _, peak, _ in results), [r[1] for r in results]
-    written = [set(w) for _, _, w in results]
+    assert all(0 < r[1] <= one_expert for r in results), [r[1] for r in results]
+    # The export's peak: one tensor being read (not the model: 4 ranks x 15 files here).
+    assert all(0 < r[3] <= r[4] for r in results), [r[3:] for r in results]
+    written = [set(r[2]) for r in results]
     assert all(w for w in written) and not set.intersection(*written)  # every rank wrote files
 
     back, info = _transformers_logits(out, ids)
@@ -487,3 +503,53 @@ def test_init_from_is_checked_before_launch(tmp_path):
     _write_single(tmp_path, hf)
     with pytest.raises(ConfigError, match=r"experts\.0\.down_proj\.weight.*model\.norm\.weight"):
         validate(cfg())
+
+
+def _run(cmd: list[str], cwd) -> str:
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_train_py_init_from_and_export_script_on_1_and_2_ranks(tmp_path):
+    """`python train.py checkpoint.init_from=<dir>` (2 ranks, ep 2) starts from the directory's
+    weights (a near-zero learning rate keeps them: a seeded init would be far off); the run's
+    own export and scripts/export_hf.py, in one process and on 2 torchrun ranks, write the
+    same tensors; the two script runs write byte-identical files."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import Config
+    from recipes.parallel import model_config
+
+    src = tmp_path / "src"
+    config = model_config(OmegaConf.structured(Config))  # the default (tiny) run's model
+    model = _model(config)
+    export_hf(model, config, str(src), max_shard_bytes=64 << 10)
+    args = ["mesh.world_size=2", "mesh.ep=2", "train.steps=1", "logger=none"]
+    args += ["optim.lr=1e-9", "optim.adamw_lr=1e-9", "train.router_bias_rate=0"]
+    args += ["data.seq_len=16", "data.batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]
+    args += [f"checkpoint.init_from={src}", f"run.root={tmp_path / 'runs'}"]
+    out = _run([sys.executable, str(ROOT / "train.py"), *args], tmp_path)
+    assert "initialized from the transformers directory" in out
+    (run_dir,) = (tmp_path / "runs" / "default").iterdir()
+    run_export = _read_dir(run_dir / "hf")
+    for name, want in _read_dir(src).items():  # lr 1e-9: one step moves nothing visibly
+        torch.testing.assert_close(run_export[name], want, rtol=0, atol=1e-6, msg=name)
+
+    ckpt = str(run_dir / "checkpoints" / "step_00000001")
+    script = str(ROOT / "scripts" / "export_hf.py")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run([sys.executable, script, ckpt, str(one), "--max-shard-gib", "1e-4"], tmp_path)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    printed = _run([*launch, script, ckpt, str(two), "--max-shard-gib", "1e-4"], tmp_path)
+    assert "[rank 0] wrote" in printed and "[rank 1] wrote" in printed
+    files = sorted(p.name for p in one.iterdir())
+    assert len(files) > 4 and files == sorted(p.name for p in two.iterdir())
+    for name in files:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    exported = _read_dir(one)
+    assert exported.keys() == run_export.keys()
+    for name, tensor in run_export.items():
+        assert torch.equal(exported[name], tensor), name

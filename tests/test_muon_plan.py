@@ -1,6 +1,7 @@
 """Muon's plan as plain data: mesh comm plans, batch paths, shard sizes, owners, buffer sizes.
 
-No collectives: these run in-process. The GLM-5.2 numbers come from the seed discussion.
+No collectives: these run in-process. GLM-5.2 at 512 ranks, ep 8: an AGRS remainder of 12 down
+weights all-gathers the FSDP-visible rows (9 GiB), not the global rows (72 GiB).
 """
 
 from dataclasses import replace
@@ -107,7 +108,7 @@ def test_glm52_without_expert_paths_agrs_buffer_is_ep_local():
     assert rem.fsdp_visible_rows == 1572864 // 8  # FSDP-visible, not global
     buf = rem.collective_buffer_bytes(0)
     assert buf == 12 * 196608 * 2048 * 2
-    assert 8.9 * GiB < buf < 9.1 * GiB  # the seed's 9 GiB, not 72 GiB
+    assert 8.9 * GiB < buf < 9.1 * GiB  # FSDP-visible rows: 9 GiB, not 72 GiB
 
 
 def test_each_batch_plans_its_own_shapes():

@@ -6,7 +6,7 @@ Single process, CPU, fast. Oracles:
   M = mu*M + G / G + mu*M. Newton-Schulz normalizes by the Frobenius norm, so the updates agree
   up to bf16 rounding (measured: ~2.5% relative error of the accumulated 5-step update), while
   the spec's buffer would differ by the factor (1 - mu). The implementation keeps torch's EMA
-  buffer (the issue text says M = mu*M + G), so buffers are compared with torch's directly.
+  buffer (not the spec form M = mu*M + G), so buffers are compared with torch's directly.
   torch's weight decay is p *= 1 - lr*wd with the unadjusted lr; eps enters as
   X / max(||X||_F, eps).
 - A float64 transcription of the spec (ref_muon_steps) for tight float32 checks.
@@ -625,6 +625,8 @@ def _p2d():
         (lambda: Muon(_p2d(), momentum=-0.1), "momentum"),
         (lambda: Muon(_p2d(), adjust_lr="sqrt"), "adjust_lr"),
         (lambda: Muon(_p2d(), ns_coefficients="fancy"), "coefficients"),
+        (lambda: Muon(_p2d(), ns_algorithm="fast"), "ns_algorithm"),
+        (lambda: Muon([{"params": _p2d(), "ns_algorithm": "fast"}]), "ns_algorithm"),
         (lambda: Muon([{"params": _p2d(), "num_blocks": 3}]), "num_blocks"),
         (lambda: Muon([{"params": _p2d(), "num_blocks": 0}]), "num_blocks"),
         (lambda: Muon([nn.Parameter(torch.randn(8))]), "param"),
@@ -641,6 +643,8 @@ def _p2d():
         "momentum-negative",
         "adjust_lr",
         "ns_coefficients",
+        "ns_algorithm",
+        "group-ns_algorithm",
         "num_experts-not-dividing",
         "num_experts-zero",
         "1d-param-in-muon-group",

@@ -1,6 +1,6 @@
 """scripts/plan_memory.py: the dry-run planner at GLM-5.2 scale, and planned vs measured peaks.
 
-GLM-5.2 on 512 fake ranks, ep 8 (the seed's numbers): expert-aware, the fused gate+up weights
+GLM-5.2 on 512 fake ranks, ep 8: expert-aware, the fused gate+up weights
 are local and all 76 down weights take the sub-group path; with `--no-expert-aware` the down
 weights make a full batch of 64 and an AGRS remainder of 12 whose all-gather buffer is 9 GiB
 (FSDP-visible rows), not the 72 GiB of the global rows.
@@ -138,7 +138,7 @@ def test_glm52_without_expert_paths_agrs_remainder_is_9_gib(tmp_path):
     for role in ("busy", "idle"):
         buf = rem[role]["collective_buffer_bytes"]
         assert buf == 12 * 196608 * 2048 * 2  # all 12 FSDP-visible matrices, bf16
-        assert 8.9 * GiB < buf < 9.1 * GiB, buf  # the seed's 9 GiB, not 72 GiB
+        assert 8.9 * GiB < buf < 9.1 * GiB, buf  # FSDP-visible rows: 9 GiB, not 72 GiB
     # the other strategies keep the busy rank at one matrix and the idle ranks near nothing
     ragged = down["strategies"]["ragged_all_to_all"]["remainder_batch"]
     pad = down["strategies"]["pad_all2all"]["remainder_batch"]

