@@ -17,6 +17,7 @@ ROLES = ("embedding", "head", "router")
 
 def param_groups(
     model: nn.Module,
+    *,
     router: str = "adamw",
     lr: float = 0.02,
     weight_decay: float = 0.0,
