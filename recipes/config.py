@@ -56,6 +56,17 @@ class NsDtype(StrEnum):
     float16 = "float16"
 
 
+class NsCoefficients(StrEnum):
+    fixed = "fixed"
+    tuned = "tuned"
+    polar_express = "polar_express"
+
+
+class NsAlgorithm(StrEnum):
+    standard = "standard"
+    gram = "gram"
+
+
 class RouterOptim(StrEnum):
     adamw = "adamw"
     muon = "muon"
@@ -157,6 +168,12 @@ class MuonOptimConfig(OptimConfig):
     ns_steps: int = _f(5, "Newton-Schulz iterations")
     ns_dtype: NsDtype = _f(
         NsDtype.bfloat16, "Newton-Schulz compute dtype; float32: same update on every layout/CPU"
+    )
+    ns_coefficients: NsCoefficients = _f(
+        NsCoefficients.fixed, "Newton-Schulz coefficients: fixed, tuned or polar_express"
+    )
+    ns_algorithm: NsAlgorithm = _f(
+        NsAlgorithm.standard, "gram: iterate on X X^T where fewer FLOPs (rectangular blocks)"
     )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
     adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")

@@ -101,6 +101,8 @@ def test_user_keys_override():
         ("optim.remainder_strategy=agsr", ["optim.remainder_strategy", "agrs, pad_all2all"]),
         ("optim.lr=oops", ["optim.lr", "oops"]),
         ("optim.ns_dtype=float64", ["optim.ns_dtype", "bfloat16, float32, float16"]),
+        ("optim.ns_algorithm=fast", ["optim.ns_algorithm", "standard, gram"]),
+        ("optim.ns_coefficients=cubic", ["optim.ns_coefficients", "fixed, tuned, polar_express"]),
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
@@ -251,3 +253,20 @@ def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
     assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
     assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("checkpoints"))
     assert elapsed < 30, elapsed  # compose + validate only (Python + torch import)
+
+
+def test_newton_schulz_knobs_reach_the_optimizer():
+    """optim.ns_coefficients / optim.ns_algorithm land in every Muon group (single process)."""
+    from models.glm import GLMForCausalLM, get_preset
+    from recipes.parallel import build_optimizer
+
+    cfg = _compose(["optim.ns_coefficients=polar_express", "optim.ns_algorithm=gram"])
+    opt = build_optimizer(cfg, GLMForCausalLM(get_preset("tiny")))
+    muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
+    assert muon and all(
+        (g["ns_coefficients"], g["ns_algorithm"]) == ("polar_express", "gram") for g in muon
+    )
+    default = build_optimizer(_compose([]), GLMForCausalLM(get_preset("tiny")))
+    assert {g["ns_algorithm"] for g in default.param_groups if g["algorithm"] == "muon"} == {
+        "standard"
+    }
