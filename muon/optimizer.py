@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon.cost import LinkModel
-from muon.newton_schulz import orthogonalize_blocks, resolve_coefficients
+from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, comm_device, resolve_link
 from muon.runtime import AsyncRuntime
@@ -84,7 +84,8 @@ class Muon(torch.optim.Optimizer):
         nesterov: orthogonalize lerp(G, M, mu) instead of M.
         weight_decay: decoupled weight decay: p *= 1 - lr * weight_decay.
         ns_steps: Newton-Schulz iterations.
-        ns_coefficients: a named set of `muon.NS_COEFFICIENTS` or a list of (a, b, c) triples.
+        ns_coefficients: a named set of `muon.NS_COEFFICIENTS` ("fixed", "tuned",
+            "polar_express") or a list of (a, b, c) triples.
         ns_dtype: Newton-Schulz compute dtype; matrices also travel in it when it is narrower
             than the parameter (the result is the same, since Newton-Schulz casts first).
         eps: floor of the Frobenius norm Newton-Schulz divides by.
@@ -103,6 +104,8 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
+        ns_algorithm: "standard", or "gram" (Gram Newton-Schulz on blocks where it needs fewer
+            FLOPs; see `muon.newton_schulz`).
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
     in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
@@ -129,6 +132,7 @@ class Muon(torch.optim.Optimizer):
         expert_aware: bool = True,
         memory_budget: int | None = None,
         link: LinkModel | tuple | None = None,
+        ns_algorithm: str = "standard",
     ) -> None:
         if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
@@ -158,6 +162,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=_dtype_name(ns_dtype),
+            ns_algorithm=ns_algorithm,
             eps=eps,
             adjust_lr=adjust_lr,
             num_blocks=1,
@@ -227,6 +232,7 @@ class Muon(torch.optim.Optimizer):
         if g["adjust_lr"] not in ADJUST_LR:
             raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
         resolve_coefficients(g["ns_coefficients"])
+        check_algorithm(g["ns_algorithm"])
         g["ns_dtype"] = _dtype_name(g["ns_dtype"])
         blocks = g["num_blocks"]
         names = g.get("param_names") or [None] * len(g["params"])
@@ -355,6 +361,7 @@ class Muon(torch.optim.Optimizer):
             coefficients=g0["ns_coefficients"],
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
+            algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
         )
         stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
@@ -444,7 +451,15 @@ def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
 
 
 def _orthogonalize(
-    m: torch.Tensor, block_rows, steps, coefficients, dtype, eps, moved_shape=(), dim=0
+    m: torch.Tensor,
+    block_rows,
+    steps,
+    coefficients,
+    dtype,
+    eps,
+    moved_shape=(),
+    dim=0,
+    algorithm="",
 ) -> torch.Tensor:
     """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
 
@@ -452,10 +467,18 @@ def _orthogonalize(
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
     """
     if dim == 0:
-        return orthogonalize_blocks(m, m.size(0) // block_rows, steps, coefficients, dtype, eps)
+        return orthogonalize_blocks(
+            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
+        )
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
     o = orthogonalize_blocks(
-        x.reshape(shape[0], -1), shape[0] // block_rows, steps, coefficients, dtype, eps
+        x.reshape(shape[0], -1),
+        shape[0] // block_rows,
+        steps,
+        coefficients,
+        dtype,
+        eps,
+        algorithm=algorithm,
     )
     return o.view(shape).movedim(dim, 0).reshape(m.shape)

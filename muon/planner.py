@@ -148,7 +148,7 @@ def _ns_settings(g: dict) -> tuple:
     coefficients = g["ns_coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(map(tuple, coefficients))
-    return (g["ns_steps"], coefficients, g["ns_dtype"], g["eps"])
+    return (g["ns_steps"], coefficients, g["ns_dtype"], g["eps"], g.get("ns_algorithm"))
 
 
 def _mesh_key(p: torch.Tensor) -> tuple:

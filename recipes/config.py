@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -54,6 +54,17 @@ class NsDtype(StrEnum):
     bfloat16 = "bfloat16"
     float32 = "float32"
     float16 = "float16"
+
+
+class NsCoefficients(StrEnum):
+    fixed = "fixed"
+    tuned = "tuned"
+    polar_express = "polar_express"
+
+
+class NsAlgorithm(StrEnum):
+    standard = "standard"
+    gram = "gram"
 
 
 class RouterOptim(StrEnum):
@@ -136,20 +147,37 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: OptimName = _f(OptimName.muon, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
+    """What every optimizer option has. Each option (`conf/optim/<name>.yaml`) extends its own
+    schema below (`OPTIM_SCHEMAS`), so a run carries only its optimizer's keys: an AdamW run has
+    no `optim.remainder_strategy`, and grouping runs by it never mixes AdamW baselines in."""
+
+    name: OptimName = _f(MISSING, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
     lr: float = _f(0.02, "peak learning rate of the Muon groups (all groups for adamw)")
-    weight_decay: float = _f(0.0, "decoupled weight decay of the Muon groups")
+    weight_decay: float = _f(0.0, "decoupled weight decay of the Muon groups (all for adamw)")
+    betas: list[float] = _f(lambda: [0.9, 0.95], "AdamW betas", True)
+    eps: float = _f(1e-8, "AdamW epsilon")
+
+
+@dataclass
+class MuonOptimConfig(OptimConfig):
+    """`optim=muon`: muon.Muon for hidden matrices (experts blockwise), AdamW for the rest."""
+
+    name: OptimName = _f(OptimName.muon, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
     momentum: float = _f(0.95, "Muon momentum")
     nesterov: bool = _f(True, "Muon Nesterov momentum")
     ns_steps: int = _f(5, "Newton-Schulz iterations")
     ns_dtype: NsDtype = _f(
         NsDtype.bfloat16, "Newton-Schulz compute dtype; float32: same update on every layout/CPU"
     )
+    ns_coefficients: NsCoefficients = _f(
+        NsCoefficients.fixed, "Newton-Schulz coefficients: fixed, tuned or polar_express"
+    )
+    ns_algorithm: NsAlgorithm = _f(
+        NsAlgorithm.standard, "gram: iterate on X X^T where fewer FLOPs (rectangular blocks)"
+    )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
     adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")
     adamw_weight_decay: float = _f(0.0, "weight decay of the AdamW groups under muon")
-    betas: list[float] = _f(lambda: [0.9, 0.95], "AdamW betas", True)
-    eps: float = _f(1e-8, "AdamW epsilon")
     router: RouterOptim = _f(RouterOptim.adamw, "which algorithm updates router weights")
     remainder_strategy: RemainderStrategy = _f(
         RemainderStrategy.pad_all2all,
@@ -161,6 +189,22 @@ class OptimConfig:
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
+
+
+@dataclass
+class AdamWOptimConfig(OptimConfig):
+    """`optim=adamw`: torch.optim.AdamW over every parameter, the baseline for Muon."""
+
+    name: OptimName = _f(OptimName.adamw, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
+    lr: float = _f(3e-3, "peak learning rate of every group")
+    weight_decay: float = _f(0.0, "decoupled weight decay of every group")
+
+
+#: the schema of each `optim=<name>` option
+OPTIM_SCHEMAS: dict[str, type[OptimConfig]] = {
+    OptimName.muon.value: MuonOptimConfig,
+    OptimName.adamw.value: AdamWOptimConfig,
+}
 
 
 @dataclass
@@ -226,14 +270,18 @@ class LoggerConfig:
     group: str | None = _f(None, "W&B group; None: run.name")
     job_type: str = _f("train", "W&B job type")
     tags: list[str] = _f(list, "W&B tags", True)
+    system_metrics: bool = _f(True, "W&B system metrics (CPU, GPU, memory, disk, network)")
+    git: bool = _f(True, "record this checkout's git commit in the W&B run")
 
 
 @dataclass
 class Config:
+    """The whole config with its defaults (`optim=muon`): `OmegaConf.structured(Config)`."""
+
     run: RunConfig = _f(RunConfig, "where the run lives", True)
     mesh: MeshConfig = _f(MeshConfig, "world and device mesh", True)
     model: ModelConfig = _f(ModelConfig, "model preset", True)
-    optim: OptimConfig = _f(OptimConfig, "optimizer", True)
+    optim: OptimConfig = _f(MuonOptimConfig, "optimizer (its keys depend on optim.name)", True)
     data: DataConfig = _f(DataConfig, "token stream", True)
     train: TrainConfig = _f(TrainConfig, "training loop", True)
     metrics: MetricsConfig = _f(MetricsConfig, "metrics and memory sampling", True)
@@ -241,15 +289,28 @@ class Config:
     logger: LoggerConfig = _f(LoggerConfig, "experiment logger", True)
 
 
-def register() -> None:
-    """Register the schema and the resolvers of conf/train.yaml (idempotent)."""
-    from recipes.help import schema_help
+@dataclass
+class ConfigSchema(Config):
+    """What Hydra composes into: `optim` is left for the `optim=<name>` group option to fill
+    with its own schema (conf/optim/<name>.yaml lists `<name>_schema` in its defaults)."""
 
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    optim: OptimConfig = _f(MISSING, "optimizer (its keys depend on optim.name)")
+
+
+def register() -> None:
+    """Register the schemas and the resolvers of conf/train.yaml (idempotent)."""
+    from recipes.help import config_groups, schema_help
+
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=ConfigSchema)
+    for name, node in OPTIM_SCHEMAS.items():
+        store.store(group="schema/optim", name=name, node=node)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id)
     if not OmegaConf.has_resolver("schema_help"):
         OmegaConf.register_new_resolver("schema_help", schema_help)
+    if not OmegaConf.has_resolver("config_groups"):
+        OmegaConf.register_new_resolver("config_groups", config_groups)
     if not OmegaConf.has_resolver("slurm_tasks"):
         OmegaConf.register_new_resolver("slurm_tasks", slurm_tasks)
 
@@ -282,12 +343,37 @@ def describe(node: type = None, prefix: str = "") -> list[str]:
     """One line per leaf key: `key = default  # help`, for `python train.py --help`-like use."""
     lines = []
     for f in dataclasses.fields(node or Config):
+        if node is None and f.name == "optim":  # each option has its own keys
+            lines += _describe_optim()
+            continue
         if dataclasses.is_dataclass(f.default_factory):
             lines += describe(f.default_factory, f"{prefix}{f.name}.")
             continue
         value = f.default_factory() if f.default is dataclasses.MISSING else f.default
         value = value.value if isinstance(value, Enum) else value
         lines.append(f"{prefix}{f.name} = {value!r}  # {f.metadata['help']}")
+    return lines
+
+
+def _describe_optim() -> list[str]:
+    """`optim.*` once per key: the first option's default, the others' where they differ."""
+    defaults: dict[str, dict[str, Any]] = {}
+    helps: dict[str, str] = {}
+    for name, schema in OPTIM_SCHEMAS.items():
+        for f in dataclasses.fields(schema):
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            defaults.setdefault(f.name, {})[name] = (
+                value.value if isinstance(value, Enum) else value
+            )
+            helps.setdefault(f.name, f.metadata["help"])
+    lines = []
+    for key, by_option in defaults.items():
+        (first, value), *others = by_option.items()
+        notes = [f"optim={n}: {v!r}" for n, v in others if key != "name" and v != value]
+        if len(by_option) < len(OPTIM_SCHEMAS):
+            notes.append(f"optim={first} only")
+        note = f" [{'; '.join(notes)}]" if notes else ""
+        lines.append(f"optim.{key} = {value!r}  # {helps[key]}{note}")
     return lines
 
 
@@ -322,11 +408,12 @@ def validate(
     """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
     config and its layout on the mesh. Raises ConfigError naming the key."""
     _finite(cfg)
-    _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.adamw_lr", "optim.eps")
-    _positive(cfg, "optim.ns_steps", "optim.max_inflight", "data.vocab_size", "data.seq_len")
+    _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
+    _positive(cfg, "data.vocab_size", "data.seq_len")
     _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
     _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")
-    _positive(cfg, "optim.weight_decay", "optim.adamw_weight_decay", allow_zero=True)
+    _positive(cfg, "optim.weight_decay", allow_zero=True)
+    _validate_optim_option(cfg)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
@@ -347,8 +434,6 @@ def validate(
             f"the launcher started WORLD_SIZE={env_world_size} ranks; "
             f"pass mesh.world_size={env_world_size}",
         )
-    if not 0.0 <= cfg.optim.momentum < 1.0:
-        raise _fail("optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise _fail("optim.betas", list(cfg.optim.betas), "must be two values in [0, 1)")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
@@ -380,6 +465,27 @@ def validate(
                 f"needs {mesh.world_size} CUDA devices; "
                 f"this machine has {torch.cuda.device_count()}; allowed: auto, cpu, cuda",
             )
+
+
+def _validate_optim_option(cfg: DictConfig) -> None:
+    """`optim.name` matches the schema its group option composed; Muon's own ranges."""
+    optim = cfg.optim
+    name = optim.name.value if isinstance(optim.name, Enum) else str(optim.name)
+    if OmegaConf.get_type(optim) is not OPTIM_SCHEMAS[name]:
+        composed = next(k for k, v in OPTIM_SCHEMAS.items() if v is OmegaConf.get_type(optim))
+        raise _fail(
+            "optim.name",
+            name,
+            f"the optimizer is chosen with the config group: optim={name} instead of "
+            f"optim.name={name} (this config composed optim={composed}); "
+            f"allowed: {', '.join(OPTIM_SCHEMAS)}",
+        )
+    if name != OptimName.muon:
+        return
+    _positive(cfg, "optim.adamw_lr", "optim.ns_steps", "optim.max_inflight")
+    _positive(cfg, "optim.adamw_weight_decay", allow_zero=True)
+    if not 0.0 <= optim.momentum < 1.0:
+        raise _fail("optim.momentum", optim.momentum, "must be in [0, 1)")
 
 
 def _validate_data_path(data: DictConfig) -> None:
@@ -472,7 +578,11 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 def from_yaml(text: str) -> DictConfig:
     """Rebuild a typed config from the resolved YAML a worker receives."""
-    return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    plain = OmegaConf.create(text)
+    schema = OPTIM_SCHEMAS[str(OmegaConf.select(plain, "optim.name", default="muon"))]
+    return OmegaConf.merge(
+        OmegaConf.structured(ConfigSchema), {"optim": OmegaConf.structured(schema)}, plain
+    )
 
 
 register()

@@ -9,6 +9,7 @@ values), not the dataclass defaults alone.
 import dataclasses
 import typing
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -59,3 +60,16 @@ def schema_help(*, _root_: DictConfig) -> str:
     """The OmegaConf resolver behind the help template: the composed config's keys."""
     # string.Template (Hydra's help rendering) treats "$" as a placeholder
     return "\n".join(schema_lines(_root_)).replace("$", "$$")
+
+
+#: the config tree train.py composes
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def config_groups() -> str:
+    """The resolver listing the user's config groups, `group: option, ...` (conf/<group>/*.yaml;
+    Hydra's own list would also show the optimizer schemas that conf/optim/*.yaml extend)."""
+    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+    return "\n".join(
+        f"{g.name}: {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}" for g in groups
+    )

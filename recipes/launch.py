@@ -203,6 +203,11 @@ def _setup_logging(rank: int, run_dir: Path) -> logging.Logger:
     # Under torchrun, rank 0's root logger also holds Hydra's handlers; they stay.
     root = logging.getLogger()
     _replace(root, [files[0]] + ([] if _has_console(root) else [stderr]))
+    for name, other in list(logging.root.manager.loggerDict.items()):
+        # torch's loggers print to stderr themselves and do not propagate to the root
+        torch_own = name.split(".")[0] == "torch" and isinstance(other, logging.Logger)
+        if torch_own and not other.propagate:
+            _replace(other, [files[0]])
     logging.captureWarnings(True)
     failure = logging.getLogger("recipes.failure")
     failure.propagate = False

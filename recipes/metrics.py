@@ -1,10 +1,14 @@
-"""Rank 0's metric sinks (metrics.jsonl, W&B) and the end-of-run summary.
+"""Rank 0's metric sinks (metrics.jsonl, W&B), the metric names they share, and the summary.
 
 `metrics.jsonl` holds one JSON object per logged step. On a resume, lines past the resumed step
 (written by the killed process after its last checkpoint) are dropped, so the file reads as
 one uninterrupted run. W&B runs offline by default: files under `<run dir>/wandb/`, nothing
 sent (`wandb sync <run dir>/wandb/offline-run-*` uploads later); `logger.mode=online` sends.
-The W&B run id is kept in the run dir so a resumed job continues the same W&B run.
+The W&B run id is kept in the run dir so a resumed job continues the same W&B run, and so is
+the last step sent to it: a resumed job sends only later steps, so no step is logged twice.
+W&B records system metrics and the repository's git commit unless `logger.system_metrics` /
+`logger.git` turn them off; run summaries hold the peak (max) of every memory and time metric
+and the lowest loss, not their last values.
 """
 
 import json
@@ -16,6 +20,66 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("recipes")
+
+#: the repository whose git commit a W&B run records (train.py's checkout)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: per-rank figures that rank 0 logs as `<key>/max` and `<key>/min` over ranks
+RANK_EXTREMES = (
+    "muon/bytes_sent",
+    "muon/bytes_recv",
+    "muon/wait_s",
+    "muon/ns_s",
+    "muon/remainder/bytes_sent",
+    "muon/remainder/bytes_recv",
+)
+
+#: the counters `muon.Muon.step_stats` keeps per exchange path (`muon/<path>/<stat>`)
+REMAINDER_STATS = ("bytes_sent", "bytes_recv", "matrices", "batches")
+
+
+def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
+    """The remainder exchange's counters under strategy-neutral names.
+
+    `muon.Muon.step_stats` names counters by exchange path (`muon/agrs/bytes_sent`,
+    `muon/ragged_all_to_all/bytes_sent`, ...), so each strategy's runs log a different key and
+    no single panel overlays them. This returns `muon/remainder/<stat>`: the sum over the
+    remainder paths (`muon.plan.REMAINDER_STRATEGIES`), which is the configured strategy's path,
+    or with `remainder_strategy=auto` the paths it chose batch by batch. With
+    `enable_all2all=false` every exchanged batch takes `agrs` and is counted. A step without a
+    remainder batch sent nothing on those paths: 0. Empty for runs without Muon statistics
+    (AdamW), and when the optimizer already reports `muon/remainder/*` itself.
+    """
+    from muon.plan import REMAINDER_STRATEGIES
+
+    if not step_stats or any(key.startswith("muon/remainder/") for key in step_stats):
+        return {}
+    return {
+        f"muon/remainder/{stat}": float(
+            sum(step_stats.get(f"muon/{path}/{stat}", 0.0) for path in REMAINDER_STRATEGIES)
+        )
+        for stat in REMAINDER_STATS
+    }
+
+
+def summary_rule(key: str) -> str | None:
+    """How a W&B run summarizes a metric: `min` for the loss, `max` for memory and times (so
+    run tables and bar charts show peaks), None (W&B's default: the last value) otherwise."""
+    if key == "loss":
+        return "min"
+    if key.startswith("memory/"):
+        return "max"
+    base = key.removesuffix("/max").removesuffix("/min")
+    if base.endswith("_s") and not base.endswith("per_s"):  # seconds: step_s, muon/wait_s, ...
+        return "max"
+    return None
+
+
+def _last_step(path: Path) -> int:
+    if not path.exists():
+        return 0
+    text = path.read_text().strip()
+    return int(text) if text else 0
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -47,6 +111,14 @@ class MetricsLog:
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.world = dict(world or {})
         self.wandb_run = None
+        self.defined: set[str] = set()
+        # Steps up to here reached W&B before a restart; W&B keeps them, so they are not sent
+        # again (a step logged twice is dropped by W&B online and doubled by `wandb sync`).
+        self.wandb_step_file = Path(run_dir) / "wandb_step"
+        if start_step == 0:  # a fresh start (or checkpoint.resume=false) is a new W&B run
+            for stale in (self.wandb_step_file, Path(run_dir) / "wandb_id"):
+                stale.unlink(missing_ok=True)
+        self.wandb_logged = _last_step(self.wandb_step_file)
         if config["logger"]["backend"] == "wandb":
             self.wandb_run = _start_wandb(Path(run_dir), config)
             if self.world:
@@ -57,8 +129,16 @@ class MetricsLog:
         self.world = {}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+        if self.wandb_run is None or step <= self.wandb_logged:
+            return
+        for key in metrics.keys() - self.defined:
+            rule = summary_rule(key)
+            if rule is not None:
+                self.wandb_run.define_metric(key, summary=rule)
+            self.defined.add(key)
+        self.wandb_run.log(metrics, step=step)
+        self.wandb_logged = step
+        self.wandb_step_file.write_text(str(step))
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         self.file.close()
@@ -68,6 +148,24 @@ class MetricsLog:
                     {f"final/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
                 )
             self.wandb_run.finish()
+
+
+def wandb_settings(logger: dict[str, Any]):
+    """W&B settings for `logger.*`: system metrics and the git commit unless switched off."""
+    import wandb
+
+    system, git = bool(logger.get("system_metrics", True)), bool(logger.get("git", True))
+    return wandb.Settings(
+        silent=True,
+        console="off",
+        x_disable_stats=not system,
+        x_disable_machine_info=not system,
+        x_disable_meta=not (system or git),  # the metadata record carries the commit
+        disable_git=not git,
+        git_root=str(REPO_ROOT) if git else None,  # the code's checkout, not the launch cwd
+        save_code=False,
+        disable_job_creation=True,
+    )
 
 
 def _start_wandb(run_dir: Path, config: dict[str, Any]):
@@ -93,16 +191,7 @@ def _start_wandb(run_dir: Path, config: dict[str, Any]):
         dir=str(run_dir),
         mode=lc["mode"],
         config=config,
-        settings=wandb.Settings(
-            silent=True,
-            console="off",
-            x_disable_stats=True,
-            x_disable_meta=True,
-            x_disable_machine_info=True,
-            disable_git=True,
-            save_code=False,
-            disable_job_creation=True,
-        ),
+        settings=wandb_settings(lc),
     )
 
 

@@ -88,6 +88,8 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         weight_decay=o.weight_decay,
         ns_steps=o.ns_steps,
         ns_dtype=str(o.ns_dtype),
+        ns_coefficients=str(o.ns_coefficients),
+        ns_algorithm=str(o.ns_algorithm),
         adjust_lr=str(o.adjust_lr),
         betas=tuple(o.betas),
         adamw_eps=o.eps,

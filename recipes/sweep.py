@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from recipes.config import ConfigError, validate
 
 EXCLUDE_KEYS = "hydra.job.config.override_dirname.exclude_keys"
+_BASIC_SWEEPER = f"{BasicSweeper.__module__}.{BasicSweeper.__name__}"
 
 
 def swept_keys(config: DictConfig) -> list[str]:
@@ -87,6 +88,8 @@ class SweepDirs(Callback):
             with read_write(config), open_dict(config):
                 OmegaConf.update(config, EXCLUDE_KEYS, keep, merge=False)
                 config.hydra.overrides.hydra.append(f"{EXCLUDE_KEYS}=[{','.join(keep)}]")
+        if OmegaConf.select(config, "hydra.sweeper._target_") != _BASIC_SWEEPER:
+            return  # another sweeper picks its jobs as it goes: nothing to expand up front
         try:
             check_jobs(config)
         except ConfigError as err:

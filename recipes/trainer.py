@@ -30,7 +30,13 @@ from recipes import checkpoint, grads
 from recipes.config import to_plain
 from recipes.data import TokenStream, token_file
 from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
-from recipes.metrics import MetricsLog, Summary, memory_extremes
+from recipes.metrics import (
+    RANK_EXTREMES,
+    MetricsLog,
+    Summary,
+    memory_extremes,
+    remainder_metrics,
+)
 from recipes.parallel import build_model, build_optimizer, describe_model, lr_lambda, model_config
 
 log = logging.getLogger("recipes")
@@ -228,6 +234,7 @@ class Trainer:
         dist.all_reduce(loss)
         step_s = time.perf_counter() - t0
         tokens = self.samples_per_step * cfg.data.seq_len
+        stats = getattr(self.opt, "step_stats", {})
         return {
             "loss": loss.item() / self.world,
             "lr": lr[0],
@@ -238,7 +245,8 @@ class Trainer:
             "step_s": step_s,
             "optim_s": optim_s,
             "tokens_per_s": tokens / step_s,
-            **getattr(self.opt, "step_stats", {}),
+            **stats,
+            **remainder_metrics(stats),
             **memory,
         }
 
@@ -263,7 +271,7 @@ class Trainer:
                 cfg.mesh.ep,
                 self.device.type,
                 cfg.optim.name,
-                cfg.optim.remainder_strategy,
+                cfg.optim.get("remainder_strategy", "-"),
             )
         bar = None
         if self.rank == 0 and cfg.metrics.progress:
@@ -322,7 +330,7 @@ class Trainer:
         out = {k: v for k, v in metrics.items() if k not in _MEMORY_KEYS}
         out["step_s/max"] = max(r["step_s"] for r in per_rank)
         out["optim_s/max"] = max(r["optim_s"] for r in per_rank)
-        for key in ("muon/bytes_sent", "muon/bytes_recv", "muon/wait_s", "muon/ns_s"):
+        for key in RANK_EXTREMES:
             values = [r[key] for r in per_rank if key in r]
             if values:
                 out[f"{key}/max"], out[f"{key}/min"] = max(values), min(values)

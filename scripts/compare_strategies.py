@@ -4,11 +4,10 @@
     python scripts/compare_strategies.py RUN_DIR [RUN_DIR ...] --out compare/
     python scripts/compare_strategies.py --wandb ENTITY/PROJECT --group strategies --out compare/
 
-Inputs (any mix):
+Inputs (either or both):
 - Hydra run directories of `train.py` (`metrics.jsonl` + `config.yaml`, or `.hydra/config.yaml`);
-  a directory above them (a sweep, `run.root`) is searched for them.
-- W&B offline run directories (`wandb/offline-run-*`, or a `run-*.wandb` file), read without
-  the network; one inside a Hydra run directory that was found is skipped (same run).
+  a directory above them (a sweep, `run.root`) is searched for them. A W&B offline run lives in
+  its run directory (`wandb/offline-run-*`) and holds the same rows as its `metrics.jsonl`.
 - `--wandb ENTITY/PROJECT` (optionally `--group`): runs from the W&B API (online).
 
 Runs are grouped by `optim.remainder_strategy` of their resolved config (`--key` picks another
@@ -33,7 +32,6 @@ import csv
 import json
 import math
 import statistics
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +62,7 @@ class Run:
     """One training run: its resolved config and its logged steps."""
 
     name: str
-    source: str  # "jsonl", "wandb-offline" or "wandb-api"
+    source: str  # "jsonl" or "wandb-api"
     path: str
     config: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -109,77 +107,6 @@ def read_hydra_run(run_dir: Path) -> Run:
     return Run(run_dir.name, "jsonl", str(run_dir), config, history)
 
 
-_BLOCK = 32768
-_HEADER = 7  # file header "<4sHB" (":W&B", magic, version) and record header "<IHB"
-
-
-def _wandb_records(path: Path):
-    """Records of a W&B transaction log (`run-<id>.wandb`, LevelDB log framing)."""
-    data = path.read_bytes()
-    ident, _magic, _version = struct.unpack("<4sHB", data[:_HEADER])
-    if ident != b":W&B":
-        raise ValueError(f"{path}: not a W&B run file")
-    pos, pending = _HEADER, b""
-    while pos + _HEADER <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _HEADER:  # block trailer padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-        if length == 0 and kind == 0:  # zero padding up to the block end
-            pos += left
-            continue
-        chunk = data[pos + _HEADER : pos + _HEADER + length]
-        pos += _HEADER + length
-        if kind == 1:  # FULL
-            yield chunk
-        elif kind == 2:  # FIRST
-            pending = chunk
-        elif kind == 3:  # MIDDLE
-            pending += chunk
-        elif kind == 4:  # LAST
-            yield pending + chunk
-            pending = b""
-
-
-def _item_key(item) -> str:
-    return item.key or "/".join(item.nested_key)
-
-
-def read_wandb_offline(path: Path) -> Run:
-    """A W&B offline run directory (or its `run-*.wandb` file), without the network."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    files = [path] if path.is_file() else sorted(path.glob("run-*.wandb"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no run-*.wandb file")
-    config: dict[str, Any] = {}
-    history: list[dict[str, Any]] = []
-    name = path.name
-    for raw in _wandb_records(files[0]):
-        record = pb.Record()
-        record.ParseFromString(raw)
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            name = record.run.display_name or record.run.run_id
-            updates = record.run.config.update
-        elif kind == "config":
-            updates = record.config.update
-        elif kind == "history":
-            row = {_item_key(i): json.loads(i.value_json) for i in record.history.item}
-            if "step" not in row and "_step" in row:
-                row["step"] = row["_step"]
-            history.append(row)
-            continue
-        else:
-            continue
-        for u in updates:
-            config[_item_key(u)] = json.loads(u.value_json)
-    config.pop("_wandb", None)
-    run_dir = path if path.is_dir() else path.parent
-    return Run(name, "wandb-offline", str(run_dir), config, history)
-
-
 def read_wandb_api(project_path: str, group: str | None = None, api=None) -> list[Run]:
     """Runs of `entity/project` (optionally one group) from the W&B API."""
     if api is None:
@@ -199,30 +126,21 @@ def read_wandb_api(project_path: str, group: str | None = None, api=None) -> lis
 
 
 def discover(paths: list[Path]) -> list[Run]:
-    """Hydra run dirs and W&B offline runs under `paths` (offline runs of a found Hydra run
-    directory are the same run and are skipped)."""
-    hydra_dirs: list[Path] = []
-    offline: list[Path] = []
-    for p in paths:
-        p = Path(p)
-        if p.is_file() and p.suffix == ".wandb":
-            offline.append(p)
-            continue
+    """`train.py` run directories under `paths` (a run dir, or any directory above run dirs)."""
+    runs: list[Path] = []
+    for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(p)
+        if p.suffix == ".wandb" or list(p.glob("run-*.wandb")):
+            raise ValueError(
+                f"{p}: a W&B offline run; pass the train.py run directory that holds it "
+                "(its metrics.jsonl has the same rows), or `wandb sync` it and use --wandb"
+            )
         if (p / "metrics.jsonl").exists():
-            hydra_dirs.append(p)
-        elif list(p.glob("run-*.wandb")):
-            offline.append(p)
+            runs.append(p)
         else:
-            hydra_dirs += sorted(m.parent for m in p.rglob("metrics.jsonl"))
-            offline += sorted(f.parent for f in p.rglob("run-*.wandb"))
-    hydra_dirs = sorted(set(hydra_dirs))
-    resolved = [h.resolve() for h in hydra_dirs]
-    offline = [
-        o for o in dict.fromkeys(offline) if not any(h in o.resolve().parents for h in resolved)
-    ]
-    return [read_hydra_run(h) for h in hydra_dirs] + [read_wandb_offline(o) for o in offline]
+            runs += sorted(m.parent for m in p.rglob("metrics.jsonl"))
+    return [read_hydra_run(r) for r in sorted(set(runs))]
 
 
 # ---------------------------------------------------------------------------- aggregating
@@ -436,7 +354,7 @@ def compare(runs: list[Run], out: Path, key: str = DEFAULT_KEY) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("paths", nargs="*", type=Path, help="run dirs, sweep dirs, W&B offline runs")
+    ap.add_argument("paths", nargs="*", type=Path, help="run dirs or sweep dirs of train.py")
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
     ap.add_argument("--group", help="with --wandb: only this W&B group")
     ap.add_argument("--key", default=DEFAULT_KEY, help=f"config key to group by ({DEFAULT_KEY})")

@@ -1,10 +1,10 @@
 """scripts/compare_strategies.py: runs grouped by optim.remainder_strategy into tables and plots.
 
-Fast tests use hand-written run directories (both config layouts), a W&B transaction log framed
-here (records spanning 32 KiB blocks) and a stand-in for the W&B API. The slow test trains
-three short real runs (`python train.py -m optim.remainder_strategy=agrs,pad_all2all,
-ragged_all_to_all` on 2 CPU ranks, W&B offline) and compares them from metrics.jsonl and from
-the W&B offline files, which must agree.
+Fast tests use hand-written run directories (both config layouts) and a stand-in for the W&B
+API. The slow test trains three short real runs (`python train.py -m optim.remainder_strategy=
+agrs,pad_all2all,ragged_all_to_all` on 2 CPU ranks, W&B offline) and compares them from
+metrics.jsonl and, through the API stand-in, from the rows their W&B offline runs hold: the
+two must agree.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import csv
 import importlib.util
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -117,78 +116,50 @@ def test_missing_strategy_key_is_an_error(tmp_path):
         mod.compare(mod.discover([run]), tmp_path / "out")
 
 
-def _frame(records: list[bytes]) -> bytes:
-    """LevelDB log framing as W&B writes `run-<id>.wandb` (checksums are not checked)."""
-    block, out = 32768, bytearray(struct.pack("<4sHB", b":W&B", 0xBEE1, 0))
-    for data in records:
-        first = True
-        while True:
-            left = block - len(out) % block
-            if left < 7:
-                out += b"\0" * left
-                continue
-            chunk, data = data[: left - 7], data[left - 7 :]
-            kind = (1 if not data else 2) if first else (4 if not data else 3)
-            out += struct.pack("<IHB", 0, len(chunk), kind) + chunk
-            first = False
-            if not data:
-                break
-    return bytes(out)
-
-
-def test_wandb_offline_file_is_read_without_the_network(tmp_path):
-    from wandb.proto import wandb_internal_pb2 as pb
-
+def test_wandb_offline_run_points_to_its_run_dir(tmp_path):
     mod = _load()
-    records = []
-    run = pb.Record()
-    run.run.run_id, run.run.display_name = "abc123", "strategies/agrs"
-    config = {"optim": {"remainder_strategy": "agrs"}, "big": "x" * 70000}  # spans 3 blocks
-    for key, value in config.items():
-        item = run.run.config.update.add()
-        item.key, item.value_json = key, json.dumps(value)
-    records.append(run.SerializeToString())
-    for row in _history("agrs"):
-        rec = pb.Record()
-        for key, value in {**row, "_step": row["step"]}.items():
-            if key == "step":
-                continue
-            item = rec.history.item.add()
-            item.nested_key.append(key)  # W&B stores slash-containing keys as nested_key
-            item.value_json = json.dumps(value)
-        records.append(rec.SerializeToString())
-    offline = tmp_path / "wandb" / "offline-run-20260101_000000-abc123"
+    offline = tmp_path / "run" / "wandb" / "offline-run-20260101_000000-abc123"
     offline.mkdir(parents=True)
-    (offline / "run-abc123.wandb").write_bytes(_frame(records))
-    runs = mod.discover([tmp_path])
-    assert len(runs) == 1 and runs[0].source == "wandb-offline"
-    assert runs[0].name == "strategies/agrs" and runs[0].config["big"] == "x" * 70000
-    row = mod.summarize_run(runs[0])
-    assert row["strategy"] == "agrs" and row["step_s"] == pytest.approx(3.3)
-    assert row["optim_peak_delta_mib_per_rank"] == [3.0, 6.0]
+    (offline / "run-abc123.wandb").write_bytes(b":W&B")
+    with pytest.raises(ValueError, match="metrics.jsonl has the same rows"):
+        mod.discover([offline])
+
+
+class FakeRun:
+    """What `wandb.Api().runs()` yields, as far as the script reads it."""
+
+    def __init__(self, run_id: str, config: dict, rows: list[dict]):
+        self.id, self.name = run_id, f"run-{run_id}"
+        self.config = {**config, "_wandb": {}}
+        self._rows = rows
+
+    def scan_history(self):
+        return iter(self._rows)
+
+
+class FakeApi:
+    def __init__(self, runs: list[FakeRun]):
+        self._runs = runs
+
+    def runs(self, path, filters=None):
+        assert path == "team/proj" and filters == {"group": "strategies"}
+        return self._runs
 
 
 def test_wandb_api_runs(tmp_path):
     mod = _load()
-
-    class FakeRun:
-        def __init__(self, i, strategy):
-            self.id, self.name = f"id{i}", f"run-{strategy}"
-            self.config = {"optim": {"remainder_strategy": strategy}, "_wandb": {}}
-            self._rows = [
+    fakes = [
+        FakeRun(
+            f"id{i}",
+            {"optim": {"remainder_strategy": s}},
+            [
                 {**{k: v for k, v in r.items() if k != "step"}, "_step": r["step"]}
-                for r in _history(strategy)
-            ]
-
-        def scan_history(self):
-            return iter(self._rows)
-
-    class FakeApi:
-        def runs(self, path, filters=None):
-            assert path == "team/proj" and filters == {"group": "strategies"}
-            return [FakeRun(i, s) for i, s in enumerate(STRATEGIES)]
-
-    runs = mod.read_wandb_api("team/proj", "strategies", api=FakeApi())
+                for r in _history(s)
+            ],
+        )
+        for i, s in enumerate(STRATEGIES)
+    ]
+    runs = mod.read_wandb_api("team/proj", "strategies", api=FakeApi(fakes))
     result = mod.compare(runs, tmp_path / "out")
     assert [r["strategy"] for r in result["table"]] == list(STRATEGIES)
     assert result["table"][0]["step_s"] == pytest.approx(3.3)
@@ -246,13 +217,25 @@ def test_three_real_runs_make_a_table_and_plots(tmp_path):
     for png in ("step_time.png", "optim_time.png", "memory_per_rank.png", "bytes_sent.png"):
         assert (out / png).read_bytes()[:8] == PNG
 
-    # the same runs from their W&B offline files alone agree with metrics.jsonl
+    # W&B holds the same rows: the runs as the W&B API would serve them after `wandb sync`
+    # (the stand-in reads their offline files) give the same table as metrics.jsonl.
+    from tests import wandb_records
+
     mod = _load()
     offline = sorted((runs_root / "cmp").glob("*/wandb/offline-run-*"))
     assert len(offline) == 3
-    from_wandb = mod.compare(mod.discover(offline), tmp_path / "out_wandb")
+    fakes = []
+    for d in offline:
+        run = wandb_records.read(d)
+        fakes.append(FakeRun(run.run_id, run.config, run.history))
+    from_wandb = mod.compare(
+        mod.read_wandb_api("team/proj", "strategies", api=FakeApi(fakes)), tmp_path / "out_wandb"
+    )
     for row in from_wandb["table"]:
         ref = table[row["strategy"]]
         assert row["runs"] == 1
         for col in ("step_s", "optim_s", "optim_peak_delta_mib_max", "bytes_sent_mib_max"):
             assert row[col] == pytest.approx(float(ref[col]), rel=1e-9), col
+    # one strategy-neutral key for the remainder exchange, whatever the strategy
+    for d in offline:
+        assert "muon/remainder/bytes_sent/max" in wandb_records.read(d).history[-1]

@@ -44,7 +44,10 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     cfg = _compose(overrides)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
-    assert plain["optim"]["remainder_strategy"] in ("agrs", "pad_all2all", "ragged_all_to_all")
+    if plain["optim"]["name"] == "muon":
+        assert plain["optim"]["remainder_strategy"] in ("agrs", "pad_all2all", "ragged_all_to_all")
+    else:  # one schema per optimizer: an AdamW run carries no Muon key
+        assert plain["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
     # What the workers receive round-trips into the typed schema.
     again = schema.from_yaml(OmegaConf.to_yaml(cfg, resolve=True))
     assert schema.to_plain(again) == plain
@@ -98,14 +101,18 @@ def test_user_keys_override():
         ("optim.remainder_strategy=agsr", ["optim.remainder_strategy", "agrs, pad_all2all"]),
         ("optim.lr=oops", ["optim.lr", "oops"]),
         ("optim.ns_dtype=float64", ["optim.ns_dtype", "bfloat16, float32, float16"]),
+        ("optim.ns_algorithm=fast", ["optim.ns_algorithm", "standard, gram"]),
+        ("optim.ns_coefficients=cubic", ["optim.ns_coefficients", "fixed, tuned, polar_express"]),
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
+        # one schema per optimizer: Muon keys do not exist under optim=adamw
+        ("optim=adamw optim.remainder_strategy=agrs", ["remainder_strategy", "AdamWOptimConfig"]),
     ],
 )
 def test_compose_rejects(override, expected):
     with pytest.raises(ConfigCompositionException) as err:
-        _compose([override])
+        _compose(override.split())
     text = f"{err.value} {err.value.__cause__}"
     for fragment in expected:
         assert fragment in text
@@ -124,6 +131,7 @@ def test_compose_rejects(override, expected):
         (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
         (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
         (["data.vocab_size=300"], "does not fit data.dtype=uint8"),
+        (["optim.name=adamw"], "optim.name=adamw: the optimizer is chosen with the config group"),
         (["data.vocab_size=100"], "data.vocab_size=100: data.source=stdlib has byte tokens"),
         (["optim.betas=[0.9,inf]"], "optim.betas[1]=inf: must be a finite number"),
         (["train.min_lr_ratio=nan"], "train.min_lr_ratio=nan: must be a finite number"),
@@ -162,18 +170,26 @@ def test_every_field_has_help():
 
 
 def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
-    """`--help` renders the schema for the composed config (here optim=adamw's values)."""
-    proc, _ = _train_py("--help", "optim=adamw", cwd=tmp_path)
+    """`--help` renders the schema for the composed config: Muon's keys by default, AdamW's
+    (and no Muon key) with optim=adamw."""
+    proc, _ = _train_py("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
     assert "[agrs, pad_all2all, ragged_all_to_all, auto]" in strategy
     assert "# Muon exchange for batches smaller than the FSDP group" in strategy
-    for start in ("optim.lr = 0.003  # ", "optim.nesterov = true  [true, false]  # "):
-        assert any(line.startswith(start) for line in lines), start
+    assert any(line.startswith("optim.nesterov = true  [true, false]  # ") for line in lines)
     keys = {line.split(" = ")[0] for line in lines if line[:1].islower() and "  # " in line}
     assert keys == {line.split(" = ")[0] for line in schema.describe()}
     assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
+    assert not any(line.startswith("schema") for line in lines)
+    adamw, _ = _train_py("--help", "optim=adamw", cwd=tmp_path)
+    assert adamw.returncode == 0, adamw.stderr
+    optim = {
+        line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
+    }
+    assert optim == {f"optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")}
+    assert "optim.lr = 0.003  # " in adamw.stdout
     assert not list(tmp_path.iterdir())  # nothing written
 
 
@@ -237,3 +253,20 @@ def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
     assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
     assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("checkpoints"))
     assert elapsed < 30, elapsed  # compose + validate only (Python + torch import)
+
+
+def test_newton_schulz_knobs_reach_the_optimizer():
+    """optim.ns_coefficients / optim.ns_algorithm land in every Muon group (single process)."""
+    from models.glm import GLMForCausalLM, get_preset
+    from recipes.parallel import build_optimizer
+
+    cfg = _compose(["optim.ns_coefficients=polar_express", "optim.ns_algorithm=gram"])
+    opt = build_optimizer(cfg, GLMForCausalLM(get_preset("tiny")))
+    muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
+    assert muon and all(
+        (g["ns_coefficients"], g["ns_algorithm"]) == ("polar_express", "gram") for g in muon
+    )
+    default = build_optimizer(_compose([]), GLMForCausalLM(get_preset("tiny")))
+    assert {g["ns_algorithm"] for g in default.param_groups if g["algorithm"] == "muon"} == {
+        "standard"
+    }

@@ -1,5 +1,5 @@
-"""Single-device GLM-MoE model: formula parity with hf-glm4moe.md section 3, config validation,
-presets on the meta device, router bias balancing, Muon metadata."""
+"""Single-device GLM-MoE model: formula parity with transformers' Glm4Moe forward, config
+validation, presets on the meta device, router bias balancing, Muon metadata."""
 
 import math
 
@@ -45,7 +45,7 @@ def _randomized(cfg: GLMConfig, seed: int = 0) -> GLMForCausalLM:
     return model
 
 
-# ---- an independent, plain transcription of the math in hf-glm4moe.md section 3 ----
+# ---- an independent, plain transcription of transformers' Glm4Moe forward math ----
 
 
 def _ref_rms(x, w, eps):

@@ -61,7 +61,8 @@ def _model(cfg: GLMConfig) -> GLMForCausalLM:
 
 
 def _expected_hf_shapes(c: GLMConfig) -> dict[str, tuple]:
-    """hf-glm4moe.md sections 2a/2b, written out for config c (MTP layer as layer N)."""
+    """transformers' Glm4Moe state-dict shapes (fused 3-D experts in memory, per-expert 2-D
+    keys on disk), written out for config c (MTP layer as layer N)."""
     V, H, nh, nkv, hd = (
         c.vocab_size,
         c.hidden_size,
@@ -449,7 +450,7 @@ def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tm
         ids.tolist(),
     )
     # Both forwards run in float32 on the same bf16-valued weights: they differ only by
-    # summation order (~1e-6 relative, hf-glm4moe.md section 4), far below bf16's 2^-8.
+    # summation order (a few 2^-24 ulps per op, ~1e-6 relative), far below bf16's 2^-8.
     for logits, *_ in results:
         torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-5)
     I, D = HF_KW["moe_intermediate_size"], HF_KW["hidden_size"]

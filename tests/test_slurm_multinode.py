@@ -56,6 +56,20 @@ def cluster(tmp_path_factory):
         yield c
 
 
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs(request):
+    """After each test, cancel the jobs a failed test left behind, so the next one finds the
+    nodes idle."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
+    jobs = cluster.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+    if jobs:
+        cluster.run(["scancel", "--full", *jobs], check=False)
+        cluster.wait_idle(60)
+
+
 def _nodes(root: Path) -> list[str]:
     env = (root / "etc" / "netns.env").read_text()
     return re.search(r'^NODES="([^"]*)"', env, re.M).group(1).split()

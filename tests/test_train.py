@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recipes import checkpoint
-from recipes.config import Config
+from recipes.config import from_yaml
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,8 +230,8 @@ def _nan_world(config_yaml: str, run_dir: str):
 @pytest.mark.slow
 def test_nan_step_skipped_with_adamw(cache, tmp_path):
     """optim=adamw: the loop itself skips the poisoned step (2 ranks, ep=1, Trainer direct)."""
-    cfg = OmegaConf.structured(Config)
-    overrides = ["optim.name=adamw", "optim.lr=0.003", "mesh.world_size=2", "mesh.ep=1"]
+    cfg = from_yaml("optim: {name: adamw}")  # the AdamW schema with its defaults
+    overrides = ["optim.lr=0.003", "mesh.world_size=2", "mesh.ep=1"]
     overrides += ["train.steps=4", "train.inject_nan_at_step=2", "checkpoint.every=1"]
     overrides += ["checkpoint.keep=4", "checkpoint.export_hf=false", "logger.backend=none"]
     overrides += ["metrics.memory_every=100", "metrics.log_every=2", *_small(cache)]

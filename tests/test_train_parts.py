@@ -115,3 +115,37 @@ def test_grad_norm_accumulation_and_clipping(tmp_path):
     before, after = out["clip_muon=True"]
     total = (after["adamw"] + after["muon"]) ** 0.5
     assert total == pytest.approx(0.01, rel=1e-3)
+
+
+def test_rank_logging_files(tmp_path):
+    """A rank's warnings (Python's and libraries') and its failure land in logs/rank_<k>.log;
+    rank 0's lines also in train.log. In-process: the handlers are removed afterwards."""
+    import logging
+    import warnings
+
+    from recipes import launch
+
+    try:
+        failure = launch._setup_logging(2, tmp_path)
+        logging.getLogger("recipes").info("rank 2 info stays on the console")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a warning raised on rank 2", UserWarning, stacklevel=1)
+        logging.getLogger("torch.distributed").warning("a library's warning")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError as err:
+            failure.error("rank %d failed: %r", 2, err, exc_info=True)
+        launch._setup_logging(0, tmp_path)  # set up again in one process: replaced, not stacked
+        logging.getLogger("recipes").info("a rank-0 line")
+    finally:
+        for name in ("", "recipes", "recipes.failure", "torch", "torch.distributed"):
+            launch._replace(logging.getLogger(name), [])
+        logging.captureWarnings(False)
+    text = (tmp_path / "logs" / "rank_2.log").read_text()
+    assert "UserWarning: a warning raised on rank 2" in text
+    assert "[torch.distributed][WARNING] - a library's warning" in text
+    assert "rank 2 failed: RuntimeError('boom')" in text and "Traceback" in text
+    assert "info stays" not in text and "rank-0 line" not in text
+    assert "[recipes][INFO] - a rank-0 line" in (tmp_path / "train.log").read_text()
+    assert (tmp_path / "logs" / "rank_0.log").read_text() == ""

@@ -27,6 +27,7 @@ class DecoderLayer(nn.Module):
     recomputation does not count expert loads a second time."""
 
     checkpoint_activations = False
+    _compiled_block = None
 
     def __init__(self, config: GLMConfig, is_moe: bool) -> None:
         super().__init__()
@@ -36,17 +37,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size)
 
+    def compile_block(self) -> None:
+        """Run the block's computation through torch.compile from now on. Parameter names do
+        not change, and hooks on the layer (FSDP2's) and the checkpoint around the block stay
+        eager: a checkpoint with a recomputation context cannot be traced by dynamo."""
+        self._compiled_block = torch.compile(self._block)
+
     def forward(self, h_BTD, cos_TR, sin_TR):
+        block = self._compiled_block or self._block
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(
-                self._block,
+                block,
                 h_BTD,
                 cos_TR,
                 sin_TR,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), recomputing()),
             )
-        return self._block(h_BTD, cos_TR, sin_TR)
+        return block(h_BTD, cos_TR, sin_TR)
 
     def _block(self, h_BTD, cos_TR, sin_TR):
         h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TR, sin_TR)

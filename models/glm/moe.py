@@ -33,6 +33,15 @@ def recomputing() -> Iterator[None]:
         _recomputing -= 1
 
 
+@torch.compiler.disable
+def _count_loads(expert_load: torch.Tensor, idx_NK: torch.Tensor) -> None:
+    # Eager even inside a compiled layer: were the recomputation flag read by compiled code,
+    # the recomputation would run a differently compiled graph whose saved tensors do not
+    # line up with the forward's, and activation checkpointing would use the wrong ones.
+    if not _recomputing:
+        expert_load += torch.bincount(idx_NK.reshape(-1), minlength=expert_load.numel())
+
+
 class Router(nn.Module):
     """Sigmoid top-k router with auxiliary-loss-free load balancing.
 
@@ -69,8 +78,7 @@ class Router(nn.Module):
                 keep_NG.scatter_(1, group_score_NG.topk(self.topk_group, dim=-1).indices, True)
                 choice_NE = choice_NGe.masked_fill(~keep_NG[..., None], float("-inf")).view(N, -1)
             idx_NK = choice_NE.topk(self.top_k, dim=-1, sorted=False).indices
-            if not _recomputing:
-                self.expert_load += torch.bincount(idx_NK.reshape(-1), minlength=self.num_experts)
+            _count_loads(self.expert_load, idx_NK)
         w_NK = scores_NE.gather(1, idx_NK)
         if self.norm_topk_prob:
             w_NK = w_NK / (w_NK.sum(-1, keepdim=True) + 1e-20)

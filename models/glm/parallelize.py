@@ -89,8 +89,9 @@ def parallelize(
 ) -> GLMForCausalLM:
     """Shard `model` in place (and return it), per decoder layer in the order EP, activation
     checkpointing, compile, FSDP2: EP for the routed experts; `activation_checkpointing`
-    recomputes each decoder layer in backward; `compile_layers` compiles each decoder layer in
-    place (`nn.Module.compile`, so parameter names do not change); then FSDP2 per expert block
+    recomputes each decoder layer in backward; `compile_layers` compiles each decoder layer's
+    computation (`DecoderLayer.compile_block`: names unchanged, the checkpoint and FSDP2's
+    hooks around it stay eager); then FSDP2 per expert block
     (efsdp mesh), per decoder layer and at the root (dense mesh). `param_dtype` /
     `reduce_dtype` set FSDP2 mixed precision over the float32 sharded parameters; with a
     `param_dtype` the routers keep float32 parameters (their own FSDP unit), as GLM checkpoints
@@ -115,7 +116,7 @@ def parallelize(
         if i < n_forward:
             layer.checkpoint_activations = activation_checkpointing
             if compile_layers:
-                layer.compile()
+                layer.compile_block()
         if experts is not None:
             fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp)
             experts.set_gradient_divide_factor(float(W))

@@ -22,51 +22,57 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.overrides.num_hidden_layers=2", "data.seq_len=32", "data.batch_size=2"]
 
 
-class _AllGatherBytes(TorchDispatchMode):
-    """Bytes each rank contributes to c10d all-gathers (FSDP2's parameter all-gathers)."""
+class _CollectiveBytes(TorchDispatchMode):
+    """Bytes each rank puts into c10d all-gathers and reduce-scatters (FSDP2's)."""
 
-    OPS = ("_allgather_base_", "allgather_into_tensor_coalesced_")
+    OPS = {
+        "_allgather_base_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    }
 
     def __init__(self) -> None:
         super().__init__()
-        self.sent = 0
-        self.calls = 0
+        self.sent = {"all_gather": 0, "reduce_scatter": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and func.__name__.split(".")[0] in self.OPS:
+        kind = self.OPS.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
+        if kind is not None:
             inputs = args[1] if isinstance(args[1], list | tuple) else [args[1]]
-            self.sent += sum(t.numel() * t.element_size() for t in inputs)
-            self.calls += 1
+            self.sent[kind] += sum(t.numel() * t.element_size() for t in inputs)
         return func(*args, **(kwargs or {}))
+
+
+CASES = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "bfloat16")]
 
 
 def _mixed_precision_world():
     from recipes.parallel import build_model, build_optimizer, train_dtypes
 
     out = {}
-    for param_dtype in ("float32", "bfloat16"):
-        cfg = OmegaConf.merge(
-            OmegaConf.structured(Config),
-            OmegaConf.from_dotlist(
-                ["mesh.world_size=2", "mesh.ep=2", f"train.param_dtype={param_dtype}", *TINY]
-            ),
-        )
+    for param_dtype, reduce_dtype in CASES:
+        dotlist = ["mesh.world_size=2", "mesh.ep=2", *TINY]
+        dotlist += [f"train.param_dtype={param_dtype}", f"train.reduce_dtype={reduce_dtype}"]
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
         model = build_model(cfg, torch.device("cpu"))
         opt = build_optimizer(cfg, model)
-        ids = torch.randint(
-            0, 256, (2, 33), generator=torch.Generator().manual_seed(dist.get_rank())
-        )
-        counter = _AllGatherBytes()
-        with counter:
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        ids = torch.randint(0, 256, (2, 33), generator=gen)
+        forward, backward = _CollectiveBytes(), _CollectiveBytes()
+        with forward:
             loss = model.loss(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+        with backward:
+            loss.backward()
         opt.step()
-        # The router weights stay float32 under bf16 compute (their own FSDP unit).
-        router = sum(r.weight.to_local().numel() * 4 for r in model.routers())
-        out[param_dtype] = {
-            "sent": counter.sent,
-            "calls": counter.calls,
-            "router_bytes": router,
+        routers = [r.weight for r in model.routers()]
+        out[(param_dtype, reduce_dtype)] = {
+            "gathered": forward.sent["all_gather"],
+            "reduced": backward.sent["reduce_scatter"],
+            # Router weights keep float32 compute and reduction (their own FSDP unit): a
+            # float32 shard sent in the all-gather, the float32 full gradient reduce-scattered.
+            "router_shard_bytes": sum(w.to_local().numel() * 4 for w in routers),
+            "router_full_bytes": sum(w.numel() * 4 for w in routers),
             "dtypes": train_dtypes(cfg, torch.device("cpu")),
             "param_dtypes": {str(p.dtype) for p in model.parameters()},
             "grad_dtypes": {str(p.grad.dtype) for p in model.parameters() if p.grad is not None},
@@ -84,15 +90,21 @@ def _mixed_precision_world():
 def test_bf16_params_halve_the_all_gather_bytes_over_fp32_masters():
     results = run_world(_mixed_precision_world, 2, timeout_s=240)
     for rank in results:
-        fp32, bf16 = rank["float32"], rank["bfloat16"]
+        fp32, bf16, bf16_reduce = (rank[case] for case in CASES)
         assert fp32["dtypes"] == (torch.float32, torch.float32)  # `auto` on CPU
         assert bf16["dtypes"] == (torch.bfloat16, torch.float32)
+        assert bf16_reduce["dtypes"] == (torch.bfloat16, torch.bfloat16)
         # Masters, gradients and optimizer state (Muon momentum, AdamW moments) stay float32.
-        for r in (fp32, bf16):
+        for r in (fp32, bf16, bf16_reduce):
             assert r["param_dtypes"] == r["grad_dtypes"] == r["state_dtypes"] == {"torch.float32"}
         # bf16 sends 2 bytes per parameter value where fp32 sends 4, except the float32 routers.
-        assert fp32["sent"] > 0 and bf16["calls"] >= fp32["calls"]
-        assert bf16["sent"] == (fp32["sent"] - fp32["router_bytes"]) // 2 + fp32["router_bytes"]
+        router = fp32["router_shard_bytes"]
+        assert fp32["gathered"] > 0
+        assert bf16["gathered"] == (fp32["gathered"] - router) // 2 + router
+        # Gradients are reduced in train.reduce_dtype: float32 unless asked for bfloat16.
+        router = fp32["router_full_bytes"]
+        assert fp32["reduced"] > 0 and bf16["reduced"] == fp32["reduced"]
+        assert bf16_reduce["reduced"] == (fp32["reduced"] - router) // 2 + router
 
 
 def _train_py(args: list[str], root: Path) -> str:
@@ -169,3 +181,37 @@ def test_activation_checkpointing_and_compile_keep_the_loss_curve(tmp_path):
     # 1e-4 relative on the loss leaves margin and still catches a wrong layer (>1e-2).
     np.testing.assert_allclose(curves["compiled"], curves["plain"], rtol=1e-4)
     assert curves["plain"][-1] < curves["plain"][0]
+
+
+def _loss_grads_loads(checkpointing: bool, compiled: bool):
+    from models.glm import GLMForCausalLM, get_preset
+
+    model = GLMForCausalLM(get_preset("tiny", num_hidden_layers=2))
+    model.init_weights(0)
+    for layer in model.model.layers:
+        layer.checkpoint_activations = checkpointing
+        if compiled:
+            layer.compile_block()
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    loss = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, [r.expert_load.clone() for r in model.routers()]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_checkpointed_layers_give_the_same_gradients_and_count_loads_once(compiled):
+    loss, grads, loads = _loss_grads_loads(checkpointing=False, compiled=False)
+    loss2, grads2, loads2 = _loss_grads_loads(checkpointing=True, compiled=compiled)
+    # The recomputation must not count the routed tokens a second time.
+    assert all(torch.equal(a, b) for a, b in zip(loads, loads2, strict=True))
+    assert grads.keys() == grads2.keys()
+    if not compiled:  # the same float32 ops again: the same bits
+        assert loss == loss2 and all(torch.equal(grads[n], grads2[n]) for n in grads)
+    else:  # fused float32 kernels: rounding-level differences (~1e-7 relative per op, a few
+        # dozen ops deep); 1e-5 of each gradient's scale catches a misaligned recomputation
+        # (which gave errors of ~50% of the router's gradient).
+        assert loss == pytest.approx(loss2, rel=1e-5)
+        for n in grads:
+            scale = grads[n].abs().max().item()
+            torch.testing.assert_close(grads2[n], grads[n], rtol=0, atol=1e-5 * scale)

@@ -1,0 +1,506 @@
+"""Benchmark the Newton-Schulz variants: time, FLOPs and quality per GLM shape, plus training.
+
+    python scripts/bench_newton_schulz.py --out bench_ns              # CPU: GLM-5.2 shapes / 16
+    python scripts/bench_newton_schulz.py --device cuda --scale 1     # the real shapes on a GPU
+
+Sections (all in one run, so the ratios come from one machine state):
+1. Per GLM-5.2 block shape (scaled down by `--scale`) and variant: time per block of a batched
+   bf16 call (CPU: process time of one thread, the median of `--repeats` interleaved rounds, so
+   other load on the machine does not enter; CUDA: synchronized wall time), the FLOPs of
+   `muon.newton_schulz.ns_flops` (Gram's fallback included), and quality against the float64
+   SVD: max |sigma - 1| over the bulk (the gain u_i^T O v_i along each input singular direction
+   whose singular value is >= 1e-3 of the Frobenius norm, the range Polar Express is built for),
+   the smallest singular value of the output, ||O O^T - I||_F / sqrt(min dim) and the relative
+   distance to the polar factor U V^T. Quality on Gaussian blocks of the shape, and on the
+   momentum blocks of a tiny GLM after `--train-steps` steps of training (section 2).
+2. Training: the tiny GLM preset, one process, `--train-steps` steps of Muon per optimizer
+   variant on this Python's standard library as bytes; the loss curves and final losses.
+3. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
+   variant (interleaved), with the quality of the applied update (lr 1, no momentum, so the
+   update is the orthogonalized gradient).
+
+Writes results.json, tables.md, newton_schulz.png (time ratio and quality per shape) and
+training.png into `--out`, and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from muon.newton_schulz import gram_is_cheaper, newton_schulz, ns_flops  # noqa: E402
+
+# GLM-5.2 block shapes (hidden 6144, dense FFN 12288, expert intermediate 2048, 256 experts,
+# router [256, 6144]); batch = blocks per batched call.
+GLM_SHAPES = [
+    ("expert gate/up block", 2048, 6144, 8),
+    ("expert down block", 6144, 2048, 8),
+    ("dense gate/up", 12288, 6144, 2),
+    ("dense down", 6144, 12288, 2),
+    ("router", 256, 6144, 2),
+    ("square (attention-like)", 6144, 6144, 2),
+]
+# newton_schulz keyword sets; the first is today's default.
+VARIANTS = {
+    "fixed": dict(coefficients="fixed"),
+    "tuned": dict(coefficients="tuned"),
+    "polar_express": dict(coefficients="polar_express"),
+    "polar_express sym": dict(coefficients="polar_express", symmetric=True),
+    "polar_express gram": dict(coefficients="polar_express", algorithm="gram"),
+    "polar_express gram sym": dict(coefficients="polar_express", algorithm="gram", symmetric=True),
+    "polar_express gram r1,3": dict(
+        coefficients="polar_express", algorithm="gram", restarts=(1, 3)
+    ),
+    "fixed gram": dict(coefficients="fixed", algorithm="gram"),
+    "polar_express fp32": dict(coefficients="polar_express", dtype=torch.float32),
+    "polar_express gram fp32": dict(
+        coefficients="polar_express", algorithm="gram", dtype=torch.float32
+    ),
+}
+# Muon-level variants (ns_coefficients, ns_algorithm) for training and the W=4 step.
+OPT_VARIANTS = {
+    "fixed standard": ("fixed", "standard"),
+    "tuned standard": ("tuned", "standard"),
+    "polar_express standard": ("polar_express", "standard"),
+    "polar_express gram": ("polar_express", "gram"),
+}
+BULK = 1e-3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--scale", type=int, default=None, help="divide GLM dims (default 16 on CPU)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per shape")
+    p.add_argument("--train-steps", type=int, default=200, help="tiny GLM steps per variant")
+    p.add_argument("--step-world", type=int, default=4, help="ranks of the optimizer-step world")
+    p.add_argument("--step-shape", default="384x1152", help="matrix shape of the step world")
+    p.add_argument("--step-count", type=int, default=8, help="matrices in the step world")
+    p.add_argument("--step-repeats", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: train,step")
+    p.add_argument("--out", default="bench_ns", help="output directory")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------ quality
+def quality(G: torch.Tensor, O: torch.Tensor) -> dict:
+    """Quality of O = NS(G) for a batch [B, m, n] against float64 SVD figures of G."""
+    G, O = G.double().cpu(), O.double().cpu()
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    gains = torch.einsum("bmk,bmn,bkn->bk", U, O, Vh)  # u_i^T O v_i
+    bulk = S.norm(dim=-1, keepdim=True) * BULK <= S
+    sv = torch.linalg.svdvals(O)
+    small = O @ O.mT if O.size(-2) <= O.size(-1) else O.mT @ O
+    eye = torch.eye(small.size(-1), dtype=torch.float64)
+    polar = U @ Vh
+    return dict(
+        bulk_max_dev=(gains - 1).abs()[bulk].max().item(),
+        sigma_min=sv.min().item(),
+        ortho_err=((small - eye).norm(dim=(-2, -1)) / math.sqrt(small.size(-1))).max().item(),
+        polar_dist=((O - polar).norm(dim=(-2, -1)) / polar.norm(dim=(-2, -1))).max().item(),
+    )
+
+
+def _timer(device: str):
+    if device == "cpu":
+        return time.process_time
+
+    def wall():
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return wall
+
+
+def bench_shapes(args, momentum: dict[str, torch.Tensor]) -> list[dict]:
+    scale = args.scale or (16 if args.device == "cpu" else 1)
+    clock = _timer(args.device)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, r, c, batch in GLM_SHAPES:
+        m, n = r // scale, c // scale
+        G = torch.randn(batch, m, n, generator=gen).to(args.device)
+        times = {v: [] for v in VARIANTS}
+        for kw in VARIANTS.values():  # warm-up
+            newton_schulz(G, **kw)
+        for _ in range(args.repeats):  # interleaved rounds
+            for v, kw in VARIANTS.items():
+                t0 = clock()
+                newton_schulz(G, **kw)
+                times[v].append((clock() - t0) / batch)
+        base = statistics.median(times["fixed"])
+        for v, kw in VARIANTS.items():
+            t = statistics.median(times[v])
+            algo = kw.get("algorithm", "standard")
+            fkw = {k: kw[k] for k in ("symmetric", "restarts") if k in kw}
+            if algo == "gram" and not gram_is_cheaper(m, n, **fkw):
+                algo = "standard (fallback)"
+                fkw.pop("restarts", None)
+            flops = ns_flops(m, n, algorithm=algo.split()[0], **fkw)
+            q = quality(G, newton_schulz(G, **kw))
+            rows.append(
+                dict(
+                    shape=name,
+                    rows=m,
+                    cols=n,
+                    batch=batch,
+                    variant=v,
+                    algorithm=algo,
+                    ms_per_block=t * 1e3,
+                    time_vs_fixed=t / base,
+                    gflop_per_block=flops / 1e9,
+                    **{f"random_{k}": x for k, x in q.items()},
+                )
+            )
+    std = {(r["shape"], r["variant"]): r for r in rows}
+    for r in rows:  # Gram against the standard iteration with the same coefficients
+        base_name = r["variant"].replace(" sym", "").replace(" r1,3", "")
+        same = std.get((r["shape"], base_name.replace(" gram", "")))
+        r["time_vs_standard_same_coefs"] = r["ms_per_block"] / same["ms_per_block"]
+    for key, G in momentum.items():
+        for v, kw in VARIANTS.items():
+            q = quality(G, newton_schulz(G, **kw))
+            rows.append(
+                dict(
+                    shape=f"momentum {key}",
+                    rows=G.size(-2),
+                    cols=G.size(-1),
+                    batch=G.size(0),
+                    variant=v,
+                    **{f"momentum_{k}": x for k, x in q.items()},
+                )
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------ training
+def _token_stream(n_bytes: int = 4 << 20) -> torch.Tensor:
+    from recipes.data import stdlib_dir, stdlib_files
+
+    data = bytearray()
+    for f in stdlib_files(stdlib_dir()):
+        data += f.read_bytes()
+        if len(data) >= n_bytes:
+            break
+    return torch.frombuffer(bytearray(data[:n_bytes]), dtype=torch.uint8).long()
+
+
+def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Tiny GLM, one process: loss curve per optimizer variant; momentum of the first one."""
+    from models.glm import GLMForCausalLM, get_preset
+    from muon import Muon, param_groups
+
+    tokens = _token_stream()
+    seq, batch = 64, 8
+    curves, seconds, momentum = {}, {}, {}
+    for name, (coefs, algo) in OPT_VARIANTS.items():
+        torch.manual_seed(0)
+        model = GLMForCausalLM(get_preset("tiny"))
+        model.init_weights(0)
+        opt = Muon(param_groups(model), ns_coefficients=coefs, ns_algorithm=algo)
+        gen = torch.Generator().manual_seed(1)
+        losses, t0 = [], time.perf_counter()
+        for _ in range(args.train_steps):
+            start = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen)
+            x = torch.stack([tokens[s : s + seq + 1] for s in start.tolist()])
+            loss = model.loss(x[:, :-1], x[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[name], seconds[name] = losses, time.perf_counter() - t0
+        if not momentum:  # the Nesterov inputs of the last step, as [blocks, rows, cols]
+            for g in opt.param_groups:
+                if g.get("algorithm") != "muon":
+                    continue
+                for pname, p in zip(g["param_names"], g["params"], strict=True):
+                    buf = opt.state[p]["momentum_buffer"]
+                    inp = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+                    e = g["num_blocks"]
+                    key = f"{pname.split('.')[-2]} [{e}x{p.size(0) // e}x{p.size(1)}]"
+                    if key not in momentum:
+                        momentum[key] = inp.reshape(e, p.size(0) // e, -1).float()
+        del model, opt
+    tail = max(1, args.train_steps // 10)
+    return dict(
+        curves=curves,
+        seconds=seconds,
+        final_loss={k: statistics.mean(v[-tail:]) for k, v in curves.items()},
+        tail_steps=tail,
+    ), momentum
+
+
+# ------------------------------------------------------------------------------ W=4 step
+def _step_worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from muon import Muon
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    r, c = cfg["shape"]
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(r, c, generator=gen) for _ in range(cfg["count"])]
+    opts, mods = {}, {}
+    for name, (coefs, algo) in OPT_VARIANTS.items():
+        holder = nn.Module()
+        holder.ps = nn.ParameterList([nn.Parameter(torch.zeros(r, c)) for _ in grads])
+        fully_shard(holder, mesh=mesh)
+        mods[name] = holder
+        opts[name] = Muon(
+            list(holder.parameters()),
+            lr=1.0,
+            momentum=0.0,
+            nesterov=False,
+            adjust_lr="original",
+            ns_coefficients=coefs,
+            ns_algorithm=algo,
+        )
+
+    def step(name):
+        for p, g in zip(mods[name].ps, grads, strict=True):
+            rows = p.to_local().size(0)
+            lo = rank * math.ceil(r / world)
+            p.grad = DTensor.from_local(
+                g[lo : lo + rows].clone(),
+                p.device_mesh,
+                p.placements,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        opts[name].step()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    times = {n: [] for n in OPT_VARIANTS}
+    for n in OPT_VARIANTS:  # warm-up, and the update of one step from zero weights
+        step(n)
+    updates = {n: [-p.full_tensor() for p in mods[n].ps] for n in OPT_VARIANTS}
+    for _ in range(cfg["repeats"]):
+        for n in OPT_VARIANTS:
+            times[n].append(step(n))
+    if rank == 0:
+        res = {"times": times}
+        G = torch.stack(grads)
+        res["quality"] = {n: quality(G, torch.stack(u)) for n, u in updates.items()}
+        Path(out).write_text(json.dumps(res))
+    else:
+        Path(f"{out}.{rank}").write_text(json.dumps({"times": times}))
+    dist.destroy_process_group()
+
+
+def step_world(args, out_dir: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r, c = (int(x) for x in args.step_shape.split("x"))
+    cfg = dict(shape=(r, c), count=args.step_count, repeats=args.step_repeats)
+    path = str(out_dir / "step_raw.json")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_step_worker, args=(args.step_world, port, cfg, path), nprocs=args.step_world)
+    res = json.loads(Path(path).read_text())
+    per_rank = [res["times"]] + [
+        json.loads(Path(f"{path}.{k}").read_text())["times"] for k in range(1, args.step_world)
+    ]
+    rows = []
+    for n in OPT_VARIANTS:
+        # slowest rank per step, then the median over steps
+        wall = statistics.median(max(t[n][i][0] for t in per_rank) for i in range(cfg["repeats"]))
+        cpu = statistics.median(max(t[n][i][1] for t in per_rank) for i in range(cfg["repeats"]))
+        rows.append(dict(variant=n, step_ms=wall * 1e3, step_cpu_ms=cpu * 1e3, **res["quality"][n]))
+    base = rows[0]
+    for row in rows:
+        row["cpu_vs_fixed"] = row["step_cpu_ms"] / base["step_cpu_ms"]
+        row["wall_vs_fixed"] = row["step_ms"] / base["step_ms"]
+    return dict(world=args.step_world, shape=[r, c], count=args.step_count, rows=rows)
+
+
+# ------------------------------------------------------------------------------ output
+def _md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    head = "| " + " | ".join(h for h, _, _ in cols) + " |"
+    sep = "|" + "---|" * len(cols)
+    body = [
+        "| "
+        + " | ".join(
+            format(r[k], f) if isinstance(r.get(k), float) else str(r.get(k, ""))
+            for _, k, f in cols
+        )
+        + " |"
+        for r in rows
+    ]
+    return "\n".join([head, sep, *body])
+
+
+def markdown(res: dict) -> str:
+    parts = [f"Machine: {res['machine']}. Command: `{res['command']}`.", ""]
+    shape_rows = [r for r in res["shapes"] if "ms_per_block" in r]
+    parts += [
+        "### Time, FLOPs and quality on random (Gaussian) blocks",
+        "",
+        _md_table(
+            shape_rows,
+            [
+                ("shape", "shape", ""),
+                ("block", "dims", ""),
+                ("variant", "variant", ""),
+                ("runs", "algorithm", ""),
+                ("ms/block", "ms_per_block", ".2f"),
+                ("vs fixed", "time_vs_fixed", ".2f"),
+                ("vs std, same coefs", "time_vs_standard_same_coefs", ".2f"),
+                ("GFLOP/block", "gflop_per_block", ".3f"),
+                ("bulk max abs(s-1)", "random_bulk_max_dev", ".3f"),
+                ("s_min", "random_sigma_min", ".3f"),
+                ("orth err", "random_ortho_err", ".4f"),
+                ("dist to polar", "random_polar_dist", ".4f"),
+            ],
+        ),
+    ]
+    mom = [r for r in res["shapes"] if "momentum_polar_dist" in r]
+    if mom:
+        parts += [
+            "",
+            "### Quality on momentum blocks of the tiny GLM after training",
+            "",
+            _md_table(
+                mom,
+                [
+                    ("blocks", "shape", ""),
+                    ("variant", "variant", ""),
+                    ("bulk max abs(s-1)", "momentum_bulk_max_dev", ".3f"),
+                    ("s_min", "momentum_sigma_min", ".3f"),
+                    ("orth err", "momentum_ortho_err", ".4f"),
+                    ("dist to polar", "momentum_polar_dist", ".4f"),
+                ],
+            ),
+        ]
+    if "train" in res:
+        t = res["train"]
+        rows = [dict(variant=k, loss=v, s=t["seconds"][k]) for k, v in t["final_loss"].items()]
+        parts += [
+            "",
+            f"### Training: tiny GLM, {len(next(iter(t['curves'].values())))} steps, "
+            f"final loss = mean of the last {t['tail_steps']}",
+            "",
+            _md_table(
+                rows,
+                [
+                    ("variant", "variant", ""),
+                    ("final loss", "loss", ".4f"),
+                    ("seconds", "s", ".1f"),
+                ],
+            ),
+        ]
+    if "step" in res:
+        s = res["step"]
+        parts += [
+            "",
+            f"### Muon.step at W={s['world']}: {s['count']} FSDP2-sharded "
+            f"{s['shape'][0]}x{s['shape'][1]} matrices (slowest rank, median)",
+            "",
+            _md_table(
+                s["rows"],
+                [
+                    ("variant", "variant", ""),
+                    ("CPU ms", "step_cpu_ms", ".1f"),
+                    ("CPU vs fixed", "cpu_vs_fixed", ".2f"),
+                    ("wall ms", "step_ms", ".1f"),
+                    ("wall vs fixed", "wall_vs_fixed", ".2f"),
+                    ("update dist to polar", "polar_dist", ".4f"),
+                    ("orth err", "ortho_err", ".4f"),
+                ],
+            ),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def plot(res: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["shapes"] if "ms_per_block" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(VARIANTS)
+    for i, v in enumerate(VARIANTS):
+        vr = {r["shape"]: r for r in rows if r["variant"] == v}
+        xs = [j + i * width for j in range(len(shapes))]
+        axes[0].bar(xs, [vr[s]["time_vs_fixed"] for s in shapes], width, label=v)
+        axes[1].bar(xs, [vr[s]["random_polar_dist"] for s in shapes], width, label=v)
+    for ax, title in zip(
+        axes, ("time per block vs fixed", "distance to polar factor"), strict=True
+    ):
+        ax.set_xticks([j + 0.4 for j in range(len(shapes))], shapes, rotation=20, fontsize=7)
+        ax.set_title(title)
+    axes[0].axhline(1.0, color="k", lw=0.5)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "newton_schulz.png", dpi=110)
+    if "train" in res:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for k, v in res["train"]["curves"].items():
+            w = 10
+            smooth = [statistics.mean(v[max(0, i - w + 1) : i + 1]) for i in range(len(v))]
+            ax.plot(smooth, label=f"{k} ({res['train']['final_loss'][k]:.3f})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (mean of 10)")
+        ax.set_title("tiny GLM, Muon variants")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "training.png", dpi=110)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # process time of one thread: unaffected by other load
+    skip = set(filter(None, args.skip.split(",")))
+    res: dict = dict(
+        command="python scripts/bench_newton_schulz.py " + " ".join(argv or sys.argv[1:]),
+        machine=f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{args.device}",
+    )
+    momentum: dict[str, torch.Tensor] = {}
+    if "train" not in skip:
+        res["train"], momentum = train(args)
+        print(f"training done: {res['train']['final_loss']}", flush=True)
+    res["shapes"] = bench_shapes(args, momentum)
+    for r in res["shapes"]:
+        r["dims"] = f"{r['rows']}x{r['cols']}"
+    if "step" not in skip:
+        res["step"] = step_world(args, out)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "tables.md").write_text(md)
+    plot(res, out)
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Build the W&B workspace that compares Muon's remainder strategies, as code.
+
+    python scripts/wandb_dashboard.py --entity TEAM --project moe-muon-recipes --group strategies
+    python scripts/wandb_dashboard.py --dry-run
+
+The workspace shows the runs of one W&B group (the `strategies` experiment's runs, one per
+`optim.remainder_strategy`) grouped by that config key, so every panel draws one line (mean,
+min/max band) per strategy: step and optimizer time of the slowest rank, waiting on
+collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, loss, and
+bar charts of the run summaries (peaks: train.py defines max summaries for memory and time).
+Every metric key here is one that `train.py` logs (`tests/test_wandb.py` checks them against
+a real offline run). `--dry-run` prints the panels and needs neither the network nor a login;
+without it the workspace is saved through the W&B API (`wandb login` first) and its URL printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+GROUP_KEY = "optim.remainder_strategy"
+#: a rank's figures are logged as memory/rank_<k>/<key>
+_RANK = r"memory/rank_\d+/"
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: line plots draw history keys (or those matching `regex`) against Step; bar
+    charts draw the runs' summary values of `keys`."""
+
+    section: str
+    title: str
+    keys: tuple[str, ...] = ()
+    regex: str | None = None
+    kind: str = "line"  # "line" or "bar"
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("Time", "step time, slowest rank (s)", ("step_s/max",)),
+    Panel("Time", "optimizer step, slowest rank (s)", ("optim_s/max",)),
+    Panel(
+        "Time",
+        "Muon: waiting on collectives vs Newton-Schulz (s)",
+        ("muon/wait_s/max", "muon/ns_s/max"),
+    ),  # fmt: skip
+    Panel(
+        "Memory", "optimizer-step transient per rank (MiB)", regex=_RANK + "optim_peak_delta_mib"
+    ),  # fmt: skip
+    Panel("Memory", "step peak per rank (MiB)", regex=_RANK + "step_peak_mib"),
+    Panel(
+        "Memory",
+        "optimizer-step transient, max and min over ranks (MiB)",
+        ("memory/optim_peak_delta_mib/max", "memory/optim_peak_delta_mib/min"),
+    ),  # fmt: skip
+    Panel(
+        "Remainder exchange",
+        "remainder batch: bytes sent per step, max and min over ranks",
+        ("muon/remainder/bytes_sent/max", "muon/remainder/bytes_sent/min"),
+    ),  # fmt: skip
+    Panel(
+        "Remainder exchange",
+        "all Muon exchanges: bytes sent per step, max and min over ranks",
+        ("muon/bytes_sent/max", "muon/bytes_sent/min"),
+    ),  # fmt: skip
+    Panel("Training", "loss", ("loss",)),
+    Panel("Training", "tokens/s", ("tokens_per_s",)),
+    Panel(
+        "Summaries",
+        "peak memory per run (MiB)",
+        ("memory/step_peak_mib/max", "memory/optim_peak_delta_mib/max"),
+        kind="bar",
+    ),  # fmt: skip
+    Panel(
+        "Summaries",
+        "throughput and optimizer share",
+        ("final/tokens_per_s", "final/optim_share"),
+        kind="bar",
+    ),  # fmt: skip
+)
+
+
+def panel_keys(panel: Panel, logged: set[str]) -> set[str]:
+    """The logged keys a panel draws: its named keys, or those its regex matches in full."""
+    if panel.regex is None:
+        return set(panel.keys)
+    pattern = re.compile(panel.regex)
+    return {key for key in logged if pattern.fullmatch(key)}
+
+
+def describe(group: str | None) -> str:
+    """The panels as text, one per line, by section."""
+    lines = [f"runs: W&B group {group!r}" if group else "runs: every run of the project"]
+    lines.append(f"grouped by: config {GROUP_KEY}")
+    section = None
+    for p in PANELS:
+        if p.section != section:
+            section = p.section
+            lines.append(f"[{section}]")
+        what = f"regex {p.regex}" if p.regex else ", ".join(p.keys)
+        lines.append(f"  {p.kind:4} {p.title}: {what}")
+    return "\n".join(lines)
+
+
+def build_workspace(entity: str, project: str, group: str | None, name: str):
+    """The `wandb_workspaces` Workspace for PANELS (not saved)."""
+    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.workspaces as ws
+
+    def panel(p: Panel):
+        if p.kind == "bar":
+            return wr.BarPlot(title=p.title, metrics=list(p.keys))
+        if p.regex is not None:
+            return wr.LinePlot(title=p.title, x="Step", metric_regex=p.regex)
+        return wr.LinePlot(title=p.title, x="Step", y=list(p.keys))
+
+    sections = []
+    for title in dict.fromkeys(p.section for p in PANELS):
+        panels = [panel(p) for p in PANELS if p.section == title]
+        sections.append(ws.Section(name=title, panels=panels, is_open=True))
+    filters = ws.And(ws.Metric("Group") == group) if group else ""
+    return ws.Workspace(
+        entity=entity,
+        project=project,
+        name=name,
+        sections=sections,
+        runset_settings=ws.RunsetSettings(filters=filters, groupby=[ws.Config(GROUP_KEY)]),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--entity", help="W&B entity (team or user) that owns the project")
+    ap.add_argument("--project", default="moe-muon-recipes", help="W&B project")
+    ap.add_argument("--group", default="strategies", help="W&B group of the runs ('' for all)")
+    ap.add_argument("--name", default="Muon remainder strategies", help="workspace view name")
+    ap.add_argument("--dry-run", action="store_true", help="print the panels; save nothing")
+    args = ap.parse_args(argv)
+    group = args.group or None
+    print(describe(group))
+    if args.dry_run:
+        return 0
+    if not args.entity:
+        ap.error("--entity is required to save the workspace (or pass --dry-run)")
+    workspace = build_workspace(args.entity, args.project, group, args.name).save()
+    print(f"saved: {workspace.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""scripts/bench_newton_schulz.py end to end on tiny settings: every section writes its rows."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_newton_schulz.py"
+
+
+@pytest.mark.slow
+def test_bench_writes_tables_and_plots(tmp_path):
+    # importable by name: the optimizer-step world's spawned ranks import it again
+    sys.path.insert(0, str(SCRIPT.parent))
+    bench = importlib.import_module("bench_newton_schulz")
+    argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--step-world", "2"]
+    argv += ["--step-shape", "32x96", "--step-count", "2", "--step-repeats", "1"]
+    res = bench.main([*argv, "--out", str(tmp_path)])
+    for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert json.loads((tmp_path / "results.json").read_text())["shapes"] == res["shapes"]
+    timed = [r for r in res["shapes"] if "ms_per_block" in r]
+    assert len(timed) == len(bench.GLM_SHAPES) * len(bench.VARIANTS)
+    assert all(r["ms_per_block"] > 0 and r["gflop_per_block"] > 0 for r in timed)
+    square = [r for r in timed if r["rows"] == r["cols"] and "gram" in r["variant"]]
+    assert square and all(r["algorithm"] == "standard (fallback)" for r in square)
+    assert any(r["shape"].startswith("momentum") for r in res["shapes"])
+    assert set(res["train"]["final_loss"]) == set(bench.OPT_VARIANTS)
+    assert [r["variant"] for r in res["step"]["rows"]] == list(bench.OPT_VARIANTS)
+    # Polar Express is closer to the polar factor than the fixed quintic on every random shape
+    by = {(r["shape"], r["variant"]): r for r in timed}
+    for shape, *_ in bench.GLM_SHAPES:
+        pe, fixed = by[(shape, "polar_express")], by[(shape, "fixed")]
+        assert pe["random_ortho_err"] < fixed["random_ortho_err"], shape

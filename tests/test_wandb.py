@@ -1,0 +1,174 @@
+"""W&B runs as users expect them, read back from the offline run files train.py leaves.
+
+One `python train.py -m optim=muon,adamw` (2 CPU ranks, 2 steps, W&B offline) is checked for
+system metrics, the git commit, max/min run summaries, the strategy-neutral remainder keys,
+an AdamW run without Muon keys, and the dashboard's keys. MetricsLog itself (a real offline
+W&B run, no training) shows the switches and that a resumed run sends no step twice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from recipes.config import Config, to_plain
+from recipes.metrics import MetricsLog
+from tests import wandb_records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dashboard():
+    spec = importlib.util.spec_from_file_location(
+        "wandb_dashboard", ROOT / "scripts/wandb_dashboard.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("wandb_dashboard", mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _offline(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("wandb/offline-run-*"))
+
+
+def _commit() -> str:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> dict[str, Path]:
+    """Run dirs of one muon and one adamw job, trained by train.py with W&B offline."""
+    root = tmp_path_factory.mktemp("wandb-runs")
+    args = ["-m", "optim=muon,adamw", f"run.root={root}", "mesh.world_size=2", "mesh.ep=2"]
+    args += ["train.steps=2", "train.warmup_steps=1", "metrics.memory_every=1"]
+    args += ["metrics.progress=false", "data.seq_len=8", "data.batch_size=1"]
+    args += ["checkpoint.every=0", "checkpoint.export_hf=false", "logger=wandb"]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dirs = {d.name: d for d in (root / "default").iterdir()}
+    return {o: next(d for n, d in dirs.items() if f"optim={o}" in n) for o in ("muon", "adamw")}
+
+
+@pytest.mark.slow
+def test_offline_run_holds_system_metrics_commit_and_peak_summaries(sweep):
+    (offline,) = _offline(sweep["muon"])
+    run = wandb_records.read(offline)
+    # System metrics: at least the sample W&B takes at the start (CPU utilisation needs two).
+    assert run.stats, "no system metrics"
+    assert {"memory_percent", "proc.memory.rssMB", "proc.cpu.threads"} <= run.stats[0].keys()
+    assert run.git_commit == _commit()  # this checkout's commit, though launched from elsewhere
+    # Summaries: peaks for memory and time, the lowest loss; equal to what metrics.jsonl holds.
+    lines = [json.loads(x) for x in (sweep["muon"] / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert run.metrics["loss"] == "min" and run.metrics["step_s/max"] == "max"
+    assert run.metrics["memory/rank_1/optim_peak_delta_mib"] == "max"
+    assert run.metrics["muon/wait_s/max"] == "max" and "tokens_per_s" not in run.metrics
+    assert run.summary["loss"] == {"min": min(m["loss"] for m in lines)}
+    for key in ("step_s/max", "optim_s/max", "memory/rank_0/step_peak_mib", "muon/ns_s/max"):
+        assert run.summary[key] == {"max": max(m[key] for m in lines)}, key
+    assert run.summary["final/tokens_per_s"] > 0
+    # The remainder exchange under strategy-neutral names, equal to its path's counters.
+    for m in lines:
+        assert m["muon/remainder/bytes_sent"] == m["muon/pad_all2all/bytes_sent"] > 0
+        assert m["muon/remainder/bytes_sent/max"] >= m["muon/remainder/bytes_sent/min"]
+    assert run.config["optim"]["remainder_strategy"] == "pad_all2all"
+
+
+@pytest.mark.slow
+def test_adamw_run_carries_no_muon_keys(sweep):
+    (offline,) = _offline(sweep["adamw"])
+    run = wandb_records.read(offline)
+    assert run.config["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
+    assert run.history and not any(k.startswith("muon/") for row in run.history for k in row)
+    assert OmegaConf.load(sweep["adamw"] / "config.yaml").optim.keys() == run.config["optim"].keys()
+
+
+@pytest.mark.slow
+def test_every_dashboard_key_is_logged_by_a_real_run(sweep):
+    mod = _dashboard()
+    run = wandb_records.read(_offline(sweep["muon"])[0])
+    logged = {k for row in run.history for k in row}
+    workspace = mod.build_workspace("team", "moe-muon-recipes", "strategies", "test")
+    panels = [p for section in workspace.sections for p in section.panels]
+    assert len(panels) == len(mod.PANELS) >= 10
+    for panel in panels:
+        if getattr(panel, "metric_regex", None):
+            matched = {k for k in logged if re.fullmatch(panel.metric_regex, k)}
+            assert len(matched) == 2, (panel.title, matched)  # one line per rank
+        elif hasattr(panel, "y"):
+            assert set(panel.y) <= logged, (panel.title, set(panel.y) - logged)
+        else:  # bar charts read run summaries
+            assert set(panel.metrics) <= run.summary.keys(), panel.title
+    grouping = workspace.runset_settings.groupby
+    assert [g.name for g in grouping] == ["optim.remainder_strategy"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/wandb_dashboard.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (
+        "muon/remainder/bytes_sent/max" in out.stdout and "optim.remainder_strategy" in out.stdout
+    )
+
+
+def _config(**logger) -> dict:
+    cfg = to_plain(OmegaConf.structured(Config))
+    cfg["logger"].update(logger)
+    return cfg
+
+
+def _log(run_dir: Path, config: dict, start: int, steps: range) -> None:
+    """One training process's logging; W&B's service ends with it, as when train.py exits
+    (the service writes the offline file after `finish` returns)."""
+    import wandb
+
+    # W&B names an offline run dir by the second it starts and the run id: a restart of the
+    # same run within one second (never the case for train.py) would share the first's dir.
+    time.sleep(1.0)
+    sink = MetricsLog(run_dir, config, start)
+    for step in steps:
+        sink.log(step, {"loss": 0.1 * step, "step_s": 1.0 / step})
+    sink.close()
+    wandb.teardown()
+
+
+def test_resumed_run_sends_no_step_twice_and_switches_turn_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = _config(system_metrics=False, git=False)
+    _log(tmp_path, config, 0, range(1, 4))  # logged 3 steps; its last checkpoint was step 2
+    _log(tmp_path, config, 2, range(3, 5))  # the restart resumes from step 2
+    first, second = (wandb_records.read(d) for d in _offline(tmp_path))
+    assert first.run_id == second.run_id  # one W&B run
+    assert [r["_step"] for r in first.history] == [1, 2, 3]
+    assert [r["_step"] for r in second.history] == [4]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    # W&B's summaries cover what each process sent (setting them by hand would turn them into
+    # plain last values in W&B 0.31), so the restarted part reports its own peaks.
+    assert first.summary["step_s"] == {"max": 1.0} and second.summary["step_s"] == {"max": 0.25}
+    assert not first.stats and not first.git_commit  # logger.system_metrics / logger.git off
+    _log(tmp_path, config, 0, range(1, 2))  # starting over (checkpoint.resume=false): a new run
+    assert len({wandb_records.read(d).run_id for d in _offline(tmp_path)}) == 2
