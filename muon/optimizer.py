@@ -35,13 +35,13 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon.cost import LinkModel
+from muon.grads import grad_census
 from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
-from muon.planner import build_step_plan, comm_device, resolve_link
+from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
 
@@ -268,7 +268,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        finite, self._gradless = self._grad_census()
+        finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
             self.last_step_skipped = True
@@ -282,45 +282,6 @@ class Muon(torch.optim.Optimizer):
         runtime.run()
         self.step_stats = stats.as_dict()
         return loss
-
-    def _grad_census(self) -> tuple[bool, set[int]]:
-        """(all gradients finite on every rank, ids of parameters without a grad on any rank).
-
-        One all-reduce (SUM) of [non-finite flag, has-grad flag per parameter] as int32: a count
-        of 0 or W per parameter is agreement, anything between is an error on every rank.
-        """
-        params = [p for g in self.param_groups for p in g["params"]]
-        finite = [torch.isfinite(_local(p.grad)).all() for p in params if p.grad is not None]
-        ok = torch.stack(finite).all() if finite else torch.tensor(True)
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        flags = torch.cat([(~ok).to(torch.int32).reshape(1).cpu(), has])
-        world = 1
-        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
-            world = dist.get_world_size()
-            flags = flags.to(comm_device())
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
-            flags = flags.cpu()
-        counts = flags[1:].tolist()
-        split = [i for i, c in enumerate(counts) if 0 < c < world]
-        if split:
-            raise RuntimeError(self._grad_disagreement(split[0], counts[split[0]], world))
-        return not bool(flags[0]), {id(p) for p, c in zip(params, counts, strict=True) if not c}
-
-    def _grad_disagreement(self, index: int, count: int, world: int) -> str:
-        for gi, g in enumerate(self.param_groups):
-            if index < len(g["params"]):
-                p = g["params"][index]
-                names = g.get("param_names")
-                name = f"{names[index]!r}, " if names else ""
-                return (
-                    f"Muon: ranks disagree on whether a parameter has a gradient: {name}group "
-                    f"{gi} param {index}, shape {tuple(p.shape)}, has a .grad on {count} of "
-                    f"{world} ranks; this "
-                    f"rank {dist.get_rank()} has {'one' if p.grad is not None else 'none'}. A "
-                    "grad must be None on every rank or on none (zero it instead of dropping it)."
-                )
-            index -= len(g["params"])
-        raise AssertionError("unreachable")
 
     def _adamw_group(self, g: dict) -> None:
         b1, b2 = g["betas"]

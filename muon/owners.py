@@ -26,12 +26,13 @@ Plans = list[tuple[MeshCommPlan, list[BatchPlan]]]
 def assign_owners(plans: Plans, *, world_size: int) -> tuple[Plans, list[int], int]:
     """Fill in every batch's owners; return (plans, NS FLOPs per global rank, digest).
 
-    Three passes. (1) Fixed work: local blocks. (2) Whole matrices (full and remainder batches),
+    Four passes. (1) Fixed work: local blocks. (2) Whole matrices (full and remainder batches),
     largest first, each to the eligible rank whose load is expected lowest once the sub-group
     blocks are shared out: the larger of its own load and the mean load of the ranks it shares
     sub-groups with (sub-group blocks can move between those ranks, so two big matrices do not
     land on the two ranks of one pair). (3) Sub-group blocks, largest first, to the least loaded
-    rank of their sub-group, so a rank that took a big matrix takes fewer blocks.
+    rank of their sub-group, so a rank that took a big matrix takes fewer blocks. (4) A greedy
+    repair moves units off the busiest rank while that lowers its load (`_refine`).
     """
     loads = [0] * world_size
     whole, blocks = [], []  # (-cost, mesh index, batch index, FSDP group, unit, lo, hi, cap)
@@ -94,6 +95,7 @@ def assign_owners(plans: Plans, *, world_size: int) -> tuple[Plans, list[int], i
         place(item, expected)
     for item in sorted(blocks):
         place(item, lambda g, r: (loads[g], r))
+    _refine(plans, whole + blocks, owners, used, loads)
     out: Plans = []
     for mi, (mp, batches) in enumerate(plans):
         mine = mp.all_groups.index(mp.group_ranks) if mp.sharded else 0
@@ -108,6 +110,43 @@ def assign_owners(plans: Plans, *, world_size: int) -> tuple[Plans, list[int], i
         )
     digest = int.from_bytes(hashlib.sha256(repr(loads).encode()).digest()[:8], "little") >> 1
     return out, loads, digest
+
+
+def _refine(plans: Plans, items: list, owners: dict, used: dict, loads: list[int]) -> None:
+    """Greedy repair after LPT: move a unit off the busiest rank to the eligible rank (within its
+    batch's cap) that leaves the pair's larger load lowest, while that lowers the busiest rank's
+    load; stop when no move does (or after a bounded number of moves). Deterministic."""
+    unit = {(mi, bi, q, u): (-neg, lo, hi, cap) for neg, mi, bi, q, u, lo, hi, cap in items}
+    owned: dict[int, list[tuple]] = {}
+    for mi, bi, q, u in unit:
+        owned.setdefault(plans[mi][0].all_groups[q][owners[(mi, bi, q)][u]], []).append(
+            (mi, bi, q, u)
+        )
+    for _ in range(4 * len(loads)):
+        top = max(range(len(loads)), key=lambda g: (loads[g], -g))
+        best = None
+        for key in owned.get(top, ()):
+            cost, lo, hi, cap = unit[key]
+            ranks, count = plans[key[0]][0].all_groups[key[2]], used[key[:3]]
+            for r in range(lo, hi):
+                g = ranks[r]
+                if g == top or count[r] >= cap:
+                    continue
+                after = loads[g] + cost
+                if after < loads[top] and (best is None or (after, g) < best[0]):
+                    best = ((after, g), key, r)
+        if best is None:
+            return
+        (_, g), key, r = best
+        cost = unit[key][0]
+        count = used[key[:3]]
+        count[owners[key[:3]][key[3]]] -= 1
+        count[r] += 1
+        owners[key[:3]][key[3]] = r
+        owned[top].remove(key)
+        owned.setdefault(g, []).append(key)
+        loads[top] -= cost
+        loads[g] += cost
 
 
 def _with_owners(b: BatchPlan, owners: list[int]) -> BatchPlan:
