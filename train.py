@@ -4,8 +4,10 @@ Composes `conf/` (typed by recipes/config.py), validates it, then joins the laun
 (torchrun / SLURM env) or starts a local one of `mesh.world_size` ranks. See README.md.
 """
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -25,7 +27,22 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return run(cfg)
     except _config.ConfigError as err:
+        _drop_empty_run_dir()
         sys.exit(f"train.py: config error: {err}")
+
+
+def _drop_empty_run_dir() -> None:
+    """Hydra made the run dir and an empty train.log before validation; a rejected command
+    leaves nothing behind (a dir holding anything else, e.g. a run to resume, stays)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    log_file = run_dir / "train.log"
+    if [p.name for p in run_dir.iterdir()] == ["train.log"] and log_file.stat().st_size == 0:
+        log_file.unlink()
+        run_dir.rmdir()
+        with contextlib.suppress(OSError):
+            run_dir.parent.rmdir()  # the run family's dir, when this was its only run
 
 
 if __name__ == "__main__":

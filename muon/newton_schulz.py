@@ -15,7 +15,9 @@ products are arranged:
   R <- H R H, and X is multiplied once, at the end, by Q. A restart (X <- Q X, R <- X X^T, Q <- I)
   before the steps listed in `restarts` keeps the rounding errors of R from compounding.
   When the FLOP count (`ns_flops`) says Gram is not cheaper for a shape, the standard iteration
-  runs instead, so "gram" is safe to ask for everywhere.
+  runs instead, so "gram" is safe to ask for everywhere. In bf16 the updates of R can lose the
+  result when singular values span a wide range: a block whose output leaves the method's band
+  (estimated cheaply on the Gram side) is recomputed with the standard iteration.
 - symmetric products: X X^T, R^2, H Q and H R H are symmetric; `symmetric=True` computes the
   upper block row and the lower-right block only and mirrors the rest (3/4 of the work).
 """

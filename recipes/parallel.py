@@ -1,8 +1,9 @@
 """Mesh, model, optimizer and schedule from a validated config (the glue to models/ and muon/).
 
-The model is built on the meta device, parallelized (EP, then FSDP2), materialized on the
-rank's device and initialized from `train.seed`: every rank receives its shard of the same full
-weights, whatever the world size or ep, so a run is reproducible across layouts.
+The model is built on the meta device, parallelized (EP, activation checkpointing, compile,
+FSDP2 with the `train.*` dtypes), materialized on the rank's device and initialized from
+`train.seed`: every rank draws only its own shard of the same full weights (models.glm.init),
+whatever the world size or ep, so a run is reproducible across layouts.
 """
 
 import dataclasses

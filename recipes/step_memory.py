@@ -1,8 +1,8 @@
 """Whole-step per-rank memory estimate of a training step: does this preset fit this mesh?
 
 The estimate reads the rank's real sharded (meta-device) model and optimizer, built with the
-recipe's own code on a fake process group of any size, so shard sizes, padding-free FSDP2
-layouts and the optimizer's plans are the ones a real run gets. What it adds up:
+recipe's own code on a fake process group of any size, so the shard sizes (EP + FSDP2) and
+the optimizer's plans are the ones a real run gets. What it adds up:
 
 - resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
 - forward/backward peak (at the start of backward, where every activation is still alive):
@@ -97,6 +97,7 @@ class StepMemory:
     resident: list[str] = field(default_factory=list)
 
     def peak(self, names: list[str]) -> int:
+        """Sum of the named parts."""
         return sum(self.parts[n] for n in names)
 
     @property

@@ -138,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the panels; save nothing")
     args = ap.parse_args(argv)
     group = args.group or None
+    if not args.entity and not args.dry_run:
+        ap.error("--entity is required to save the workspace (or pass --dry-run)")
+    # Built in a dry run too (no network), so it checks what a save would send.
+    workspace = build_workspace(args.entity or "ENTITY", args.project, group, args.name)
     print(describe(group))
     if args.dry_run:
         return 0
-    if not args.entity:
-        ap.error("--entity is required to save the workspace (or pass --dry-run)")
-    workspace = build_workspace(args.entity, args.project, group, args.name).save()
+    workspace.save()
     print(f"saved: {workspace.url}")
     return 0
 
