@@ -3,7 +3,6 @@
 import dataclasses
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -172,7 +171,7 @@ def test_every_field_has_help():
 def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     """`--help` renders the schema for the composed config: Muon's keys by default, AdamW's
     (and no Muon key) with optim=adamw."""
-    proc, _ = _train_py("--help", cwd=tmp_path)
+    proc = _train_py("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
@@ -183,7 +182,7 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     assert keys == {line.split(" = ")[0] for line in schema.describe()}
     assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
     assert not any(line.startswith("schema") for line in lines)
-    adamw, _ = _train_py("--help", "optim=adamw", cwd=tmp_path)
+    adamw = _train_py("--help", "optim=adamw", cwd=tmp_path)
     assert adamw.returncode == 0, adamw.stderr
     optim = {
         line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
@@ -198,13 +197,13 @@ def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path
     a sweep with one invalid job."""
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a_b").mkdir()
-    proc, _ = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
+    proc = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
     assert proc.returncode != 0
     assert (
         "sweep jobs [data.path=a/b" in proc.stderr
         and "would share the run directory" in proc.stderr
     )
-    proc, _ = _train_py("-m", "optim.lr=0.1,nan", cwd=tmp_path)
+    proc = _train_py("-m", "optim.lr=0.1,nan", cwd=tmp_path)
     assert (
         "sweep job [optim.lr=nan" in proc.stderr and "optim.lr=nan: must be a finite" in proc.stderr
     )
@@ -217,16 +216,14 @@ def test_run_dir_is_stable_per_command():
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
 
 
-def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    proc = subprocess.run(
+def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    return proc, time.monotonic() - start
 
 
 @pytest.mark.parametrize(
@@ -246,13 +243,12 @@ def _train_py(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float
     ],
 )
 def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
-    proc, elapsed = _train_py(*override.split(), cwd=tmp_path)
+    proc = _train_py(*override.split(), cwd=tmp_path)
     assert proc.returncode != 0
     assert expected in proc.stderr
     assert proc.stderr.count(expected) == 1 and "Traceback" not in proc.stderr  # one message
     assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
     assert not list(tmp_path.iterdir())  # not even the empty run dir Hydra made
-    assert elapsed < 30, elapsed  # compose + validate only (Python + torch import)
 
 
 def test_newton_schulz_knobs_reach_the_optimizer():
