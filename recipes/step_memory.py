@@ -155,7 +155,9 @@ def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_infl
         for b in batches:
             nesterov_input = 0
             if b.path == "local" and nesterov:
-                nesterov_input = b.shard_bytes(r) if b.fsdp_size > 1 else b.matrix_bytes
+                # the Nesterov input is built in the parameter's dtype (not the wire dtype)
+                rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
+                nesterov_input = rows * b.other_numel * b.itemsize
             peaks.append(
                 nesterov_input + b.exchange_buffer_bytes(r) + b.ns_workspace_bytes(r, ns_itemsize)
             )
