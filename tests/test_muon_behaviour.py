@@ -189,9 +189,9 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
     seen = []
     real = muon_optimizer.orthogonalize_blocks
 
-    def spy(m, num_blocks, *args):
+    def spy(m, num_blocks, *args, **kwargs):
         seen.append((tuple(m.shape), num_blocks))
-        return real(m, num_blocks, *args)
+        return real(m, num_blocks, *args, **kwargs)
 
     muon_optimizer.orthogonalize_blocks = spy
     try:
