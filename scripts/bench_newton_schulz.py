@@ -306,6 +306,8 @@ def _step_worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         Path(out).write_text(json.dumps(res))
     else:
         Path(f"{out}.{rank}").write_text(json.dumps({"times": times}))
+    # leave together: a rank tearing gloo down while a peer still talks to it aborts
+    dist.barrier()
     dist.destroy_process_group()
 
 
