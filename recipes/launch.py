@@ -115,28 +115,41 @@ def write_run_config(run_dir: Path, resolved_yaml: str) -> None:
     (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
-def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | None:
+def spawn_local_world(fn: Any, world_size: int, *args: Any, name: str, cpu: bool = True) -> dict:
+    """Run `fn(*args)` on `world_size` fresh local ranks (torch's elastic launcher, c10d
+    rendezvous on loopback); each rank's return value, keyed by rank. On CPU every rank gets one
+    intra-op thread (spawned ranks read OMP_NUM_THREADS at import, or they fight for cores)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent logs each rank's traceback at length; the first failure is reported below.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        run_id=f"train-{uuid.uuid4().hex[:12]}",
+        run_id=f"{name}-{uuid.uuid4().hex[:12]}",
         max_restarts=0,
         start_method="spawn",
     )
     saved = os.environ.get("OMP_NUM_THREADS")
-    if payload["device"] == "cpu":
-        # Spawned ranks read it at import: one intra-op thread each, or ranks fight for cores.
+    if cpu:
         os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        results = elastic_launch(config, rank_main)(payload)
+        return elastic_launch(config, fn)(*args)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | None:
+    # The agent logs each rank's traceback at length; the first failure is reported below.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        cpu = payload["device"] == "cpu"
+        results = spawn_local_world(rank_main, world_size, payload, name="train", cpu=cpu)
     except SignalException as err:
         # The launching process got SIGTERM/SIGINT/... (Slurm ending or requeueing the job):
         # the agent has stopped the ranks. torch's SignalException cannot be unpickled (it needs
@@ -153,11 +166,6 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
         if isinstance(message, dict):  # recorded by @record: the rank's own traceback
             message = message.get("extraInfo", {}).get("py_callstack") or message["message"]
         sys.exit(f"train.py: rank {rank} failed (exit code {failure.exitcode}):\n{message}")
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     return results[0]
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import torch
@@ -104,20 +103,10 @@ def _worker(cfg: dict) -> dict:
 
 def run_world(cfg: dict) -> list[dict]:
     """Spawn the W ranks with torch's elastic launcher on loopback; every rank's record."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from recipes.launch import spawn_local_world
 
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg["world_size"],
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=f"bench-ckpt-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    by_rank = elastic_launch(launch, _worker)(cfg)
+    os.environ["MKL_NUM_THREADS"] = "1"
+    by_rank = spawn_local_world(_worker, cfg["world_size"], cfg, name="bench-ckpt")
     return [by_rank[r] for r in sorted(by_rank)]
 
 

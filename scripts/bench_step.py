@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -145,20 +144,10 @@ def _worker(cfg: dict) -> list[dict]:
 
 def run_world(cfg: dict) -> list[dict]:
     """Spawn the W ranks with torch's elastic launcher on loopback; records of every rank."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from recipes.launch import spawn_local_world
 
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg["world_size"],
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=f"bench-step-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    by_rank = elastic_launch(launch, _worker)(cfg)
+    os.environ["MKL_NUM_THREADS"] = "1"
+    by_rank = spawn_local_world(_worker, cfg["world_size"], cfg, name="bench-step")
     return [rec for r in sorted(by_rank) for rec in by_rank[r]]
 
 

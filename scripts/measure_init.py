@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,20 +80,9 @@ def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
 
 def run_mesh(preset: str, world_size: int, ep: int, seed: int, repeats: int) -> list[dict]:
     """Per-rank figures of one mesh, in rank order."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from recipes.launch import spawn_local_world
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=f"init-{uuid.uuid4().hex[:12]}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    os.environ["OMP_NUM_THREADS"] = "1"
-    out = elastic_launch(config, _rank_main)(preset, ep, seed, repeats)
+    out = spawn_local_world(_rank_main, world_size, preset, ep, seed, repeats, name="init")
     return [out[r] for r in range(world_size)]
 
 
