@@ -1,7 +1,8 @@
 """The cost model: Newton-Schulz FLOPs of a block, and a latency/bandwidth model of a link.
 
 One function, `muon.newton_schulz.ns_flops` (4·m²·n + 2·m³ per standard iteration on an m x n
-block, m <= n), is the Newton-Schulz cost everywhere: the owner assignment balances it, the
+block, m <= n; Gram Newton-Schulz counted as it arranges its products), is the Newton-Schulz
+cost everywhere: the owner assignment balances it, the
 dry-run planner reports it and the benchmark compares measured time against it; `block_flops`
 is its integer form, so every rank sums loads exactly. `LinkModel` turns a collective's bytes
 into seconds with two constants per backend, measured at construction with two tiny
@@ -17,12 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from muon.newton_schulz import ns_flops
+from muon.newton_schulz import effective_algorithm, ns_flops
 
 
-def block_flops(rows: int, cols: int, *, steps: int) -> int:
-    """`ns_flops` of one `[rows, cols]` block as an exact integer (the standard iteration)."""
-    return round(ns_flops(rows, cols, steps))
+def block_flops(rows: int, cols: int, *, steps: int, algorithm: str = "standard") -> int:
+    """`ns_flops` of one `[rows, cols]` block as an exact integer, for the iteration that
+    `newton_schulz(..., algorithm=algorithm)` runs on that shape (Gram only where cheaper)."""
+    return round(
+        ns_flops(rows, cols, steps, algorithm=effective_algorithm(rows, cols, steps, algorithm))
+    )
 
 
 @dataclass(frozen=True)

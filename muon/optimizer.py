@@ -84,8 +84,8 @@ class Muon(torch.optim.Optimizer):
         nesterov: orthogonalize lerp(G, M, mu) instead of M.
         weight_decay: decoupled weight decay: p *= 1 - lr * weight_decay.
         ns_steps: Newton-Schulz iterations.
-        ns_coefficients: a named set of `muon.NS_COEFFICIENTS` ("fixed", "tuned",
-            "polar_express") or a list of (a, b, c) triples.
+        ns_coefficients: a named set of `muon.NS_COEFFICIENTS` ("polar_express", the default;
+            "fixed", torch.optim.Muon's; "tuned") or a list of (a, b, c) triples.
         ns_dtype: Newton-Schulz compute dtype; matrices also travel in it when it is narrower
             than the parameter (the result is the same, since Newton-Schulz casts first).
         eps: floor of the Frobenius norm Newton-Schulz divides by.
@@ -104,8 +104,8 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
-        ns_algorithm: "standard", or "gram" (Gram Newton-Schulz on blocks where it needs fewer
-            FLOPs; see `muon.newton_schulz`).
+        ns_algorithm: "gram" (the default: Gram Newton-Schulz on blocks where it needs fewer
+            FLOPs, the standard iteration elsewhere; see `muon.newton_schulz`) or "standard".
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
     in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
@@ -120,7 +120,7 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         ns_steps: int = 5,
-        ns_coefficients: str | list = "fixed",
+        ns_coefficients: str | list = "polar_express",
         ns_dtype: torch.dtype | str = torch.bfloat16,
         eps: float = 1e-7,
         adjust_lr: str = "match_rms_adamw",
@@ -132,7 +132,7 @@ class Muon(torch.optim.Optimizer):
         expert_aware: bool = True,
         memory_budget: int | None = None,
         link: LinkModel | tuple | None = None,
-        ns_algorithm: str = "standard",
+        ns_algorithm: str = "gram",
     ) -> None:
         if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(

@@ -71,6 +71,8 @@ class ParamMeta:
     #: casts its input first and its output is exact in the wider dtype
     wire_dtype: str
     ns_steps: int = 5
+    #: "standard" or "gram" (`muon.newton_schulz`): what the cost and workspace models count
+    ns_algorithm: str = "standard"
     #: Newton-Schulz settings of the parameter's group; batches never mix different ones
     ns_settings: tuple = ()
 
@@ -99,6 +101,7 @@ class BatchPlan:
     #: independent blocks in one FSDP-visible matrix (fused experts: the EP-local experts)
     num_blocks: int
     ns_steps: int = 5
+    ns_algorithm: str = "standard"
     owners: tuple[int, ...] = ()
     #: ranks per sub-group (sub-group path)
     subgroup_size: int = 1
@@ -154,7 +157,9 @@ class BatchPlan:
 
     def block_flops(self) -> int:
         """Newton-Schulz FLOPs of one `[block_rows, block_cols]` block (`muon.cost`)."""
-        return block_flops(self.block_rows, self.block_cols, steps=self.ns_steps)
+        return block_flops(
+            self.block_rows, self.block_cols, steps=self.ns_steps, algorithm=self.ns_algorithm
+        )
 
     # the path object in `muon.comm` owns every cost; these forward to it
     @property
@@ -258,6 +263,7 @@ def _bucket_fields(members: list[ParamMeta], mp: MeshCommPlan) -> dict:
         shard_sizes=shard_sizes(visible, mp.fsdp_size) if mp.sharded else (visible,),
         num_blocks=num_blocks // mp.non_fsdp_shard_factor,
         ns_steps=p.ns_steps,
+        ns_algorithm=p.ns_algorithm,
         fsdp_size=mp.fsdp_size,
         group_ranks=mp.group_ranks,
     )

@@ -111,6 +111,7 @@ def build_step_plan(
                     itemsize=p.element_size(),
                     wire_dtype=str(wire_dtype(p.dtype, ns_dtype)).removeprefix("torch."),
                     ns_steps=g["ns_steps"],
+                    ns_algorithm=g.get("ns_algorithm", "standard"),
                     ns_settings=_ns_settings(g),
                 )
             )

@@ -170,10 +170,10 @@ class MuonOptimConfig(OptimConfig):
         NsDtype.bfloat16, "Newton-Schulz compute dtype; float32: same update on every layout/CPU"
     )
     ns_coefficients: NsCoefficients = _f(
-        NsCoefficients.fixed, "Newton-Schulz coefficients: fixed, tuned or polar_express"
+        NsCoefficients.polar_express, "Newton-Schulz coefficients: polar_express, fixed or tuned"
     )
     ns_algorithm: NsAlgorithm = _f(
-        NsAlgorithm.standard, "gram: iterate on X X^T where fewer FLOPs (rectangular blocks)"
+        NsAlgorithm.gram, "gram: iterate on X X^T where fewer FLOPs (rectangular blocks); standard"
     )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
     adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")

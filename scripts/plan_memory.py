@@ -482,6 +482,7 @@ def plan(
     rank: int = 0,
     dtype: str = "bf16",
     ns_dtype: str = "bf16",
+    ns_algorithm: str = "gram",
     expert_aware: bool = True,
     router: str = "adamw",
     nesterov: bool = True,
@@ -509,6 +510,7 @@ def plan(
                 DTYPES[ns_dtype],
                 nesterov=nesterov,
                 max_inflight=max_inflight,
+                ns_algorithm=ns_algorithm,
                 memory_budget=None if budget is None else int(budget),
             )
             for s in strategies
@@ -528,6 +530,7 @@ def plan(
         rank=rank,
         dtype=dtype,
         ns_dtype=ns_dtype,
+        ns_algorithm=ns_algorithm,
         expert_aware=expert_aware,
         router=router,
         nesterov=nesterov,
@@ -553,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=0, help="which rank's view (default 0)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="parameter dtype")
     ap.add_argument("--ns-dtype", default="bf16", choices=sorted(DTYPES), help="Newton-Schulz")
+    ap.add_argument(
+        "--ns-algorithm",
+        default="gram",
+        choices=("gram", "standard"),
+        help="Muon(ns_algorithm=...): the iteration whose FLOPs and temporaries are counted",
+    )
     ap.add_argument(
         "--no-expert-aware",
         dest="expert_aware",
@@ -591,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         rank=args.rank,
         dtype=args.dtype,
         ns_dtype=args.ns_dtype,
+        ns_algorithm=args.ns_algorithm,
         expert_aware=args.expert_aware,
         router=args.router,
         nesterov=args.nesterov,

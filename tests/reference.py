@@ -19,13 +19,25 @@ def ref_ns(G, coefficients, steps=5, eps=1e-7):
 
 # Comparing one optimizer step taken on two layouts (or with two gradient summation orders),
 # Newton-Schulz in float32. The gradients differ by a few float32 ulps (2^-24 ~ 6e-8 relative
-# each; allow 16). Five Newton-Schulz quintics amplify a perturbation at most by their slope at
-# small singular values, a^5 = 3.4445^5 ~ 490, so the Muon update differs by at most
-# 490 * 16 * 2^-24 ~ 5e-4 of its size; AdamW's elementwise update and the optimizer's float32
-# moments do not amplify. Hence 1e-3 of each tensor's own change in the step; the second term
-# (4 float32 eps of the value) covers tensors that the step leaves unchanged. bf16 Newton-
-# Schulz (2^-8 rounding, the same amplification) admits no bound below the update itself.
-STEP_CHANGE_RTOL = 1e-3
+# each; allow 16). Newton-Schulz amplifies a perturbation at most by the slope of its composed
+# scalar map at small singular values, the product of the steps' linear coefficients a_i:
+# 3.4445^5 ~ 485 for "fixed", ~ 976 for "polar_express" (the default; Gram Newton-Schulz computes
+# the same polynomial). So the Muon update differs by at most 976 * 16 * 2^-24 ~ 9.3e-4 of its
+# size; AdamW's elementwise update and the optimizer's float32 moments do not amplify. Hence
+# 2e-3 of each tensor's own change in the step; the second term (4 float32 eps of the value)
+# covers tensors that the step leaves unchanged. bf16 Newton-Schulz (2^-8 rounding, the same
+# amplification) admits no bound below the update itself.
+def ns_amplification(coefficients: str = "polar_express", steps: int = 5) -> float:
+    """Product of the linear coefficients of a Newton-Schulz schedule's first `steps` steps."""
+    import math
+
+    from muon.newton_schulz import resolve_coefficients
+
+    schedule = resolve_coefficients(coefficients)
+    return math.prod(schedule[min(i, len(schedule) - 1)][0] for i in range(steps))
+
+
+STEP_CHANGE_RTOL = 2 * ns_amplification() * 16 * 2.0**-24  # ~1.9e-3
 
 
 def assert_same_step(before: dict, a: dict, b: dict) -> None:

@@ -256,13 +256,15 @@ def test_newton_schulz_knobs_reach_the_optimizer():
     from models.glm import GLMForCausalLM, get_preset
     from recipes.parallel import build_optimizer
 
-    cfg = _compose(["optim.ns_coefficients=polar_express", "optim.ns_algorithm=gram"])
+    cfg = _compose(["optim.ns_coefficients=fixed", "optim.ns_algorithm=standard"])
     opt = build_optimizer(cfg, GLMForCausalLM(get_preset("tiny")))
     muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     assert muon and all(
-        (g["ns_coefficients"], g["ns_algorithm"]) == ("polar_express", "gram") for g in muon
+        (g["ns_coefficients"], g["ns_algorithm"]) == ("fixed", "standard") for g in muon
     )
     default = build_optimizer(_compose([]), GLMForCausalLM(get_preset("tiny")))
-    assert {g["ns_algorithm"] for g in default.param_groups if g["algorithm"] == "muon"} == {
-        "standard"
-    }
+    assert {
+        (g["ns_coefficients"], g["ns_algorithm"])
+        for g in default.param_groups
+        if g["algorithm"] == "muon"
+    } == {("polar_express", "gram")}

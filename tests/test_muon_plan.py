@@ -155,6 +155,31 @@ def test_lpt_owners_balance_cost_across_shapes_and_batches():
         assert again[2] == digest and again[0][0][1] == batches
 
 
+def test_gram_plans_count_gram_flops_and_workspace():
+    """With ns_algorithm="gram" the plan counts the iteration `newton_schulz` runs on each
+    shape: Gram on a 1:3 block (52 m^3 against 70 m^3, two more m x m temporaries), the
+    standard iteration on a square one (Gram needs no fewer FLOPs there)."""
+    from dataclasses import replace
+
+    w = 4
+    for shape, gram_runs in (((64, 192), True), ((96, 96), False)):
+        std = [_meta(k, shape) for k in range(w)]
+        gram = [replace(m, ns_algorithm="gram") for m in std]
+        (b_std,), (b_gram,) = (
+            assign_owners([(_flat_mesh(w), _plan(ms, _flat_mesh(w), "pad_all2all"))], world_size=w)[
+                0
+            ][0][1]
+            for ms in (std, gram)
+        )
+        m = min(shape)
+        assert b_std.block_flops() == 70 * m**3 if gram_runs else 5 * 6 * m**3
+        want = 52 * m**3 if gram_runs else b_std.block_flops()
+        assert b_gram.block_flops() == want
+        extra = 2 * m * m * 2 if gram_runs else 0  # two bf16 m x m matrices
+        owner = b_gram.owners[0]
+        assert b_gram.ns_workspace_bytes(owner, 2) - b_std.ns_workspace_bytes(owner, 2) == extra
+
+
 def test_existing_work_counts_as_load():
     """A rank holding local expert blocks takes fewer exchanged matrices; sub-group blocks go to
     exactly one rank of their sub-group, and a rank owning a big matrix takes fewer of them."""

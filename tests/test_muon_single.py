@@ -34,6 +34,7 @@ TUNED = [
     (2.8769, -3.1427, 1.2046),
     (2.8366, -3.0525, 1.2012),
 ]
+DEFAULT = list(muon.NS_COEFFICIENTS["polar_express"])  # Muon's default coefficients
 SHAPES = [(64, 32), (32, 96), (48, 48), (128, 16)]  # tall, wide, square, very tall
 
 # bf16 parity tolerance: relative Frobenius error of the 5-step parameter change. Measured: 0.0 for
@@ -56,7 +57,7 @@ def ref_adjusted_lr(lr, mode, rows, cols):
 
 
 def ref_muon_steps(
-    p0, grads, *, lr, mu, nesterov, wd, mode, num_experts=1, coefficients=FIXED, steps=5
+    p0, grads, *, lr, mu, nesterov, wd, mode, num_experts=1, coefficients=DEFAULT, steps=5
 ):
     """float64 spec reference: returns (param, momentum_buffer) after len(grads) steps."""
     p = p0.double().clone()
@@ -137,7 +138,16 @@ def test_parity_with_torch_muon_bf16(mode, nesterov):
     grads = make_grads(SHAPES, n_steps, seed=1)
 
     ours_p = clone_params(init)
-    ours = Muon(ours_p, lr=lr, momentum=mu, nesterov=nesterov, weight_decay=wd, adjust_lr=mode)
+    ours = Muon(
+        ours_p,
+        lr=lr,
+        momentum=mu,
+        nesterov=nesterov,
+        weight_decay=wd,
+        adjust_lr=mode,
+        ns_coefficients="fixed",  # torch.optim.Muon's iteration
+        ns_algorithm="standard",
+    )
     run(ours, ours_p, grads)
     ours_delta = [p.detach() - q.detach() for p, q in zip(ours_p, init, strict=True)]
 
@@ -181,6 +191,7 @@ def test_parity_with_torch_muon_bf16(mode, nesterov):
         ("none", True, "fixed"),
         ("match_rms_adamw", False, "fixed"),
         ("match_rms_adamw", True, "tuned"),
+        ("match_rms_adamw", True, "polar_express"),
     ],
 )
 def test_float32_matches_spec_reference(mode, nesterov, coefficients):
@@ -202,7 +213,7 @@ def test_float32_matches_spec_reference(mode, nesterov, coefficients):
         ns_coefficients=coefficients,
     )
     run(opt, ps, grads)
-    coefs = FIXED if coefficients == "fixed" else TUNED
+    coefs = {"fixed": FIXED, "tuned": TUNED, "polar_express": DEFAULT}[coefficients]
     for i, (p, q) in enumerate(zip(ps, init, strict=True)):
         want_p, want_M = ref_muon_steps(
             q.detach(),
