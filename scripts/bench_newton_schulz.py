@@ -52,7 +52,9 @@ GLM_SHAPES = [
     ("router", 256, 6144, 2),
     ("square (attention-like)", 6144, 6144, 2),
 ]
-# newton_schulz keyword sets; the first is today's default.
+# newton_schulz keyword sets: "fixed" (torch.optim.Muon's iteration) is the baseline of the
+# "vs fixed" columns; DEFAULT is what muon.Muon and the recipe run.
+DEFAULT = "polar_express gram"
 VARIANTS = {
     "fixed": dict(coefficients="fixed"),
     "tuned": dict(coefficients="tuned"),
@@ -69,7 +71,8 @@ VARIANTS = {
         coefficients="polar_express", algorithm="gram", dtype=torch.float32
     ),
 }
-# Muon-level variants (ns_coefficients, ns_algorithm) for training and the W=4 step.
+# Muon-level variants (ns_coefficients, ns_algorithm) for training and the W=4 step; the
+# first is the baseline of the "vs fixed" columns.
 OPT_VARIANTS = {
     "fixed standard": ("fixed", "standard"),
     "tuned standard": ("tuned", "standard"),
@@ -83,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--scale", type=int, default=None, help="divide GLM dims (default 16 on CPU)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per shape")
-    p.add_argument("--train-steps", type=int, default=200, help="tiny GLM steps per variant")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds per shape")
+    p.add_argument("--train-steps", type=int, default=300, help="tiny GLM steps per variant")
     p.add_argument("--step-world", type=int, default=4, help="ranks of the optimizer-step world")
     p.add_argument("--step-shape", default="384x1152", help="matrix shape of the step world")
     p.add_argument("--step-count", type=int, default=8, help="matrices in the step world")
@@ -355,8 +358,48 @@ def _md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     return "\n".join([head, sep, *body])
 
 
+def summary(res: dict) -> list[str]:
+    """The comparisons the variants are chosen by, computed from the tables of this run."""
+    by = {(r["shape"], r["variant"]): r for r in res["shapes"] if "ms_per_block" in r}
+    shapes = list(dict.fromkeys(s for s, _ in by))
+    lines = []
+    for s in shapes:
+        std, gram = by[(s, "polar_express")], by[(s, DEFAULT)]
+        if gram["algorithm"] != "gram":
+            lines.append(f"- {s} {gram['dims']}: Gram needs no fewer FLOPs; the standard runs.")
+            continue
+        better = gram["random_ortho_err"] <= std["random_ortho_err"]
+        lines.append(
+            f"- {s} {gram['dims']}: Gram takes {gram['time_vs_standard_same_coefs']:.2f}x the "
+            f"time of the standard iteration (same Polar Express coefficients) at "
+            f"{gram['gflop_per_block'] / std['gflop_per_block']:.2f}x the FLOPs; orthogonality "
+            f"error {gram['random_ortho_err']:.4f} vs {std['random_ortho_err']:.4f} "
+            f"({'equal or better' if better else 'worse'})."
+        )
+    pe_better = [
+        s
+        for s in shapes
+        if by[(s, "polar_express")]["random_ortho_err"] < by[(s, "fixed")]["random_ortho_err"]
+    ]
+    lines.append(
+        f"- Polar Express vs fixed, same 5 steps: lower orthogonality error on "
+        f"{len(pe_better)} of {len(shapes)} shapes."
+    )
+    if "step" in res:
+        rows = {r["variant"]: r for r in res["step"]["rows"]}
+        base, new = rows["fixed standard"], rows[DEFAULT]
+        lines.append(
+            f"- Muon.step at W={res['step']['world']}, default ({DEFAULT}) vs fixed standard: "
+            f"{new['cpu_vs_fixed']:.2f}x the CPU time, {new['wall_vs_fixed']:.2f}x the wall "
+            f"time; update distance to the polar factor {new['polar_dist']:.4f} vs "
+            f"{base['polar_dist']:.4f}."
+        )
+    return lines
+
+
 def markdown(res: dict) -> str:
     parts = [f"Machine: {res['machine']}. Command: `{res['command']}`.", ""]
+    parts += ["### Summary", "", *summary(res), ""]
     shape_rows = [r for r in res["shapes"] if "ms_per_block" in r]
     parts += [
         "### Time, FLOPs and quality on random (Gaussian) blocks",

@@ -21,6 +21,11 @@ def test_bench_writes_tables_and_plots(tmp_path):
     for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "results.json").read_text())["shapes"] == res["shapes"]
+    # the summary the docs quote is computed by the script, one line per shape and comparison
+    tables = (tmp_path / "tables.md").read_text()
+    assert tables.count("Gram takes") == len(bench.GLM_SHAPES) - 1  # all but the square one
+    assert "Gram needs no fewer FLOPs" in tables
+    assert "Muon.step at W=2, default (polar_express gram) vs fixed standard" in tables
     timed = [r for r in res["shapes"] if "ms_per_block" in r]
     assert len(timed) == len(bench.GLM_SHAPES) * len(bench.VARIANTS)
     assert all(r["ms_per_block"] > 0 and r["gflop_per_block"] > 0 for r in timed)
