@@ -104,8 +104,9 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
-        ns_algorithm: "gram" (the default: Gram Newton-Schulz on blocks where it needs fewer
-            FLOPs, the standard iteration elsewhere; see `muon.newton_schulz`) or "standard".
+        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 128 rows
+            and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
+            (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
     in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
@@ -132,7 +133,7 @@ class Muon(torch.optim.Optimizer):
         expert_aware: bool = True,
         memory_budget: int | None = None,
         link: LinkModel | tuple | None = None,
-        ns_algorithm: str = "gram",
+        ns_algorithm: str = "auto",
     ) -> None:
         if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(

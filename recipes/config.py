@@ -65,6 +65,7 @@ class NsCoefficients(StrEnum):
 class NsAlgorithm(StrEnum):
     standard = "standard"
     gram = "gram"
+    auto = "auto"
 
 
 class RouterOptim(StrEnum):
@@ -173,7 +174,9 @@ class MuonOptimConfig(OptimConfig):
         NsCoefficients.polar_express, "Newton-Schulz coefficients: polar_express, fixed or tuned"
     )
     ns_algorithm: NsAlgorithm = _f(
-        NsAlgorithm.gram, "gram: iterate on X X^T where fewer FLOPs (rectangular blocks); standard"
+        NsAlgorithm.auto,
+        "auto: Gram Newton-Schulz on rectangular blocks of >= 128 rows and columns; gram: on "
+        "every block where it needs fewer FLOPs; standard: never",
     )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
     adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")

@@ -5,8 +5,9 @@
 
 Sections (all in one run, so the ratios come from one machine state):
 1. Per GLM-5.2 block shape (scaled down by `--scale`) and variant: time per block of a batched
-   bf16 call (CPU: process time of one thread, the median of `--repeats` interleaved rounds, so
-   other load on the machine does not enter; CUDA: synchronized wall time), the FLOPs of
+   bf16 call (CPU: process time of one thread, the median of `--repeats` interleaved rounds of
+   samples of >= ~20 ms, so other load on the machine does not enter; CUDA: synchronized wall
+   time), the FLOPs of
    `muon.newton_schulz.ns_flops` (Gram's fallback included), and quality against the float64
    SVD: max |sigma - 1| over the bulk (the gain u_i^T O v_i along each input singular direction
    whose singular value is >= 1e-3 of the Frobenius norm, the range Polar Express is built for),
@@ -40,7 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muon.newton_schulz import gram_is_cheaper, newton_schulz, ns_flops  # noqa: E402
+from muon.newton_schulz import (  # noqa: E402
+    effective_algorithm,
+    gram_is_cheaper,
+    newton_schulz,
+    ns_flops,
+)
 
 # GLM-5.2 block shapes (hidden 6144, dense FFN 12288, expert intermediate 2048, 256 experts,
 # router [256, 6144]); batch = blocks per batched call.
@@ -53,8 +59,8 @@ GLM_SHAPES = [
     ("square (attention-like)", 6144, 6144, 2),
 ]
 # newton_schulz keyword sets: "fixed" (torch.optim.Muon's iteration) is the baseline of the
-# "vs fixed" columns; DEFAULT is what muon.Muon and the recipe run.
-DEFAULT = "polar_express gram"
+# "vs fixed" columns; GRAM is the Gram variant the summary compares with the standard iteration.
+GRAM = "polar_express gram"
 VARIANTS = {
     "fixed": dict(coefficients="fixed"),
     "tuned": dict(coefficients="tuned"),
@@ -78,7 +84,9 @@ OPT_VARIANTS = {
     "tuned standard": ("tuned", "standard"),
     "polar_express standard": ("polar_express", "standard"),
     "polar_express gram": ("polar_express", "gram"),
+    "polar_express auto": ("polar_express", "auto"),  # muon.Muon's and the recipe's default
 }
+DEFAULT = "polar_express auto"
 BULK = 1e-3
 
 
@@ -136,13 +144,18 @@ def bench_shapes(args, momentum: dict[str, torch.Tensor]) -> list[dict]:
         m, n = r // scale, c // scale
         G = torch.randn(batch, m, n, generator=gen).to(args.device)
         times = {v: [] for v in VARIANTS}
+        t0 = clock()
         for kw in VARIANTS.values():  # warm-up
             newton_schulz(G, **kw)
+        # each sample repeats the call until it lasts ~20 ms per variant: short samples are
+        # dominated by the clock's and the allocator's noise
+        calls = max(1, math.ceil(0.02 * len(VARIANTS) / max(clock() - t0, 1e-9)))
         for _ in range(args.repeats):  # interleaved rounds
             for v, kw in VARIANTS.items():
                 t0 = clock()
-                newton_schulz(G, **kw)
-                times[v].append((clock() - t0) / batch)
+                for _ in range(calls):
+                    newton_schulz(G, **kw)
+                times[v].append((clock() - t0) / (batch * calls))
         base = statistics.median(times["fixed"])
         for v, kw in VARIANTS.items():
             t = statistics.median(times[v])
@@ -364,7 +377,8 @@ def summary(res: dict) -> list[str]:
     shapes = list(dict.fromkeys(s for s, _ in by))
     lines = []
     for s in shapes:
-        std, gram = by[(s, "polar_express")], by[(s, DEFAULT)]
+        std, gram = by[(s, "polar_express")], by[(s, GRAM)]
+        default = effective_algorithm(gram["rows"], gram["cols"], 5, "auto")
         if gram["algorithm"] != "gram":
             lines.append(f"- {s} {gram['dims']}: Gram needs no fewer FLOPs; the standard runs.")
             continue
@@ -374,7 +388,7 @@ def summary(res: dict) -> list[str]:
             f"time of the standard iteration (same Polar Express coefficients) at "
             f"{gram['gflop_per_block'] / std['gflop_per_block']:.2f}x the FLOPs; orthogonality "
             f"error {gram['random_ortho_err']:.4f} vs {std['random_ortho_err']:.4f} "
-            f"({'equal or better' if better else 'worse'})."
+            f"({'equal or better' if better else 'worse'}); the default (auto) runs {default}."
         )
     pe_better = [
         s

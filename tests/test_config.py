@@ -100,7 +100,7 @@ def test_user_keys_override():
         ("optim.remainder_strategy=agsr", ["optim.remainder_strategy", "agrs, pad_all2all"]),
         ("optim.lr=oops", ["optim.lr", "oops"]),
         ("optim.ns_dtype=float64", ["optim.ns_dtype", "bfloat16, float32, float16"]),
-        ("optim.ns_algorithm=fast", ["optim.ns_algorithm", "standard, gram"]),
+        ("optim.ns_algorithm=fast", ["optim.ns_algorithm", "standard, gram, auto"]),
         ("optim.ns_coefficients=cubic", ["optim.ns_coefficients", "fixed, tuned, polar_express"]),
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
@@ -267,4 +267,4 @@ def test_newton_schulz_knobs_reach_the_optimizer():
         (g["ns_coefficients"], g["ns_algorithm"])
         for g in default.param_groups
         if g["algorithm"] == "muon"
-    } == {("polar_express", "gram")}
+    } == {("polar_express", "auto")}

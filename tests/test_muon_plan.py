@@ -164,6 +164,9 @@ def test_gram_plans_count_gram_flops_and_workspace():
     w = 4
     for shape, gram_runs in (((64, 192), True), ((96, 96), False)):
         std = [_meta(k, shape) for k in range(w)]
+        # "auto" leaves blocks under GRAM_MIN_ROWS rows to the standard iteration
+        (b_auto,) = _plan([replace(m, ns_algorithm="auto") for m in std], _flat_mesh(w), "agrs")
+        assert b_auto.block_flops() == _plan(std, _flat_mesh(w), "agrs")[0].block_flops()
         gram = [replace(m, ns_algorithm="gram") for m in std]
         (b_std,), (b_gram,) = (
             assign_owners([(_flat_mesh(w), _plan(ms, _flat_mesh(w), "pad_all2all"))], world_size=w)[

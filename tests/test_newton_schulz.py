@@ -420,6 +420,30 @@ def test_variants_match_the_reference(variant, coefficients):
         assert rel_err(got, want) < 2e-4, shape
 
 
+def test_auto_runs_gram_on_large_rectangular_blocks_only():
+    """ns_algorithm="auto": Gram where it needs fewer FLOPs and the block has at least
+    GRAM_MIN_ROWS rows and columns (per-call cost dominates below), the standard iteration
+    elsewhere, with results bit-identical to the algorithm it picks."""
+    import importlib
+
+    ns_module = importlib.import_module("muon.newton_schulz")
+    big, mid = ns_module.GRAM_MIN_ROWS, ns_module.GRAM_MIN_ROWS // 2
+    assert ns_module.effective_algorithm(big, 3 * big, 5, "auto") == "gram"
+    assert ns_module.effective_algorithm(3 * big, big, 5, "auto") == "gram"
+    assert ns_module.effective_algorithm(mid, 3 * mid, 5, "auto") == "standard"
+    assert ns_module.effective_algorithm(mid, 3 * mid, 5, "gram") == "gram"
+    assert ns_module.effective_algorithm(2 * big, 2 * big, 5, "auto") == "standard"
+    gen = torch.Generator().manual_seed(26)
+    for shape, picks in (((2, big, 3 * big), "gram"), ((2, mid, 3 * mid), "standard")):
+        G = torch.randn(*shape, generator=gen)
+        kw = dict(coefficients="polar_express")
+        assert newton_schulz(G, algorithm="auto", **kw).equal(
+            newton_schulz(G, algorithm=picks, **kw)
+        )
+    with pytest.raises(ValueError, match="auto"):
+        ns_flops(64, 192, algorithm="auto")
+
+
 def test_gram_on_square_blocks_is_the_standard_iteration():
     G = torch.randn(4, 40, 40, generator=torch.Generator().manual_seed(22))
     for dtype in (torch.float32, torch.bfloat16):
