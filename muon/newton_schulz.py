@@ -38,8 +38,8 @@ Triple = tuple[float, float, float]
 NS_ALGORITHMS = ("standard", "gram", "auto")
 #: "auto" runs Gram Newton-Schulz only on blocks whose Gram matrix has at least this many rows:
 #: smaller blocks are bound by the cost of each call, not by FLOPs, and Gram makes more calls
-#: (plus its output check). Measured on 1:3 bf16 blocks, one CPU thread, Gram / standard time:
-#: 1.9x at 32 x 96, 1.3x at 64 x 192, 0.99x at 128 x 384, 0.66x at 192 x 576, 0.78x at 256 x 768.
+#: (plus its output check). `scripts/bench_newton_schulz.py` measures where Gram starts to pay on
+#: 1:3 bf16 blocks (its "Where Gram starts to pay" table, docs/newton_schulz.md).
 GRAM_MIN_ROWS = 128
 
 # Polar Express (Amsel, Persson, Musco, Gower, 2025: "The Polar Express: Optimal Matrix Sign

@@ -1,25 +1,28 @@
 """Benchmark the Newton-Schulz variants: time, FLOPs and quality per GLM shape, plus training.
 
-    python scripts/bench_newton_schulz.py --out bench_ns              # CPU: GLM-5.2 shapes / 16
+    python scripts/bench_newton_schulz.py --scale 8 --out bench_ns    # CPU: GLM-5.2 shapes / 8
     python scripts/bench_newton_schulz.py --device cuda --scale 1     # the real shapes on a GPU
 
 Sections (all in one run, so the ratios come from one machine state):
 1. Per GLM-5.2 block shape (scaled down by `--scale`) and variant: time per block of a batched
    bf16 call (CPU: process time of one thread, the median of `--repeats` interleaved rounds of
    samples of >= ~20 ms, so other load on the machine does not enter; CUDA: synchronized wall
-   time), the FLOPs of
-   `muon.newton_schulz.ns_flops` (Gram's fallback included), and quality against the float64
-   SVD: max |sigma - 1| over the bulk (the gain u_i^T O v_i along each input singular direction
-   whose singular value is >= 1e-3 of the Frobenius norm, the range Polar Express is built for),
-   the smallest singular value of the output, ||O O^T - I||_F / sqrt(min dim) and the relative
-   distance to the polar factor U V^T. Quality on Gaussian blocks of the shape, and on the
-   momentum blocks of a tiny GLM after `--train-steps` steps of training (section 2).
-2. Training: the tiny GLM preset, one process, `--train-steps` steps of Muon per optimizer
+   time), the FLOPs of `muon.newton_schulz.ns_flops` (Gram's fallback included), and quality
+   against the float64 SVD: max |sigma - 1| over the bulk (the gain u_i^T O v_i along each
+   input singular direction whose singular value is >= 1e-3 of the Frobenius norm, the range
+   Polar Express is built for), the smallest singular value of the output,
+   ||O O^T - I||_F / sqrt(min dim) and the relative distance to the polar factor U V^T.
+   Quality on Gaussian blocks of the shape, and on the momentum blocks of a tiny GLM after
+   `--train-steps` steps of training (section 3).
+2. Where Gram starts to pay: Gram / standard time on 1:3 blocks from 32 to 256 rows (what
+   `GRAM_MIN_ROWS`, the threshold of `ns_algorithm="auto"`, rests on).
+3. Training: the tiny GLM preset, one process, `--train-steps` steps of Muon per optimizer
    variant on this Python's standard library as bytes; the loss curves and final losses.
-3. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
+4. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
    variant (interleaved), with the quality of the applied update (lr 1, no momentum, so the
    update is the orthogonalized gradient).
 
+A summary at the top of tables.md states the comparisons the defaults are chosen by.
 Writes results.json, tables.md, newton_schulz.png (time ratio and quality per shape) and
 training.png into `--out`, and prints the tables.
 """
@@ -42,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muon.newton_schulz import (  # noqa: E402
+    GRAM_MIN_ROWS,
     effective_algorithm,
     gram_is_cheaper,
     newton_schulz,
@@ -143,22 +147,11 @@ def bench_shapes(args, momentum: dict[str, torch.Tensor]) -> list[dict]:
     for name, r, c, batch in GLM_SHAPES:
         m, n = r // scale, c // scale
         G = torch.randn(batch, m, n, generator=gen).to(args.device)
-        times = {v: [] for v in VARIANTS}
-        t0 = clock()
-        for kw in VARIANTS.values():  # warm-up
-            newton_schulz(G, **kw)
-        # each sample repeats the call until it lasts ~20 ms per variant: short samples are
-        # dominated by the clock's and the allocator's noise
-        calls = max(1, math.ceil(0.02 * len(VARIANTS) / max(clock() - t0, 1e-9)))
-        for _ in range(args.repeats):  # interleaved rounds
-            for v, kw in VARIANTS.items():
-                t0 = clock()
-                for _ in range(calls):
-                    newton_schulz(G, **kw)
-                times[v].append((clock() - t0) / (batch * calls))
-        base = statistics.median(times["fixed"])
+        fns = {v: (lambda kw=kw, G=G: newton_schulz(G, **kw)) for v, kw in VARIANTS.items()}
+        times = _interleaved(clock, fns, args.repeats, per_call=batch)
+        base = times["fixed"]
         for v, kw in VARIANTS.items():
-            t = statistics.median(times[v])
+            t = times[v]
             algo = kw.get("algorithm", "standard")
             fkw = {k: kw[k] for k in ("symmetric", "restarts") if k in kw}
             if algo == "gram" and not gram_is_cheaper(m, n, **fkw):
@@ -198,6 +191,54 @@ def bench_shapes(args, momentum: dict[str, torch.Tensor]) -> list[dict]:
                     **{f"momentum_{k}": x for k, x in q.items()},
                 )
             )
+    return rows
+
+
+CROSSOVER_ROWS = (32, 64, 96, 128, 192, 256)
+
+
+def _interleaved(clock, fns: dict, repeats: int, per_call: int) -> dict[str, float]:
+    """Median seconds per block of each function, in interleaved rounds; each sample repeats
+    the call until it lasts ~20 ms per function (short samples are dominated by the clock's and
+    the allocator's noise)."""
+    times = {k: [] for k in fns}
+    t0 = clock()
+    for f in fns.values():  # warm-up
+        f()
+    calls = max(1, math.ceil(0.02 * len(fns) / max(clock() - t0, 1e-9)))
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = clock()
+            for _ in range(calls):
+                f()
+            times[k].append((clock() - t0) / (per_call * calls))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def crossover(args) -> list[dict]:
+    """Gram / standard time (Polar Express, bf16) on 1:3 blocks of growing size: where Gram's
+    extra calls stop costing more than its FLOPs save (`GRAM_MIN_ROWS` of "auto")."""
+    clock, gen, rows = _timer(args.device), torch.Generator().manual_seed(1), []
+    for m in CROSSOVER_ROWS:
+        G = torch.randn(8, m, 3 * m, generator=gen).to(args.device)
+        t = _interleaved(
+            clock,
+            {
+                a: (lambda a=a, G=G: newton_schulz(G, coefficients="polar_express", algorithm=a))
+                for a in ("standard", "gram")
+            },
+            args.repeats,
+            per_call=8,
+        )
+        rows.append(
+            dict(
+                dims=f"{m}x{3 * m}",
+                standard_ms=t["standard"] * 1e3,
+                gram_ms=t["gram"] * 1e3,
+                ratio=t["gram"] / t["standard"],
+                auto=effective_algorithm(m, 3 * m, 5, "auto"),
+            )
+        )
     return rows
 
 
@@ -390,6 +431,12 @@ def summary(res: dict) -> list[str]:
             f"error {gram['random_ortho_err']:.4f} vs {std['random_ortho_err']:.4f} "
             f"({'equal or better' if better else 'worse'}); the default (auto) runs {default}."
         )
+    faster = [r["dims"] for r in res.get("crossover", []) if r["ratio"] < 1]
+    if faster:
+        lines.append(
+            f"- 1:3 blocks where Gram is faster than the standard iteration: {', '.join(faster)}"
+            f' ("auto" runs Gram from {GRAM_MIN_ROWS} rows).'
+        )
     pe_better = [
         s
         for s in shapes
@@ -433,6 +480,21 @@ def markdown(res: dict) -> str:
                 ("s_min", "random_sigma_min", ".3f"),
                 ("orth err", "random_ortho_err", ".4f"),
                 ("dist to polar", "random_polar_dist", ".4f"),
+            ],
+        ),
+    ]
+    parts += [
+        "",
+        "### Where Gram starts to pay: 1:3 blocks of growing size (Polar Express, bf16, batch 8)",
+        "",
+        _md_table(
+            res["crossover"],
+            [
+                ("block", "dims", ""),
+                ("standard ms/block", "standard_ms", ".3f"),
+                ("gram ms/block", "gram_ms", ".3f"),
+                ("gram / standard", "ratio", ".2f"),
+                ("auto runs", "auto", ""),
             ],
         ),
     ]
@@ -549,6 +611,7 @@ def main(argv=None) -> dict:
         res["train"], momentum = train(args)
         print(f"training done: {res['train']['final_loss']}", flush=True)
     res["shapes"] = bench_shapes(args, momentum)
+    res["crossover"] = crossover(args)
     for r in res["shapes"]:
         r["dims"] = f"{r['rows']}x{r['cols']}"
     if "step" not in skip:

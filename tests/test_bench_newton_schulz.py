@@ -27,6 +27,7 @@ def test_bench_writes_tables_and_plots(tmp_path):
     assert "Gram needs no fewer FLOPs" in tables
     assert "Muon.step at W=2, default (polar_express auto) vs fixed standard" in tables
     assert "the default (auto) runs standard" in tables  # the router block, 4 rows here
+    assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
     timed = [r for r in res["shapes"] if "ms_per_block" in r]
     assert len(timed) == len(bench.GLM_SHAPES) * len(bench.VARIANTS)
     assert all(r["ms_per_block"] > 0 and r["gflop_per_block"] > 0 for r in timed)
