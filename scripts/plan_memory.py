@@ -345,7 +345,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"model {meta['model']} on {meta['world_size']} ranks, ep {meta['ep']} "
         f"(expert FSDP group {meta['efsdp']}), view of rank {view}; "
-        f"params {meta['dtype']}, NS {meta['ns_dtype']}, nesterov {meta['nesterov']}, "
+        f"params {meta['dtype']}, NS {meta['ns_dtype']} {meta['ns_algorithm']}, nesterov {meta['nesterov']}, "
         f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
         f"max_inflight {meta['max_inflight']}; plans built in {meta['build_s']:.1f} s",
         "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
@@ -482,7 +482,7 @@ def plan(
     rank: int = 0,
     dtype: str = "bf16",
     ns_dtype: str = "bf16",
-    ns_algorithm: str = "gram",
+    ns_algorithm: str = "auto",
     expert_aware: bool = True,
     router: str = "adamw",
     nesterov: bool = True,
@@ -558,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns-dtype", default="bf16", choices=sorted(DTYPES), help="Newton-Schulz")
     ap.add_argument(
         "--ns-algorithm",
-        default="gram",
-        choices=("gram", "standard"),
+        default="auto",
+        choices=("auto", "gram", "standard"),
         help="Muon(ns_algorithm=...): the iteration whose FLOPs and temporaries are counted",
     )
     ap.add_argument(
