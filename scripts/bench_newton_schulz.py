@@ -17,7 +17,8 @@ Sections (all in one run, so the ratios come from one machine state):
 2. Where Gram starts to pay: Gram / standard time on 1:3 blocks from 32 to 256 rows (what
    `GRAM_MIN_ROWS`, the threshold of `ns_algorithm="auto"`, rests on).
 3. Training: the tiny GLM preset, one process, `--train-steps` steps of Muon per optimizer
-   variant on this Python's standard library as bytes; the loss curves and final losses.
+   variant and seed (`--train-seeds`) on this Python's standard library as bytes; the mean
+   loss curves and the final losses per seed.
 4. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
    variant (interleaved), with the quality of the applied update (lr 1, no momentum, so the
    update is the orthogonalized gradient).
@@ -100,6 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale", type=int, default=None, help="divide GLM dims (default 16 on CPU)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per shape")
     p.add_argument("--train-steps", type=int, default=300, help="tiny GLM steps per variant")
+    p.add_argument("--train-seeds", type=int, default=3, help="tiny GLM runs per variant")
     p.add_argument("--step-world", type=int, default=4, help="ranks of the optimizer-step world")
     p.add_argument("--step-shape", default="384x1152", help="matrix shape of the step world")
     p.add_argument("--step-count", type=int, default=8, help="matrices in the step world")
@@ -254,48 +256,68 @@ def _token_stream(n_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(data[:n_bytes]), dtype=torch.uint8).long()
 
 
-def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Tiny GLM, one process: loss curve per optimizer variant; momentum of the first one."""
+def _train_one(tokens, coefs: str, algo: str, steps: int, seed: int):
+    """One tiny-GLM run: (losses, seconds, optimizer)."""
     from models.glm import GLMForCausalLM, get_preset
     from muon import Muon, param_groups
 
-    tokens = _token_stream()
     seq, batch = 64, 8
-    curves, seconds, momentum = {}, {}, {}
-    for name, (coefs, algo) in OPT_VARIANTS.items():
-        torch.manual_seed(0)
-        model = GLMForCausalLM(get_preset("tiny"))
-        model.init_weights(0)
-        opt = Muon(param_groups(model), ns_coefficients=coefs, ns_algorithm=algo)
-        gen = torch.Generator().manual_seed(1)
-        losses, t0 = [], time.perf_counter()
-        for _ in range(args.train_steps):
-            start = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen)
-            x = torch.stack([tokens[s : s + seq + 1] for s in start.tolist()])
-            loss = model.loss(x[:, :-1], x[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        curves[name], seconds[name] = losses, time.perf_counter() - t0
-        if not momentum:  # the Nesterov inputs of the last step, as [blocks, rows, cols]
-            for g in opt.param_groups:
-                if g.get("algorithm") != "muon":
-                    continue
-                for pname, p in zip(g["param_names"], g["params"], strict=True):
-                    buf = opt.state[p]["momentum_buffer"]
-                    inp = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-                    e = g["num_blocks"]
-                    key = f"{pname.split('.')[-2]} [{e}x{p.size(0) // e}x{p.size(1)}]"
-                    if key not in momentum:
-                        momentum[key] = inp.reshape(e, p.size(0) // e, -1).float()
-        del model, opt
+    torch.manual_seed(seed)
+    model = GLMForCausalLM(get_preset("tiny"))
+    model.init_weights(seed)
+    opt = Muon(param_groups(model), ns_coefficients=coefs, ns_algorithm=algo)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    losses, t0 = [], time.perf_counter()
+    for _ in range(steps):
+        start = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen)
+        x = torch.stack([tokens[s : s + seq + 1] for s in start.tolist()])
+        loss = model.loss(x[:, :-1], x[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, time.perf_counter() - t0, opt
+
+
+def _momentum_blocks(opt) -> dict[str, torch.Tensor]:
+    """The Nesterov inputs of the optimizer's last step, as [blocks, rows, cols] per shape."""
+    out = {}
+    for g in opt.param_groups:
+        if g.get("algorithm") != "muon":
+            continue
+        for pname, p in zip(g["param_names"], g["params"], strict=True):
+            buf = opt.state[p]["momentum_buffer"]
+            inp = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+            e = g["num_blocks"]
+            key = f"{pname.split('.')[-2]} [{e}x{p.size(0) // e}x{p.size(1)}]"
+            out.setdefault(key, inp.reshape(e, p.size(0) // e, -1).float())
+    return out
+
+
+def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Tiny GLM, one process, `--train-seeds` seeds (initialization and data order) per
+    optimizer variant: mean loss curves, final losses per seed; the momentum of the first run."""
+    tokens = _token_stream()
     tail = max(1, args.train_steps // 10)
+    curves, seconds, finals, momentum = {}, {}, {}, {}
+    for name, (coefs, algo) in OPT_VARIANTS.items():
+        runs = []
+        for seed in range(args.train_seeds):
+            losses, secs, opt = _train_one(tokens, coefs, algo, args.train_steps, seed)
+            runs.append(losses)
+            seconds[name] = seconds.get(name, 0.0) + secs
+            if not momentum:
+                momentum = _momentum_blocks(opt)
+            del opt
+        curves[name] = [statistics.mean(step) for step in zip(*runs, strict=True)]
+        finals[name] = [statistics.mean(r[-tail:]) for r in runs]
     return dict(
         curves=curves,
         seconds=seconds,
-        final_loss={k: statistics.mean(v[-tail:]) for k, v in curves.items()},
+        final_loss={k: statistics.mean(v) for k, v in finals.items()},
+        final_loss_per_seed=finals,
         tail_steps=tail,
+        seeds=args.train_seeds,
     ), momentum
 
 
@@ -518,18 +540,29 @@ def markdown(res: dict) -> str:
         ]
     if "train" in res:
         t = res["train"]
-        rows = [dict(variant=k, loss=v, s=t["seconds"][k]) for k, v in t["final_loss"].items()]
+        rows = [
+            dict(
+                variant=k,
+                loss=v,
+                lo=min(t["final_loss_per_seed"][k]),
+                hi=max(t["final_loss_per_seed"][k]),
+                s=t["seconds"][k],
+            )
+            for k, v in t["final_loss"].items()
+        ]
         parts += [
             "",
             f"### Training: tiny GLM, {len(next(iter(t['curves'].values())))} steps, "
-            f"final loss = mean of the last {t['tail_steps']}",
+            f"{t['seeds']} seeds; final loss = mean of the last {t['tail_steps']} steps",
             "",
             _md_table(
                 rows,
                 [
                     ("variant", "variant", ""),
-                    ("final loss", "loss", ".4f"),
-                    ("seconds", "s", ".1f"),
+                    ("final loss, mean of seeds", "loss", ".4f"),
+                    ("lowest seed", "lo", ".4f"),
+                    ("highest seed", "hi", ".4f"),
+                    ("seconds, all seeds", "s", ".1f"),
                 ],
             ),
         ]
@@ -588,7 +621,7 @@ def plot(res: dict, out: Path) -> None:
             ax.plot(smooth, label=f"{k} ({res['train']['final_loss'][k]:.3f})")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (mean of 10)")
-        ax.set_title("tiny GLM, Muon variants")
+        ax.set_title(f"tiny GLM, Muon variants, mean of {res['train']['seeds']} seeds")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "training.png", dpi=110)

@@ -15,7 +15,8 @@ def test_bench_writes_tables_and_plots(tmp_path):
     # importable by name: the optimizer-step world's spawned ranks import it again
     sys.path.insert(0, str(SCRIPT.parent))
     bench = importlib.import_module("bench_newton_schulz")
-    argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--step-world", "2"]
+    argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--train-seeds", "2"]
+    argv += ["--step-world", "2"]
     argv += ["--step-shape", "32x96", "--step-count", "2", "--step-repeats", "1"]
     res = bench.main([*argv, "--out", str(tmp_path)])
     for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
@@ -35,6 +36,7 @@ def test_bench_writes_tables_and_plots(tmp_path):
     assert square and all(r["algorithm"] == "standard (fallback)" for r in square)
     assert any(r["shape"].startswith("momentum") for r in res["shapes"])
     assert set(res["train"]["final_loss"]) == set(bench.OPT_VARIANTS)
+    assert all(len(v) == 2 for v in res["train"]["final_loss_per_seed"].values())
     assert [r["variant"] for r in res["step"]["rows"]] == list(bench.OPT_VARIANTS)
     # Polar Express is closer to the polar factor than the fixed quintic on every random shape
     by = {(r["shape"], r["variant"]): r for r in timed}
