@@ -17,8 +17,9 @@ Sections (all in one run, so the ratios come from one machine state):
 2. Where Gram starts to pay: Gram / standard time on 1:3 blocks from 32 to 256 rows (what
    `GRAM_MIN_ROWS`, the threshold of `ns_algorithm="auto"`, rests on).
 3. Training: the tiny GLM preset, one process, `--train-steps` steps of Muon per optimizer
-   variant and seed (`--train-seeds`) on this Python's standard library as bytes; the mean
-   loss curves and the final losses per seed.
+   variant, seed (`--train-seeds`) and learning rate (`--train-lrs`: the variants put singular
+   values at different heights, so one lr can favour one of them) on this Python's standard
+   library as bytes; the mean loss curves and the final losses per seed.
 4. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
    variant (interleaved), with the quality of the applied update (lr 1, no momentum, so the
    update is the orthogonalized gradient).
@@ -31,6 +32,7 @@ training.png into `--out`, and prints the tables.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -102,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per shape")
     p.add_argument("--train-steps", type=int, default=300, help="tiny GLM steps per variant")
     p.add_argument("--train-seeds", type=int, default=3, help="tiny GLM runs per variant")
+    p.add_argument(
+        "--train-lrs", default="0.01,0.02", help="comma-separated Muon lrs of the training runs"
+    )
     p.add_argument("--step-world", type=int, default=4, help="ranks of the optimizer-step world")
     p.add_argument("--step-shape", default="384x1152", help="matrix shape of the step world")
     p.add_argument("--step-count", type=int, default=8, help="matrices in the step world")
@@ -256,7 +261,7 @@ def _token_stream(n_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(data[:n_bytes]), dtype=torch.uint8).long()
 
 
-def _train_one(tokens, coefs: str, algo: str, steps: int, seed: int):
+def _train_one(tokens, coefs: str, algo: str, steps: int, seed: int, lr: float):
     """One tiny-GLM run: (losses, seconds, optimizer)."""
     from models.glm import GLMForCausalLM, get_preset
     from muon import Muon, param_groups
@@ -265,7 +270,7 @@ def _train_one(tokens, coefs: str, algo: str, steps: int, seed: int):
     torch.manual_seed(seed)
     model = GLMForCausalLM(get_preset("tiny"))
     model.init_weights(seed)
-    opt = Muon(param_groups(model), ns_coefficients=coefs, ns_algorithm=algo)
+    opt = Muon(param_groups(model, lr=lr), ns_coefficients=coefs, ns_algorithm=algo)
     gen = torch.Generator().manual_seed(1000 + seed)
     losses, t0 = [], time.perf_counter()
     for _ in range(steps):
@@ -300,10 +305,11 @@ def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
     tokens = _token_stream()
     tail = max(1, args.train_steps // 10)
     curves, seconds, finals, momentum = {}, {}, {}, {}
-    for name, (coefs, algo) in OPT_VARIANTS.items():
-        runs = []
+    lrs = [float(x) for x in args.train_lrs.split(",")]
+    for lr, (variant, (coefs, algo)) in itertools.product(lrs, OPT_VARIANTS.items()):
+        name, runs = f"{variant}, lr {lr:g}", []
         for seed in range(args.train_seeds):
-            losses, secs, opt = _train_one(tokens, coefs, algo, args.train_steps, seed)
+            losses, secs, opt = _train_one(tokens, coefs, algo, args.train_steps, seed, lr)
             runs.append(losses)
             seconds[name] = seconds.get(name, 0.0) + secs
             if not momentum:
@@ -318,6 +324,7 @@ def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
         final_loss_per_seed=finals,
         tail_steps=tail,
         seeds=args.train_seeds,
+        lrs=lrs,
     ), momentum
 
 
@@ -468,6 +475,16 @@ def summary(res: dict) -> list[str]:
         f"- Polar Express vs fixed, same 5 steps: lower orthogonality error on "
         f"{len(pe_better)} of {len(shapes)} shapes."
     )
+    if "train" in res:
+        t, base = res["train"], next(iter(OPT_VARIANTS))
+        for lr in t["lrs"]:
+            f, d = f"{base}, lr {lr:g}", f"{DEFAULT}, lr {lr:g}"
+            lo, hi = min(t["final_loss_per_seed"][f]), max(t["final_loss_per_seed"][f])
+            lines.append(
+                f"- Training, tiny GLM, lr {lr:g}, mean of {t['seeds']} seeds: the default ends "
+                f"at {t['final_loss'][d]:.4f}, {base} at {t['final_loss'][f]:.4f} (its seeds "
+                f"{lo:.4f}..{hi:.4f})."
+            )
     if "step" in res:
         rows = {r["variant"]: r for r in res["step"]["rows"]}
         base, new = rows["fixed standard"], rows[DEFAULT]

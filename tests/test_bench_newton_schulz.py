@@ -16,7 +16,7 @@ def test_bench_writes_tables_and_plots(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
     bench = importlib.import_module("bench_newton_schulz")
     argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--train-seeds", "2"]
-    argv += ["--step-world", "2"]
+    argv += ["--train-lrs", "0.02", "--step-world", "2"]
     argv += ["--step-shape", "32x96", "--step-count", "2", "--step-repeats", "1"]
     res = bench.main([*argv, "--out", str(tmp_path)])
     for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
@@ -27,6 +27,7 @@ def test_bench_writes_tables_and_plots(tmp_path):
     assert tables.count("Gram takes") == len(bench.GLM_SHAPES) - 1  # all but the square one
     assert "Gram needs no fewer FLOPs" in tables
     assert "Muon.step at W=2, default (polar_express auto) vs fixed standard" in tables
+    assert "Training, tiny GLM, lr 0.02, mean of 2 seeds: the default ends" in tables
     assert "the default (auto) runs standard" in tables  # the router block, 4 rows here
     assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
     timed = [r for r in res["shapes"] if "ms_per_block" in r]
@@ -35,7 +36,7 @@ def test_bench_writes_tables_and_plots(tmp_path):
     square = [r for r in timed if r["rows"] == r["cols"] and "gram" in r["variant"]]
     assert square and all(r["algorithm"] == "standard (fallback)" for r in square)
     assert any(r["shape"].startswith("momentum") for r in res["shapes"])
-    assert set(res["train"]["final_loss"]) == set(bench.OPT_VARIANTS)
+    assert set(res["train"]["final_loss"]) == {f"{v}, lr 0.02" for v in bench.OPT_VARIANTS}
     assert all(len(v) == 2 for v in res["train"]["final_loss_per_seed"].values())
     assert [r["variant"] for r in res["step"]["rows"]] == list(bench.OPT_VARIANTS)
     # Polar Express is closer to the polar factor than the fixed quintic on every random shape
