@@ -6,7 +6,7 @@
 Sections (all in one run, so the ratios come from one machine state):
 1. Per GLM-5.2 block shape (scaled down by `--scale`) and variant: time per block of a batched
    bf16 call (CPU: process time of one thread, the median of `--repeats` interleaved rounds of
-   samples of >= ~20 ms, so other load on the machine does not enter; CUDA: synchronized wall
+   samples of >= ~50 ms, so other load on the machine does not enter; CUDA: synchronized wall
    time), the FLOPs of `muon.newton_schulz.ns_flops` (Gram's fallback included), and quality
    against the float64 SVD: max |sigma - 1| over the bulk (the gain u_i^T O v_i along each
    input singular direction whose singular value is >= 1e-3 of the Frobenius norm, the range
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--scale", type=int, default=None, help="divide GLM dims (default 16 on CPU)")
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds per shape")
+    p.add_argument("--repeats", type=int, default=11, help="timed rounds per shape")
     p.add_argument("--train-steps", type=int, default=300, help="tiny GLM steps per variant")
     p.add_argument("--train-seeds", type=int, default=3, help="tiny GLM runs per variant")
     p.add_argument(
@@ -206,13 +206,13 @@ CROSSOVER_ROWS = (32, 64, 96, 128, 192, 256)
 
 def _interleaved(clock, fns: dict, repeats: int, per_call: int) -> dict[str, float]:
     """Median seconds per block of each function, in interleaved rounds; each sample repeats
-    the call until it lasts ~20 ms per function (short samples are dominated by the clock's and
+    the call until it lasts ~50 ms per function (short samples are dominated by the clock's and
     the allocator's noise)."""
     times = {k: [] for k in fns}
     t0 = clock()
     for f in fns.values():  # warm-up
         f()
-    calls = max(1, math.ceil(0.02 * len(fns) / max(clock() - t0, 1e-9)))
+    calls = max(1, math.ceil(0.05 * len(fns) / max(clock() - t0, 1e-9)))
     for _ in range(repeats):
         for k, f in fns.items():
             t0 = clock()

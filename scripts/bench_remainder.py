@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ns-dtype", choices=sorted(DTYPES), default="bf16", help="Newton-Schulz compute dtype"
     )
+    p.add_argument(
+        "--ns-variant",
+        metavar="COEFFICIENTS,ALGORITHM",
+        help="Muon's ns_coefficients,ns_algorithm, e.g. fixed,standard (default: Muon's own)",
+    )
     p.add_argument("--remainders", default=None, help="R values, e.g. 1,2,7 (default 1..W-1)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per strategy and R")
@@ -169,7 +174,9 @@ def _sweep(rank: int, cfg: dict) -> list[dict]:
             p.grad = DTensor.from_local(
                 grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
             )
-        return Muon(list(holder), ns_dtype=ns_dtype, remainder_strategy=strategy)
+        return Muon(
+            list(holder), ns_dtype=ns_dtype, remainder_strategy=strategy, **cfg["ns_variant"]
+        )
 
     def timed(fn) -> float:
         dist.barrier()
@@ -195,9 +202,19 @@ def _sweep(rank: int, cfg: dict) -> list[dict]:
                 torch.randn(rows, cols, generator=gen).to(device, dtype) for _ in range(count)
             ]
 
-        def ns_only(mats):
+        g = opts[strategies[0]].param_groups[0]  # the optimizer's own Newton-Schulz settings
+
+        def ns_only(mats, g=g):
             for m in mats:
-                orthogonalize_blocks(m, 1, 5, "fixed", ns_dtype, 1e-7)
+                orthogonalize_blocks(
+                    m,
+                    1,
+                    g["ns_steps"],
+                    g["ns_coefficients"],
+                    ns_dtype,
+                    g["eps"],
+                    algorithm=g["ns_algorithm"],
+                )
 
         for s in strategies:
             ns_only(ns_inputs[s])  # warm-up
@@ -450,7 +467,8 @@ def markdown(rows: list[dict], targets: list[dict], cfg: dict, machine: str) -> 
     lines = [
         f"World size {W} ({cfg['backend']}), {cfg['rows']}x{cfg['cols']} {cfg['dtype']} matrices "
         f"({rows[0]['matrix_mib']:.2f} MiB each), one remainder batch of R, NS "
-        f"{cfg['ns_dtype']} 5 steps, mean of {cfg['steps']} steps (slowest rank) after "
+        f"{cfg['ns_dtype']} 5 steps {cfg['ns_variant'] or 'default variant'}, mean of "
+        f"{cfg['steps']} steps (slowest rank) after "
         f"{cfg['warmup']} warm-up; peak = MemoryMeter peak_delta of the optimizer step, max over "
         f"ranks. {machine}",
         "",
@@ -577,6 +595,11 @@ def main(argv: list[str] | None = None) -> dict:
         cols=args.cols,
         dtype=args.dtype,
         ns_dtype=args.ns_dtype,
+        ns_variant=dict(
+            zip(("ns_coefficients", "ns_algorithm"), args.ns_variant.split(","), strict=True)
+        )
+        if args.ns_variant
+        else {},
         r_values=args.r_values,
         strategies=args.strategy_list,
         steps=args.steps,

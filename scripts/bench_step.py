@@ -91,7 +91,12 @@ def _worker(cfg: dict) -> list[dict]:
                 )
             # both spellings of the block count: this version's and the baseline's
             groups.append({"params": list(holder), "num_blocks": blocks, "num_experts": blocks})
-        return Muon(groups, ns_dtype=DTYPES[cfg["ns_dtype"]], remainder_strategy=strategy)
+        return Muon(
+            groups,
+            ns_dtype=DTYPES[cfg["ns_dtype"]],
+            remainder_strategy=strategy,
+            **cfg.get("ns_variant", {}),
+        )
 
     strategies = cfg["strategies"]
     opts = {s: build(s) for s in strategies}
@@ -182,7 +187,8 @@ def markdown(after: dict, before: dict | None, cfg: dict, command: str) -> str:
     lines = [
         f"`{command}`",
         "",
-        f"W={cfg['world_size']} ({cfg['backend']}), {cfg['dtype']} params, NS {cfg['ns_dtype']}; "
+        f"W={cfg['world_size']} ({cfg['backend']}), {cfg['dtype']} params, NS {cfg['ns_dtype']} "
+        f"{cfg['ns_variant'] or 'default variant'}; "
         f"bag: {bag}; step = slowest rank, mean of {cfg['steps']} steps; peak = MemoryMeter peak "
         "of the step, max over ranks; NS max/mean = `muon/ns_s` of the slowest rank over the mean",
         "",
@@ -238,6 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--world-size", "-W", type=int, default=8, help="ranks (default 8)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
     ap.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16", help="NS dtype")
+    ap.add_argument(
+        "--ns-variant",
+        metavar="COEFFICIENTS,ALGORITHM",
+        help="Muon's ns_coefficients,ns_algorithm, e.g. fixed,standard (default: Muon's own)",
+    )
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -263,6 +274,11 @@ def main(argv: list[str] | None = None) -> dict:
         backend=backend,
         dtype=args.dtype,
         ns_dtype=args.ns_dtype,
+        ns_variant=dict(
+            zip(("ns_coefficients", "ns_algorithm"), args.ns_variant.split(","), strict=True)
+        )
+        if args.ns_variant
+        else {},
         strategies=strategies,
         steps=args.steps,
         warmup=args.warmup,

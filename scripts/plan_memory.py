@@ -345,7 +345,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"model {meta['model']} on {meta['world_size']} ranks, ep {meta['ep']} "
         f"(expert FSDP group {meta['efsdp']}), view of rank {view}; "
-        f"params {meta['dtype']}, NS {meta['ns_dtype']} {meta['ns_algorithm']}, nesterov {meta['nesterov']}, "
+        f"params {meta['dtype']}, NS {meta['ns_dtype']} {meta['ns_algorithm']}, "
+        f"nesterov {meta['nesterov']}, "
         f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
         f"max_inflight {meta['max_inflight']}; plans built in {meta['build_s']:.1f} s",
         "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
