@@ -14,7 +14,9 @@ and k = 4 ranks. Per strategy and rank it records:
 
 `--baseline DIR` runs the same bag, in the same invocation and on the same machine, with the
 `muon` and `recipes` packages of another checkout (e.g. `git worktree add /tmp/before <commit>`)
-for a before/after table; only figures both versions report are compared there.
+for a before/after table; only figures both versions report are compared there. The baseline
+runs its own default Newton-Schulz; `--ns-variant fixed,standard` gives this tree
+torch.optim.Muon's iteration (the default before Polar Express + Gram), for a like-for-like table.
 
     python scripts/bench_step.py --out bench_step_out
     python scripts/bench_step.py --baseline /tmp/before --out bench_step_out
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.baseline:
         base = dict(cfg, code=str(Path(args.baseline).resolve()))
         base["strategies"] = [s for s in strategies if s != "auto"]  # the baseline has no auto
+        base["ns_variant"] = {}  # the baseline runs its own default Newton-Schulz
         before = summarize(run_world(base))
     text = markdown(after, before, cfg, command.strip())
     result = dict(command=command.strip(), config=cfg, after=after, before=before)
