@@ -1,7 +1,16 @@
-"""Shared pytest setup: GPU tests are skipped where no CUDA device is present."""
+"""Shared pytest setup: GPU tests are skipped where no CUDA device is present, and one
+three-strategy `train.py -m` sweep serves every test that reads such runs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +20,43 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def strategy_sweep(tmp_path_factory) -> tuple[Path, str]:
+    """`python train.py -m optim.remainder_strategy=agrs,pad_all2all,ragged_all_to_all`, run
+    once: 4 CPU ranks, ep=2, 3 steps with a NaN gradient injected at step 2, memory measured
+    on steps 1 and 3, a checkpoint every step, float32 Newton-Schulz (the strategies' losses
+    are compared), W&B offline. Returns (the sweep's directory, the console output)."""
+    from recipes.data import build_stdlib_tokens
+
+    root = tmp_path_factory.mktemp("strategy-sweep")
+    build_stdlib_tokens(str(root / "cache"))
+    args = [
+        "-m",
+        f"optim.remainder_strategy={','.join(STRATEGIES)}",
+        "train.steps=3",
+        "train.inject_nan_at_step=2",
+        "metrics.memory_every=2",
+        "checkpoint.every=1",
+        "checkpoint.keep=3",
+        "checkpoint.export_hf=false",
+        "optim.ns_dtype=float32",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        f"data.cache_dir={root / 'cache'}",
+        "train.warmup_steps=1",
+        f"run.root={root}",
+    ]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")  # never the network
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return root / "default", proc.stdout

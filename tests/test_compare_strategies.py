@@ -1,10 +1,10 @@
 """scripts/compare_strategies.py: runs grouped by optim.remainder_strategy into tables and plots.
 
 Fast tests use hand-written run directories (both config layouts) and a stand-in for the W&B
-API. The slow test trains three short real runs (`python train.py -m optim.remainder_strategy=
-agrs,pad_all2all,ragged_all_to_all` on 2 CPU ranks, W&B offline) and compares them from
-metrics.jsonl and, through the API stand-in, from the rows their W&B offline runs hold: the
-two must agree.
+API. The slow test reads the three short real runs of the shared sweep (`tests/conftest.py`:
+`python train.py -m optim.remainder_strategy=...` on 4 CPU ranks, W&B offline) and compares
+them from metrics.jsonl and, through the API stand-in, from the rows their W&B offline runs
+hold: the two must agree.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -167,35 +166,11 @@ def test_wandb_api_runs(tmp_path):
 
 # ------------------------------------------------------------------ three short real runs
 @pytest.mark.slow
-def test_three_real_runs_make_a_table_and_plots(tmp_path):
-    runs_root = tmp_path / "runs"
-    cmd = [
-        sys.executable,
-        "train.py",
-        "-m",
-        f"run.root={runs_root}",
-        "run.name=cmp",
-        "mesh.world_size=2",
-        "mesh.ep=2",
-        "train.steps=2",
-        "train.warmup_steps=1",
-        "metrics.memory_every=1",
-        "metrics.progress=false",
-        "data.seq_len=8",
-        "data.batch_size=1",
-        "checkpoint.every=0",
-        "checkpoint.export_hf=false",
-        "logger=wandb",
-        "logger.mode=offline",
-        f"optim.remainder_strategy={','.join(STRATEGIES)}",
-    ]
-    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
+def test_three_real_runs_make_a_table_and_plots(strategy_sweep, tmp_path):
+    runs_root, _ = strategy_sweep  # tests/conftest.py: 4 ranks, ep=2, 3 steps, W&B offline
     out = tmp_path / "out"
     cmp = subprocess.run(
-        [sys.executable, str(SCRIPT), str(runs_root / "cmp"), "--out", str(out)],
+        [sys.executable, str(SCRIPT), str(runs_root), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -222,7 +197,7 @@ def test_three_real_runs_make_a_table_and_plots(tmp_path):
     from tests import wandb_records
 
     mod = _load()
-    offline = sorted((runs_root / "cmp").glob("*/wandb/offline-run-*"))
+    offline = sorted(runs_root.glob("*/wandb/offline-run-*"))
     assert len(offline) == 3
     fakes = []
     for d in offline:

@@ -79,24 +79,13 @@ def _assert_same(a, b, path=""):
 
 
 @pytest.mark.slow
-def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(cache, tmp_path):
-    """One `-m` sweep: a world per remainder strategy (4 ranks, ep=2), W&B offline; a NaN
-    gradient injected at step 2 is skipped and leaves parameters and Muon state unchanged."""
-    args = [
-        "-m",
-        f"optim.remainder_strategy={','.join(STRATEGIES)}",
-        "train.steps=3",
-        "train.inject_nan_at_step=2",
-        "metrics.memory_every=2",
-        "checkpoint.every=1",
-        "checkpoint.keep=3",
-        "checkpoint.export_hf=false",
-        "optim.ns_dtype=float32",  # the strategies' losses are compared below
-        *_small(cache),
-    ]
-    out = _finish(_train_py(args, tmp_path))
+def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(strategy_sweep):
+    """One `-m` sweep (tests/conftest.py): a world per remainder strategy (4 ranks, ep=2), W&B
+    offline; a NaN gradient injected at step 2 is skipped and leaves parameters and Muon state
+    unchanged."""
+    sweep, out = strategy_sweep
     assert out.count("[summary]") == 3
-    runs = {s: next((tmp_path / "default").glob(f"*remainder_strategy={s},*")) for s in STRATEGIES}
+    runs = {s: next(sweep.glob(f"*remainder_strategy={s},*")) for s in STRATEGIES}
     losses = {}
     for strategy, run_dir in runs.items():
         lines = _metrics(run_dir)
