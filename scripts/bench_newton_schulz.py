@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from muon.newton_schulz import (  # noqa: E402
     GRAM_MIN_ROWS,
     effective_algorithm,
-    gram_is_cheaper,
     newton_schulz,
     ns_flops,
 )
@@ -159,12 +158,11 @@ def bench_shapes(args) -> list[dict]:
         base = times["fixed"]
         for v, kw in VARIANTS.items():
             t = times[v]
-            algo = kw.get("algorithm", "standard")
             fkw = {k: kw[k] for k in ("symmetric", "restarts") if k in kw}
-            if algo == "gram" and not gram_is_cheaper(m, n, **fkw):
-                algo = "standard (fallback)"
-                fkw.pop("restarts", None)
-            flops = ns_flops(m, n, algorithm=algo.split()[0], **fkw)
+            asked = kw.get("algorithm", "standard")
+            runs = effective_algorithm(m, n, 5, asked, **fkw)  # what newton_schulz runs
+            algo = runs if runs == asked else f"{runs} (fallback)"
+            flops = ns_flops(m, n, algorithm=runs, **fkw)
             q = quality(G, newton_schulz(G, **kw))
             rows.append(
                 dict(
