@@ -148,6 +148,19 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
+def parse_variant(text: str) -> dict[str, str]:
+    """ "COEFFICIENTS,ALGORITHM" (e.g. "fixed,standard", a command-line spelling) as the
+    `muon.Muon` keywords `ns_coefficients` and `ns_algorithm`, each validated."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(
+            f"ns variant {text!r}: expected COEFFICIENTS,ALGORITHM with COEFFICIENTS one of "
+            f"{sorted(NS_COEFFICIENTS)} and ALGORITHM one of {', '.join(NS_ALGORITHMS)}"
+        )
+    resolve_coefficients(parts[0])
+    return {"ns_coefficients": parts[0], "ns_algorithm": check_algorithm(parts[1])}
+
+
 # ----------------------------------------------------------------------------- cost model
 
 

@@ -57,6 +57,17 @@ HOST = "127.0.0.1"
 
 
 # ------------------------------------------------------------------------------ arguments
+def _ns_variant(text: str) -> dict[str, str]:
+    """`--ns-variant`; muon is imported here, not at the top, so that ranks that import
+    another checkout's packages have not loaded this tree's first."""
+    from muon.newton_schulz import parse_variant
+
+    try:
+        return parse_variant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -69,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--ns-variant",
+        type=_ns_variant,
         metavar="COEFFICIENTS,ALGORITHM",
         help="Muon's ns_coefficients,ns_algorithm, e.g. fixed,standard (default: Muon's own)",
     )
@@ -595,11 +607,7 @@ def main(argv: list[str] | None = None) -> dict:
         cols=args.cols,
         dtype=args.dtype,
         ns_dtype=args.ns_dtype,
-        ns_variant=dict(
-            zip(("ns_coefficients", "ns_algorithm"), args.ns_variant.split(","), strict=True)
-        )
-        if args.ns_variant
-        else {},
+        ns_variant=args.ns_variant or {},
         r_values=args.r_values,
         strategies=args.strategy_list,
         steps=args.steps,

@@ -241,6 +241,17 @@ def targets(after: dict) -> list[tuple[str, bool]]:
     return out
 
 
+def _ns_variant(text: str) -> dict[str, str]:
+    """`--ns-variant`; muon is imported here, not at the top, so that ranks that import
+    another checkout's packages have not loaded this tree's first."""
+    from muon.newton_schulz import parse_variant
+
+    try:
+        return parse_variant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", "-W", type=int, default=8, help="ranks (default 8)")
@@ -248,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16", help="NS dtype")
     ap.add_argument(
         "--ns-variant",
+        type=_ns_variant,
         metavar="COEFFICIENTS,ALGORITHM",
         help="Muon's ns_coefficients,ns_algorithm, e.g. fixed,standard (default: Muon's own)",
     )
@@ -276,11 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         backend=backend,
         dtype=args.dtype,
         ns_dtype=args.ns_dtype,
-        ns_variant=dict(
-            zip(("ns_coefficients", "ns_algorithm"), args.ns_variant.split(","), strict=True)
-        )
-        if args.ns_variant
-        else {},
+        ns_variant=args.ns_variant or {},
         strategies=strategies,
         steps=args.steps,
         warmup=args.warmup,

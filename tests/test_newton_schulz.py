@@ -444,6 +444,21 @@ def test_auto_runs_gram_on_large_rectangular_blocks_only():
         ns_flops(64, 192, algorithm="auto")
 
 
+def test_parse_variant_validates_both_names():
+    import importlib
+
+    parse_variant = importlib.import_module("muon.newton_schulz").parse_variant
+    assert parse_variant("fixed,standard") == {
+        "ns_coefficients": "fixed",
+        "ns_algorithm": "standard",
+    }
+    for text, named in (("fixed", "COEFFICIENTS,ALGORITHM"), ("cubic,gram", "ns_coefficients")):
+        with pytest.raises(ValueError, match=named):
+            parse_variant(text)
+    with pytest.raises(ValueError, match="standard, gram, auto"):
+        parse_variant("fixed,fast")
+
+
 def test_gram_on_square_blocks_is_the_standard_iteration():
     G = torch.randn(4, 40, 40, generator=torch.Generator().manual_seed(22))
     for dtype in (torch.float32, torch.bfloat16):
