@@ -175,7 +175,7 @@ def test_gram_plans_count_gram_flops_and_workspace():
             for ms in (std, gram)
         )
         m = min(shape)
-        assert b_std.block_flops() == 70 * m**3 if gram_runs else 5 * 6 * m**3
+        assert b_std.block_flops() == (70 * m**3 if gram_runs else 5 * 6 * m**3)
         want = 52 * m**3 if gram_runs else b_std.block_flops()
         assert b_gram.block_flops() == want
         extra = 2 * m * m * 2 if gram_runs else 0  # two bf16 m x m matrices
