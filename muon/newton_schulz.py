@@ -318,7 +318,7 @@ def band_top(schedule: tuple[Triple, ...], steps: int) -> float:
 
 #: Gram outputs whose largest singular value exceeds the method's band by more than this are
 #: recomputed with the standard iteration. bf16 standard Newton-Schulz stays within 0.04 of the
-#: band (tests/test_newton_schulz.py); Gram's updates R <- H R H can lose it in bf16 when the
+#: band (tests/unit/test_newton_schulz.py); Gram's updates R <- H R H can lose it in bf16 when the
 #: singular values span a wide range (measured on momentum of a tiny GLM: sigma_max ~ 5000).
 GRAM_SLACK = 0.1
 

@@ -46,7 +46,7 @@ optimizer if the absolute figure should include them. Deltas are exact for tenso
 allocated after that; freeing an older tensor is invisible to the counter (it does not lower
 the figures), so a region that frees an old 8 MiB tensor and then allocates 8 MiB reads +8 MiB.
 
-Accuracy (tests/test_memory.py): an 8 MiB tensor in a region gives a delta of exactly
+Accuracy (tests/distributed/test_memory.py): an 8 MiB tensor in a region gives a delta of exactly
 8 MiB; three sequential 4 MiB alloc/free pairs peak at 4 MiB, not 12; a 16 MiB tensor freed on a
 worker thread leaves no phantom bytes, and a 24 MiB tensor allocated on a worker and freed on
 the measuring thread shows as a 24 MiB peak; in a 2-rank gloo world the rank holding an extra

@@ -16,7 +16,7 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 The step peak is resident + the larger of the two peaks.
 
 Activation bytes per token are counted op by op from the model code (what autograd saves:
-`tests/test_step_memory.py` checks them against `saved_tensors_hooks` on real layers).
+`tests/unit/test_step_memory.py` checks them against `saved_tensors_hooks` on real layers).
 Tokens are assumed evenly routed (each rank's experts receive N*K rows on average).
 """
 

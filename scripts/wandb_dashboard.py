@@ -8,7 +8,7 @@ The workspace shows the runs of one W&B group (the `strategies` experiment's run
 min/max band) per strategy: step and optimizer time of the slowest rank, waiting on
 collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, loss, and
 bar charts of the run summaries (peaks: train.py defines max summaries for memory and time).
-Every metric key here is one that `train.py` logs (`tests/test_wandb.py` checks them against
+Every metric key here is one that `train.py` logs (`tests/e2e/test_wandb.py` checks them against
 a real offline run). `--dry-run` prints the panels and needs neither the network nor a login;
 without it the workspace is saved through the W&B API (`wandb login` first) and its URL printed.
 """

@@ -18,7 +18,7 @@ from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.hf_adapter import INDEX, export_hf, import_hf
 from tests.harness import run_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CFG = GLMConfig(
     vocab_size=40,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compare_strategies.py"
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 MiB = 1 << 20

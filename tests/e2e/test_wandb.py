@@ -24,7 +24,7 @@ from recipes.config import Config, to_plain
 from recipes.metrics import MetricsLog
 from tests import wandb_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _dashboard():

@@ -84,7 +84,7 @@ def test_activation_bytes_match_autograd(name, dtype):
 def test_planner_prints_the_whole_step_estimate_against_a_budget():
     """`scripts/plan_memory.py --step` (fake 8-rank world): both checkpointing modes, the
     verdict against --budget-gib, and the exit status when nothing fits."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "plan_memory.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "plan_memory.py"
     args = [sys.executable, str(script), "--model", "small", "--world-size", "8", "--ep", "2"]
     args += ["--step", "--seq-len", "256", "--micro-batch", "2", "--strategy", "pad_all2all"]
     fits = subprocess.run([*args, "--budget-gib", "8"], capture_output=True, text=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.slurm_util import (
+from tests.slurm.slurm_util import (
     LOCAL_CLUSTER,
     REPO,
     SLURM_DIR,
@@ -120,7 +120,7 @@ def _sbatch_train(cluster, log: Path, run_root: Path, steps: int, every: int, en
 
 def _slow_saves(cluster, tmp_path: Path, seconds: float) -> tuple[dict[str, str], Path]:
     """A job environment in which rank 0 takes `seconds` longer for each checkpoint (the
-    tests/slurm_hooks/sitecustomize.py hook), and the directory of its progress marks."""
+    tests/slurm/slurm_hooks/sitecustomize.py hook), and the directory of its progress marks."""
     marks = tmp_path / "marks"
     marks.mkdir()
     env = dict(

@@ -274,7 +274,7 @@ def test_bench_checkpoint_script_table(tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_checkpoint.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_checkpoint.py"
     args = ["--preset", "tiny", "--layouts", "2x2", "--out", str(tmp_path)]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

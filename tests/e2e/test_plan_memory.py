@@ -41,7 +41,7 @@ import torch
 
 from tests.harness import run_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "plan_memory.py"
 GiB = 1 << 30
 MiB = 1 << 20

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_newton_schulz.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_newton_schulz.py"
 
 
 @pytest.mark.slow

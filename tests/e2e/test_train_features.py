@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from recipes.config import Config
 from tests.harness import run_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.overrides.num_hidden_layers=2", "data.seq_len=32", "data.batch_size=2"]
 
 

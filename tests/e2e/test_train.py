@@ -17,7 +17,7 @@ from recipes import checkpoint
 from recipes.config import from_yaml
 from tests.harness import run_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
@@ -244,7 +244,7 @@ def test_torchrun_world_checkpoints_and_stops_on_sigterm(cache, tmp_path):
     """Under torchrun (the SLURM path) every rank runs train.py and joins the launcher's world;
     SIGTERM (Slurm's preemption), forwarded to the ranks, commits a checkpoint and ends the run
     cleanly. SIGUSR1, the batch script's early warning, takes the same path
-    (tests/test_slurm.py sends it through a real Slurm)."""
+    (tests/slurm/test_slurm.py sends it through a real Slurm)."""
     args = ["mesh.world_size=2", "mesh.ep=1", "train.steps=500", "checkpoint.every=0"]
     # Muon knobs that only pass through, run once end to end here.
     args += ["optim.router=muon", "optim.max_inflight=1", "optim.enable_all2all=false"]

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.slurm_util import (
+from tests.slurm.slurm_util import (
     FINAL_STATES,
     REPO,
     SLURM_DIR,
@@ -33,7 +33,7 @@ from tests.slurm_util import (
     start_cluster,
     tail,
 )
-from tests.slurm_util import run as _run
+from tests.slurm.slurm_util import run as _run
 
 SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"))
 STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from recipes import config as schema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 GROUPS = ("model", "mesh", "optim", "data", "logger", "checkpoint", "experiment")
 
