@@ -1,7 +1,8 @@
 """Test hook for the multi-node Slurm tests: slow checkpoint writes on rank 0.
 
 Python imports `sitecustomize` at startup from the path;
-tests/slurm/test_slurm_multinode.py puts this directory on PYTHONPATH of one job only. With SLOW_SAVE_S set, rank 0's
+tests/slurm/test_slurm_multinode.py puts this directory on PYTHONPATH of one job only.
+With SLOW_SAVE_S set, rank 0's
 `recipes.checkpoint.Checkpointer.save` (how the trainer writes checkpoints) first records
 `<SLOW_SAVE_DIR>/saving_<step>` and sleeps SLOW_SAVE_S seconds (the other ranks wait for it
 inside the collective save), then writes the checkpoint as usual; `saved_<step>` marks the end.
