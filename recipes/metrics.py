@@ -63,9 +63,10 @@ def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
 
 
 def summary_rule(key: str) -> str | None:
-    """How a W&B run summarizes a metric: `min` for the loss, `max` for memory and times (so
-    run tables and bar charts show peaks), None (W&B's default: the last value) otherwise."""
-    if key == "loss":
+    """How a W&B run summarizes a metric: `min` for the training and validation losses, `max`
+    for memory and times (so run tables and bar charts show peaks), None (W&B's default: the
+    last value) otherwise."""
+    if key in ("loss", "val/loss", "val/bpb"):
         return "min"
     if key.startswith("memory/"):
         return "max"
@@ -211,6 +212,7 @@ class Summary:
 
     def __init__(self) -> None:
         self.losses: list[tuple[int, float]] = []
+        self.val: list[tuple[int, float, float | None]] = []  # step, val/loss, val/bpb
         self.step_s: list[float] = []
         self.optim_s: list[float] = []
         self.tokens_per_s: list[float] = []
@@ -220,6 +222,8 @@ class Summary:
 
     def add(self, step: int, m: dict[str, float], measured: bool) -> None:
         self.losses.append((step, m["loss"]))
+        if "val/loss" in m:
+            self.val.append((step, m["val/loss"], m.get("val/bpb")))
         self.skipped = int(m["skipped_steps"])
         timing = (m["step_s"], m["optim_s"], m["tokens_per_s"])
         if measured:  # profiled steps are slower: used only when no other step was logged
@@ -252,6 +256,11 @@ class Summary:
                 last_step=self.losses[-1][0],
                 loss_last=self.losses[-1][1],
             )
+        if self.val:
+            out.update(val_step=self.val[-1][0], val_loss=self.val[-1][1])
+            out["val_loss_min"] = min(v[1] for v in self.val)
+            if self.val[-1][2] is not None:
+                out["val_bpb"] = self.val[-1][2]
         return out
 
     def text(self) -> str:
@@ -261,8 +270,12 @@ class Summary:
         share = f"{100 * s['optim_share']:.0f}%" if s["optim_share"] is not None else "n/a"
         speed = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] is not None else "n/a"
         peaks = ", ".join(f"r{r}={v:.1f}" for r, v in enumerate(s["peak_mib_per_rank"]))
+        val = ""
+        if self.val:
+            bpb = f", {s['val_bpb']:.4f} bits/byte" if "val_bpb" in s else ""
+            val = f"; val/loss {s['val_loss']:.4f}{bpb} (step {s['val_step']})"
         return (
             f"loss {s['loss_first']:.4f} (step {s['first_step']}) -> {s['loss_last']:.4f} "
-            f"(step {s['last_step']}); {speed} tokens/s; optimizer {share} of step time; "
+            f"(step {s['last_step']}){val}; {speed} tokens/s; optimizer {share} of step time; "
             f"skipped steps {s['skipped_steps']}; peak MiB per rank: {peaks or 'not sampled'}"
         )

@@ -1,6 +1,8 @@
 """The Hydra config tree composes and validates; bad input fails early, naming the key."""
 
 import dataclasses
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +39,7 @@ def _all_choices() -> list[list[str]]:
 def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if overrides == ["data=tokens"]:
-        token_file = tmp_path / "tokens.bin"
-        token_file.write_bytes(bytes(64))
-        overrides = [*overrides, f"data.path={token_file}"]
+        overrides = [*overrides, f"data.path={_prepared(tmp_path / 'prepared')}"]
     cfg = _compose(overrides)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
@@ -123,8 +123,12 @@ def test_compose_rejects(override, expected):
         (["optim.lr=-0.1"], "optim.lr=-0.1: must be > 0"),
         (["mesh.ep=3"], "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
         (["mesh.world_size=0"], "mesh.world_size=0: must be > 0"),
-        (["data=tokens"], "data.path=None: data.source=tokens needs a token file"),
+        (["data=tokens"], "data.path=None: data.source=tokens needs a prepare_data.py"),
         (["data=tokens", "data.path=/nonexistent/tok.bin"], "data.path=/nonexistent/tok.bin"),
+        (["data.val_fraction=1.0"], "data.val_fraction=1.0: must be in [0, 1)"),
+        (["data.val_fraction=0"], "data.val_fraction=0.0: eval.every > 0 needs held-out"),
+        (["eval.batches=0"], "eval.batches=0: must be > 0"),
+        (["eval.every=-1"], "eval.every=-1: must be >= 0"),
         (["data.path=/nonexistent/src"], "no such source directory"),
         (["train.inject_nan_at_step=99", "train.steps=5"], "must be in [1, 5]"),
         (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
@@ -144,6 +148,43 @@ def test_validate_rejects(overrides, expected):
     with pytest.raises(schema.ConfigError) as err:
         schema.validate(_compose(overrides))
     assert expected in str(err.value)
+
+
+def _prepared(directory, vocab_size=300, val_tokens=16):
+    """A minimal prepared token directory (what scripts/prepare_data.py writes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "train.bin").write_bytes(bytes(128))
+    (directory / "val.bin").write_bytes(bytes(2 * val_tokens))
+    splits = {"train": {"tokens": 64, "bytes": 200}, "val": {"tokens": val_tokens, "bytes": 50}}
+    meta = {"vocab_size": vocab_size, "dtype": "uint16", "splits": splits}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def test_prepared_directory_gives_vocab_and_dtype(tmp_path):
+    prepared = _prepared(tmp_path / "p")
+    cfg = _compose(["data=tokens", f"data.path={prepared}"])
+    schema.validate(cfg)
+    assert (cfg.data.vocab_size, cfg.data.dtype.value) == (300, "uint16")
+    same = _compose(["data=tokens", f"data.path={prepared}", "data.vocab_size=300"])
+    schema.validate(same)  # a value that agrees is fine
+    cases = [
+        (["data.vocab_size=512"], "data.vocab_size=512: contradicts"),
+        (["data.dtype=uint32"], "data.dtype=uint32: contradicts"),
+    ]
+    token_file = tmp_path / "flat.bin"
+    token_file.write_bytes(bytes(64))
+    cases += [
+        ([f"data.path={token_file}"], "eval.every=50: data.path="),
+        ([f"data.path={token_file}", "eval.every=0"], "data.vocab_size=None: needed"),
+        ([f"data.path={tmp_path}"], "a directory without meta.json"),
+        ([f"data.path={_prepared(tmp_path / 'noval', val_tokens=0)}"], "no validation tokens"),
+    ]
+    for extra, expected in cases:
+        with pytest.raises(schema.ConfigError, match=re.escape(expected)):
+            schema.validate(_compose(["data=tokens", f"data.path={prepared}", *extra]))
+    flat = ["data=tokens", f"data.path={token_file}", "eval.every=0", "data.dtype=uint8"]
+    schema.validate(_compose([*flat, "data.vocab_size=256"]))  # one file: the keys say it all
 
 
 def test_validate_checks_the_launcher_world():
