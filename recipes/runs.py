@@ -7,6 +7,7 @@ Used by `scripts/compare_strategies.py` and `scripts/compare_optimizers.py`.
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,3 +97,45 @@ def discover(paths: list[Path]) -> list[Run]:
         else:
             runs += sorted(m.parent for m in p.rglob("metrics.jsonl"))
     return [read_hydra_run(r) for r in sorted(set(runs))]
+
+
+def add_source_arguments(ap) -> None:
+    """The run sources of a comparison command line: run/sweep directories, `--wandb`."""
+    ap.add_argument("paths", nargs="*", type=Path, help="run dirs or sweep dirs of train.py")
+    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
+    ap.add_argument("--group", help="with --wandb: only this W&B group")
+
+
+def read_sources(ap, args) -> list[Run]:
+    """The runs `add_source_arguments`' arguments name (an argparse error when none)."""
+    if not args.paths and not args.wandb:
+        ap.error("give run directories or --wandb ENTITY/PROJECT")
+    runs = discover(args.paths) if args.paths else []
+    if args.wandb:
+        runs += read_wandb_api(args.wandb, args.group)
+    return runs
+
+
+# -------------------------------------------------------------------------------- writing
+def fmt(v: Any) -> str:
+    """A table cell: 4 significant digits, large numbers whole, None as "-"."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], cols: list[str]) -> list[str]:
+    """The lines of a markdown table of `cols` over `rows`."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    return lines + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+
+
+def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
+    """`cols` of `rows` as CSV (None as an empty cell)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: "" if r.get(c) is None else r.get(c) for c in cols})

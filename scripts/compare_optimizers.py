@@ -27,7 +27,6 @@ training time).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from pathlib import Path
@@ -35,7 +34,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.runs import Run, discover, read_wandb_api  # noqa: E402
+from recipes.runs import (  # noqa: E402
+    Run,
+    add_source_arguments,
+    markdown_table,
+    read_sources,
+    write_csv,
+)
 
 #: config keys every compared run must share
 SAME_KEYS = (
@@ -160,14 +165,6 @@ def best(rows: list[dict], reference: str | None) -> list[dict]:
     return sorted(out, key=lambda r: r["val_loss"])
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
-
-
 def markdown(table: list[dict], rows: list[dict], by: str, setting: str) -> str:
     ref = table[0]["reference"]
     cols = ["group", "setting", "runs", *(c for c, _ in COLUMNS)]
@@ -176,24 +173,13 @@ def markdown(table: list[dict], rows: list[dict], by: str, setting: str) -> str:
         "",
         f"Target: the best final val_loss of `{ref}` ({table[0]['target']:.4f}).",
         "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "|".join("---" for _ in cols) + "|",
+        *markdown_table(table, cols),
     ]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in table]
     lines += ["", f"- `setting`: {setting}", *(f"- `{c}`: {h}" for c, h in COLUMNS)]
     lines += ["", "## Every setting", ""]
     cols = ["group", "setting", "runs", "val_loss", "tokens_per_s", "optim_share"]
-    lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += markdown_table(rows, cols)
     return "\n".join(lines) + "\n"
-
-
-def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: "" if r.get(c) is None else r.get(c) for c in cols})
 
 
 def plot(rows: list[dict], table: list[dict], path: Path, by: str, setting: str) -> Path:
@@ -252,19 +238,13 @@ def compare(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("paths", nargs="*", type=Path, help="run dirs or sweep dirs of train.py")
-    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
-    ap.add_argument("--group", help="with --wandb: only this W&B group")
+    add_source_arguments(ap)
     ap.add_argument("--by", default="optim.name", help="config key of the groups (optim.name)")
     ap.add_argument("--setting", default="optim.lr", help="config key of a group's settings")
     ap.add_argument("--reference", help="group whose best final loss is the target")
     ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
     args = ap.parse_args(argv)
-    if not args.paths and not args.wandb:
-        ap.error("give run directories or --wandb ENTITY/PROJECT")
-    runs = discover(args.paths) if args.paths else []
-    if args.wandb:
-        runs += read_wandb_api(args.wandb, args.group)
+    runs = read_sources(ap, args)
     try:
         result = compare(runs, args.out, args.by, args.setting, args.reference)
     except ValueError as err:

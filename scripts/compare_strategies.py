@@ -29,7 +29,6 @@ Output in `--out`: `comparison.md`, `comparison.csv` (per strategy), `runs.csv` 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 import sys
@@ -38,7 +37,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.runs import Run, discover, lookup, read_hydra_run, read_wandb_api  # noqa: E402, F401
+from recipes.runs import (  # noqa: E402, F401
+    Run,
+    add_source_arguments,
+    discover,
+    lookup,
+    read_hydra_run,
+    read_sources,
+    read_wandb_api,
+    write_csv,
+)
+from recipes.runs import fmt as _fmt  # noqa: E402
 
 DEFAULT_KEY = "optim.remainder_strategy"
 STRATEGY_ORDER = ("agrs", "pad_all2all", "ragged_all_to_all")
@@ -158,14 +167,6 @@ def by_strategy(rows: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ writing
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
-
-
 def markdown(table: list[dict], rows: list[dict], key: str) -> str:
     cols = ["strategy", "runs", *(c for c, _ in COLUMNS)]
     lines = [
@@ -181,14 +182,6 @@ def markdown(table: list[dict], rows: list[dict], key: str) -> str:
     lines += ["| " + " | ".join(run_cols) + " |", "|" + "|".join("---" for _ in run_cols) + "|"]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in run_cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: "" if r.get(c) is None else r.get(c) for c in cols})
 
 
 def plot(runs: list[Run], rows: list[dict], table: list[dict], out: Path, key: str) -> list[Path]:
@@ -275,9 +268,7 @@ def compare(runs: list[Run], out: Path, key: str = DEFAULT_KEY) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("paths", nargs="*", type=Path, help="run dirs or sweep dirs of train.py")
-    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
-    ap.add_argument("--group", help="with --wandb: only this W&B group")
+    add_source_arguments(ap)
     ap.add_argument(
         "--by",
         "--key",
@@ -287,11 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
     args = ap.parse_args(argv)
-    if not args.paths and not args.wandb:
-        ap.error("give run directories or --wandb ENTITY/PROJECT")
-    runs = discover(args.paths) if args.paths else []
-    if args.wandb:
-        runs += read_wandb_api(args.wandb, args.group)
+    runs = read_sources(ap, args)
     result = compare(runs, args.out, args.key)
     print((args.out / "comparison.md").read_text())
     print("wrote", ", ".join(result["files"]))
