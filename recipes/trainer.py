@@ -11,7 +11,8 @@ One optimizer step:
   5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
 Every `metrics.memory_every` steps (and on step 1) the step runs inside the MemoryMeter, with
 an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its log line holds
-`memory/rank_<k>/...` for every rank.
+`memory/rank_<k>/...` for every rank. Every `eval.every` steps and at the last step the ranks
+evaluate the held-out split (`recipes.evaluate`), logged with that step's row.
 """
 
 import logging
