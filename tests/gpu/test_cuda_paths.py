@@ -67,13 +67,18 @@ def _mixed_precision_case(device) -> dict:
     model = build_model(cfg, device)
     opt = build_optimizer(cfg, model)
     seen = {}
-    linear = next(
-        m for m in model.model.layers[0].self_attn.modules() if isinstance(m, torch.nn.Linear)
-    )
-    router = model.routers()[0]
+
+    def record(key):
+        def hook(module, args) -> None:  # returns None: the inputs stay as they are
+            seen.setdefault(key, module.weight.dtype)
+
+        return hook
+
+    attn = model.model.layers[0].self_attn
+    linear = next(m for m in attn.modules() if isinstance(m, torch.nn.Linear))
     hooks = [
-        linear.register_forward_pre_hook(lambda m, a: seen.setdefault("linear", m.weight.dtype)),
-        router.register_forward_pre_hook(lambda m, a: seen.setdefault("router", m.weight.dtype)),
+        linear.register_forward_pre_hook(record("linear")),
+        model.routers()[0].register_forward_pre_hook(record("router")),
     ]
     loss = model.loss(*_batch(device))
     loss.backward()
