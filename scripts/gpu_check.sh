@@ -1,7 +1,4 @@
 #!/usr/bin/env bash
-# The parts are called by name ("part_$part"), which shellcheck cannot follow:
-# shellcheck disable=SC2329
-#
 # Prove the repository's CUDA paths on one GPU, in one command, within 8 minutes.
 #
 #   scripts/gpu_check.sh OUT_DIR [--only PART[,PART...]] [--budget SECONDS] [--dry-run]
@@ -24,6 +21,8 @@
 # --budget (default 420 s) bounds the whole run: each step's timeout is cut to what is left, and
 # steps that no longer fit are SKIPPED. --dry-run prints every step with its exact command and
 # exits 0, without a GPU. Set PYTHON to choose the interpreter (default: python).
+# The parts are called by name ("part_$part"), which shellcheck cannot follow:
+# shellcheck disable=SC2329
 set -u
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -113,7 +112,7 @@ run_step() {
 	local name=$1 limit=$2 log=$3
 	shift 3
 	if [ "$DRY_RUN" = 1 ]; then
-		printf '[dry-run] %-24s %s\n' "$name" "$(quoted "$@")"
+		printf '[dry-run] %-24s $ %s\n' "$name" "$(quoted "$@")"
 		record "$name" DRY 0 "$log"
 		return 0
 	fi
@@ -143,7 +142,7 @@ run_step() {
 # A preparation command (no row of its own): printed in a dry run, else run.
 prepare() {
 	if [ "$DRY_RUN" = 1 ]; then
-		printf '[dry-run] %-24s %s\n' "(prepare)" "$(quoted "$@")"
+		printf '[dry-run] %-24s $ %s\n' "(prepare)" "$(quoted "$@")"
 		return 0
 	fi
 	"$@"
