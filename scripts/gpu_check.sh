@@ -17,7 +17,8 @@
 # summary.txt. The summary (also printed) has one row per step:
 #   PART STATUS SECONDS WHERE   with STATUS one of PASS, FAIL, TIMEOUT, SKIPPED, DRY
 # Exit status: 0 when every step passed, 1 when one failed, timed out or was skipped (the other
-# steps still run), 2 when there is no CUDA device (nothing runs), 64 on a usage error.
+# steps still run) or when $PYTHON cannot be asked for a device, 2 when there is no CUDA device
+# (nothing runs), 64 on a usage error, 130 when interrupted (the summary so far is printed).
 # --budget (default 420 s) bounds the whole run: each step's timeout is cut to what is left, and
 # steps that no longer fit are SKIPPED. --dry-run prints every step with its exact command and
 # exits 0, without a GPU. Set PYTHON to choose the interpreter (default: python).
@@ -127,7 +128,13 @@ run_step() {
 	echo "\$ $(quoted "$@")" >"$log"
 	echo "== $name (limit ${limit}s): $log"
 	local start=$SECONDS rc=0
-	timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1 </dev/null || rc=$?
+	# In the background, so that a signal to this script runs its trap at once (on_signal);
+	# timeout puts the step in its own process group and stops all of it.
+	timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1 </dev/null &
+	CHILD=$!
+	CURRENT=("$name" "$start" "$log")
+	wait "$CHILD" || rc=$?
+	CHILD=""
 	local status=PASS
 	if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
 		status=TIMEOUT
@@ -137,6 +144,22 @@ run_step() {
 	record "$name" "$status" $((SECONDS - start)) "$log"
 	echo "   $status (exit $rc, $((SECONDS - start))s)"
 	return "$rc"
+}
+
+# SIGINT / SIGTERM: stop the running step (timeout passes the signal on to its process group),
+# print the summary so far, exit 130.
+CHILD=""
+CURRENT=()
+on_signal() {
+	trap - INT TERM
+	echo "gpu_check.sh: interrupted; stopping the running step" >&2
+	if [ -n "$CHILD" ]; then
+		kill -TERM "$CHILD" 2>/dev/null
+		wait "$CHILD"
+		record "${CURRENT[0]}" FAIL $((SECONDS - CURRENT[1])) "${CURRENT[2]}"
+	fi
+	summary
+	exit 130
 }
 
 # A preparation command (no row of its own): printed in a dry run, else run.
@@ -222,9 +245,11 @@ part_train() {
 				"$PYTHON" train.py "${args[@]}" "hydra.run.dir=$dir/ref" || continue
 			[ "$mode" = eager ] || continue
 			# The resumed copy: the reference cut back to its step-25 checkpoint.
-			prepare rm -rf "$dir/resumed"
-			prepare cp -r "$dir/ref" "$dir/resumed"
-			prepare rm -rf "$dir/resumed/checkpoints/step_00000050" "$dir/resumed/hf"
+			if ! { prepare rm -rf "$dir/resumed" && prepare cp -r "$dir/ref" "$dir/resumed" &&
+				prepare rm -rf "$dir/resumed/checkpoints/step_00000050" "$dir/resumed/hf"; }; then
+				record "resume $preset $mode" FAIL 0 "$dir/resumed (could not copy the run)"
+				continue
+			fi
 			run_step "resume $preset $mode" 150 "$dir/resumed.log" \
 				"$PYTHON" train.py "${args[@]}" "hydra.run.dir=$dir/resumed" || continue
 			run_step "resume-check $preset" 30 "$dir/check.log" \
@@ -247,19 +272,24 @@ bf16_peak_tflops() {
 }
 
 check_cuda() {
-	local name rc=0
+	local name rc=0 err
+	err=$(mktemp)
 	name=$(timeout 30 "$PYTHON" -c '
 import sys
 import torch
 if not torch.cuda.is_available():
     sys.exit(2)
 print(torch.cuda.get_device_name(0))
-' 2>/dev/null) || rc=$?
-	if [ "$rc" != 0 ]; then
-		echo "gpu_check.sh: no CUDA device (torch.cuda.is_available() is false" \
-			"under $PYTHON, exit $rc); nothing was run" >&2
-		exit 2
+' 2>"$err") || rc=$?
+	if [ "$rc" = 2 ]; then
+		echo "gpu_check.sh: no CUDA device (torch.cuda.is_available() is false under" \
+			"$PYTHON); nothing was run" >&2
+	elif [ "$rc" != 0 ]; then
+		echo "gpu_check.sh: could not ask $PYTHON for a CUDA device (exit $rc); nothing was run:" >&2
+		tail -n 5 "$err" >&2
 	fi
+	rm -f "$err"
+	[ "$rc" = 0 ] || exit "$([ "$rc" = 2 ] && echo 2 || echo 1)"
 	DEVICE_NAME=$name
 }
 
@@ -287,6 +317,7 @@ main() {
 	PEAK_TFLOPS=${GPU_PEAK_TFLOPS:-$(bf16_peak_tflops "$DEVICE_NAME")}
 	mkdir -p "$OUT"
 	OUT=$(cd "$OUT" && pwd)
+	trap on_signal INT TERM
 	DEADLINE=$((SECONDS + BUDGET))
 	export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 	export WANDB_MODE=offline WANDB_SILENT=true MPLCONFIGDIR=$OUT/cache/matplotlib

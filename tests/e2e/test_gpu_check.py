@@ -158,3 +158,40 @@ def test_check_resume_passes_a_continued_run_and_fails_a_restarted_one(tmp_path)
     assert verdict(restarted) == 1
     assert verdict(close, None) == 1  # not resumed: trained from scratch
     assert verdict({s: v for s, v in close.items() if s != 7}) == 1  # a step missing
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# A stand-in interpreter: a device that exists, a failing pytest, every other step passing.
+case "$1" in
+-c) echo "Stand-in GPU" ;;
+-) exec "$REAL_PYTHON" "$@" ;;  # the preset search reads conf/model/ for real
+-m) echo "1 failed"; exit 1 ;;
+train.py) for a in "$@"; do case "$a" in hydra.run.dir=*) mkdir -p "${a#*=}" ;; esac; done ;;
+esac
+exit 0
+"""
+
+
+def test_a_failed_step_does_not_stop_the_others_and_sets_the_exit_status(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    proc = _run(str(out), env={"PYTHON": str(fake), "REAL_PYTHON": sys.executable})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = [line.split() for line in (out / "summary.txt").read_text().splitlines()[1:-1]]
+    status = {" ".join(r[:-3]): r[-3] for r in rows}
+    assert status == {
+        "pytest": "FAIL",
+        "bench": "PASS",
+        "memory": "PASS",
+        "train small eager": "PASS",
+        "resume small eager": "PASS",
+        "resume-check small": "PASS",
+        "train small compile": "PASS",
+    }
+    # every step's log starts with its command; the device goes into env.txt
+    for r in rows:
+        assert Path(r[-1]).read_text().startswith(f"$ {fake} "), r
+    assert "Stand-in GPU" in (out / "env.txt").read_text()
+    assert "6 of 7 steps passed" in proc.stdout
