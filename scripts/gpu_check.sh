@@ -19,7 +19,7 @@
 # Exit status: 0 when every step passed, 1 when one failed, timed out or was skipped (the other
 # steps still run) or when $PYTHON cannot be asked for a device, 2 when there is no CUDA device
 # (nothing runs), 64 on a usage error, 130 when interrupted (the summary so far is printed).
-# --budget (default 420 s) bounds the whole run: each step's timeout is cut to what is left, and
+# --budget (default 450 s, counted from the start) bounds the whole run: each step's timeout is cut to what is left, and
 # steps that no longer fit are SKIPPED. --dry-run prints every step with its exact command and
 # exits 0, without a GPU. Set PYTHON to choose the interpreter (default: python).
 # The parts are called by name ("part_$part"), which shellcheck cannot follow:
@@ -29,7 +29,7 @@ set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PARTS=(pytest bench memory train)
 PYTHON=${PYTHON:-python}
-BUDGET=420
+BUDGET=450
 MIN_STEP_S=20 # a step with less time left than this is not started
 DRY_RUN=0
 ONLY=""
@@ -173,7 +173,7 @@ prepare() {
 
 # ---------------------------------------------------------------------------- the parts
 part_pytest() {
-	run_step pytest 240 "$OUT/pytest/pytest.log" \
+	run_step pytest 180 "$OUT/pytest/pytest.log" \
 		"$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o "junit_family=xunit2" \
 		--junitxml "$OUT/pytest/junit.xml" tests
 }
@@ -181,14 +181,14 @@ part_pytest() {
 part_bench() {
 	local peak=()
 	[ -n "$PEAK_TFLOPS" ] && peak=(--peak-tflops "$PEAK_TFLOPS")
-	run_step bench 150 "$OUT/bench/bench.log" \
+	run_step bench 120 "$OUT/bench/bench.log" \
 		"$PYTHON" scripts/bench_newton_schulz.py --device cuda --scale 1 \
 		--shapes "$NS_SHAPES" --variants "$NS_VARIANTS" --skip train,step,crossover,quality \
 		"${peak[@]}" --out "$OUT/bench"
 }
 
 part_memory() {
-	run_step memory 120 "$OUT/memory/memory.log" \
+	run_step memory 90 "$OUT/memory/memory.log" \
 		"$PYTHON" scripts/check_memory_meter.py --out "$OUT/memory"
 }
 
@@ -312,13 +312,13 @@ summary() {
 main() {
 	parse_args "$@"
 	cd "$ROOT" || exit 1
+	DEADLINE=$((SECONDS + BUDGET))
 	DEVICE_NAME="none (dry run)"
 	[ "$DRY_RUN" = 1 ] || check_cuda
 	PEAK_TFLOPS=${GPU_PEAK_TFLOPS:-$(bf16_peak_tflops "$DEVICE_NAME")}
 	mkdir -p "$OUT"
 	OUT=$(cd "$OUT" && pwd)
 	trap on_signal INT TERM
-	DEADLINE=$((SECONDS + BUDGET))
 	export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 	export WANDB_MODE=offline WANDB_SILENT=true MPLCONFIGDIR=$OUT/cache/matplotlib
 	export TORCHINDUCTOR_CACHE_DIR=$OUT/cache/inductor TRITON_CACHE_DIR=$OUT/cache/triton
