@@ -10,8 +10,8 @@
 #   memory  scripts/check_memory_meter.py: the MemoryMeter against max_memory_allocated
 #   train   train.py on one GPU (world 1, ep 1, NCCL, bf16 compute) for 50 steps, per preset
 #           (`small`, and the smallest MLA+DSA preset of conf/model/ when there is one), without
-#           and with train.compile; the eager run is resumed from its step-25 checkpoint and
-#           compared with itself (scripts/check_resume.py)
+#           and with train.compile; a copy of the eager run is resumed from its step-25
+#           checkpoint and compared with the uninterrupted run (scripts/check_resume.py)
 # Everything goes under OUT_DIR: one folder per part with each step's log (its first line is
 # the command) and artefacts, the caches (token file, Inductor, Triton), env.txt and
 # summary.txt. The summary (also printed) has one row per step:
@@ -19,9 +19,10 @@
 # Exit status: 0 when every step passed, 1 when one failed, timed out or was skipped (the other
 # steps still run) or when $PYTHON cannot be asked for a device, 2 when there is no CUDA device
 # (nothing runs), 64 on a usage error, 130 when interrupted (the summary so far is printed).
-# --budget (default 450 s, counted from the start) bounds the whole run: each step's timeout is cut to what is left, and
-# steps that no longer fit are SKIPPED. --dry-run prints every step with its exact command and
-# exits 0, without a GPU. Set PYTHON to choose the interpreter (default: python).
+# --budget (default 450 s, counted from the start) bounds the whole run: each step's timeout is
+# cut to what is left, and steps that no longer fit are SKIPPED. --dry-run prints every step
+# with its exact command and exits 0, without a GPU. PYTHON chooses the interpreter (default:
+# python); GPU_PEAK_TFLOPS gives the bf16 peak of a device bf16_peak_tflops does not know.
 # The parts are called by name ("part_$part"), which shellcheck cannot follow:
 # shellcheck disable=SC2329
 set -u
@@ -241,6 +242,8 @@ part_train() {
 				checkpoint.every=25 checkpoint.keep=2 logger=none metrics.progress=false
 				"data.cache_dir=$OUT/cache/data"
 			)
+			# A fresh run dir: a ref/ left by an earlier check would be resumed, not trained.
+			prepare rm -rf "$dir" || continue
 			run_step "train $preset $mode" 200 "$dir/ref.log" \
 				"$PYTHON" train.py "${args[@]}" "hydra.run.dir=$dir/ref" || continue
 			[ "$mode" = eager ] || continue
