@@ -607,12 +607,11 @@ def markdown(res: dict) -> str:
             ],
         ),
     ]
-    parts += (
-        []
-        if "crossover" not in res
-        else [
+    if "crossover" in res:
+        parts += [
             "",
-            "### Where Gram starts to pay: 1:3 blocks of growing size (Polar Express, bf16, batch 8)",
+            "### Where Gram starts to pay: 1:3 blocks of growing size "
+            "(Polar Express, bf16, batch 8)",
             "",
             _md_table(
                 res["crossover"],
@@ -625,7 +624,6 @@ def markdown(res: dict) -> str:
                 ],
             ),
         ]
-    )
     mom = [r for r in res["shapes"] if "momentum_polar_dist" in r]
     if mom:
         parts += [
