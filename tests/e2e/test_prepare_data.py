@@ -77,6 +77,19 @@ def test_prepare_decodes_back_and_trains_with_only_the_path(tmp_path):
     assert _script().main([*argv, "--tokenizer", str(out / "tokenizer.json")]) == 0
     for name in ("train.bin", "val.bin"):
         assert (again / name).read_bytes() == (out / name).read_bytes()
+    # So does a transformers tokenizer directory holding it (AutoTokenizer, local files only).
+    from transformers import PreTrainedTokenizerFast
+
+    hf_dir = tmp_path / "hf-tokenizer"
+    eos = meta["tokenizer"]["eos_token"]
+    PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"), eos_token=eos
+    ).save_pretrained(hf_dir)
+    hf_out = tmp_path / "from-hf"
+    assert _script().main([*argv[:3], str(hf_out), *argv[4:], "--tokenizer", str(hf_dir)]) == 0
+    assert json.loads((hf_out / "meta.json").read_text())["tokenizer"]["kind"] == "transformers"
+    for name in ("train.bin", "val.bin"):
+        assert (hf_out / name).read_bytes() == (out / name).read_bytes()
 
     args = [f"data.path={out}", "data=tokens", "train.steps=2", "mesh.world_size=1", "mesh.ep=1"]
     args += ["data.seq_len=16", "data.batch_size=2", "eval.batches=1", "logger=none"]
