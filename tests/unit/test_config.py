@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -38,7 +39,7 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if overrides == ["data=tokens"]:
         token_file = tmp_path / "tokens.bin"
-        token_file.write_bytes(bytes(64))
+        token_file.write_bytes(bytes(2 * 513))  # one sample of conf/data/tokens.yaml: 512 + 1
         overrides = [*overrides, f"data.path={token_file}"]
     cfg = _compose(overrides)
     schema.validate(cfg)
@@ -138,12 +139,36 @@ def test_compose_rejects(override, expected):
         (["+model.overrides.rope_theta=-1.0"], "model.overrides.rope_theta=-1.0: GLMConfig"),
         (["+model.overrides.num_experts_per_tok=9"], "model.overrides.num_experts_per_tok=9: "),
         (["mesh.world_size=6", "mesh.ep=3"], "mesh.ep=3: n_routed_experts (8) must be"),
+        (["data.seq_len=131073"], "data.seq_len=131073: exceeds the model's max_position_emb"),
     ],
 )
 def test_validate_rejects(overrides, expected):
     with pytest.raises(schema.ConfigError) as err:
         schema.validate(_compose(overrides))
     assert expected in str(err.value)
+
+
+def test_validate_checks_the_token_file_sizes(tmp_path):
+    """The token stream's length and element size, from file sizes, before any rank starts."""
+    from recipes.data import write_tokens
+
+    path = write_tokens(tmp_path / "tok.bin", np.arange(100, dtype=np.uint16))
+    args = ["data=tokens", f"data.path={path}", "data.vocab_size=256"]
+    schema.validate(_compose([*args, "data.seq_len=99"]))  # 99 + 1 tokens: one sample
+    with pytest.raises(schema.ConfigError, match=r"data.seq_len=100: .* holds 100"):
+        schema.validate(_compose([*args, "data.seq_len=100"]))
+    with pytest.raises(schema.ConfigError, match=r"data.dtype=uint8: .*written as uint16"):
+        schema.validate(_compose([*args, "data.dtype=uint8", "data.seq_len=8"]))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\0" * 9)
+    with pytest.raises(schema.ConfigError, match=r"data.dtype=uint16: .*9 bytes, not whole 2-byte"):
+        schema.validate(_compose(["data=tokens", f"data.path={odd}", "data.seq_len=2"]))
+    (tmp_path / "src").mkdir()
+    with pytest.raises(schema.ConfigError, match=r"data.path=.*src: no .py files"):
+        schema.validate(_compose([f"data.path={tmp_path / 'src'}"]))
+    (tmp_path / "src" / "a.py").write_bytes(b"x" * 10)
+    with pytest.raises(schema.ConfigError, match=r"data.seq_len=10: .* holds 10"):
+        schema.validate(_compose([f"data.path={tmp_path / 'src'}", "data.seq_len=10"]))
 
 
 def test_validate_checks_the_launcher_world():
@@ -195,8 +220,9 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
 def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path):
     """`a/b` and `a_b` give one directory name: the sweep fails before its first job; so does
     a sweep with one invalid job."""
-    (tmp_path / "a" / "b").mkdir(parents=True)
-    (tmp_path / "a_b").mkdir()
+    for source in (tmp_path / "a" / "b", tmp_path / "a_b"):
+        source.mkdir(parents=True)
+        (source / "m.py").write_text("x = 1\n" * 100)  # longer than one sample
     proc = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
     assert proc.returncode != 0
     assert (
@@ -209,6 +235,53 @@ def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path
     )
     assert "[rank" not in proc.stdout + proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written
+
+
+def _override(key: str, value) -> str:
+    """`key=value` in Hydra's override grammar (strings quoted, lists bracketed)."""
+
+    def text(v):
+        if isinstance(v, list):
+            return "[" + ",".join(text(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{text(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, bool) or v is None:
+            return {True: "true", False: "false", None: "null"}[v]
+        return f"'{v}'" if isinstance(v, str) else str(v)
+
+    return f"{key}={text(value)}"
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("optim", schema.OPTIM_SCHEMAS)
+def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
+    """Every key of the composed config given on the command line: it shows in the run
+    directory's name (Hydra's override_dirname) unless the schema declares it `same_run`, and the
+    run directory's exclusions are exactly the schema's declarations (no hand list)."""
+    base = _compose([f"optim={optim}"])
+    leaves = _leaves(OmegaConf.to_container(base, resolve=True, enum_to_str=True))
+    overrides = [f"optim={optim}", *(_override(k, v) for k, v in leaves.items())]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    named = {item.split("=")[0] for item in cfg.hydra.job.override_dirname.split(",")}
+    declared = set(schema.same_run_keys())
+    assert list(cfg.hydra.job.config.override_dirname.exclude_keys) == schema.same_run_keys()
+    for key in leaves:
+        assert (key in named) != (key in declared), key
+    assert "optim" in named  # the optimizer choice changes what is trained
+    # Logging and checkpointing never change the weights; the keys that once were missing:
+    assert {k for k in leaves if k.split(".")[0] in ("logger", "metrics")} <= declared
+    assert {k for k in leaves if k.startswith("checkpoint.")} - declared == {"checkpoint.init_from"}
+    assert {"checkpoint.async_mode", "checkpoint.hf_dtype", "logger.project"} <= declared
 
 
 def test_run_dir_is_stable_per_command():
@@ -235,6 +308,7 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ),
         ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
         ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
+        ("data.seq_len=999999999", "data.seq_len=999999999: exceeds the model's max_position"),
         ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),
         (
             "+model.overrides.n_routed_experts=6 mesh.ep=4",
