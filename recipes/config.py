@@ -20,6 +20,12 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from models.glm.config import PRESET_NAMES
+from muon.groups import ROUTER_CHOICES
+from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+from muon.optimizer import ADJUST_LR, NS_DTYPES
+from muon.plan import REMAINDER_CHOICES
+
 
 class ConfigError(ValueError):
     """A config value that composes but cannot run; the message names the key."""
@@ -35,11 +41,13 @@ def _f(default: Any, help: str, factory: bool = False, *, same_run: bool = False
     return field(default=default, metadata=metadata)
 
 
-class ModelPreset(StrEnum):
-    tiny = "tiny"
-    small = "small"
-    glm45_air = "glm45_air"
-    glm52 = "glm52"
+def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
+    """A config Enum whose members are a library's own choice list (one source: muon's
+    constants), so a choice added there is accepted here, listed by --help and tested."""
+    return StrEnum(name, {v: v for v in values}, module=__name__)
+
+
+ModelPreset = _choices("ModelPreset", PRESET_NAMES)
 
 
 class OptimName(StrEnum):
@@ -47,39 +55,22 @@ class OptimName(StrEnum):
     adamw = "adamw"
 
 
-class RemainderStrategy(StrEnum):
-    agrs = "agrs"
-    pad_all2all = "pad_all2all"
-    ragged_all_to_all = "ragged_all_to_all"
-    auto = "auto"
+RemainderStrategy = _choices("RemainderStrategy", REMAINDER_CHOICES)
 
 
-class NsDtype(StrEnum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
-    float16 = "float16"
+NsDtype = _choices("NsDtype", NS_DTYPES)
 
 
-class NsCoefficients(StrEnum):
-    fixed = "fixed"
-    tuned = "tuned"
-    polar_express = "polar_express"
+NsCoefficients = _choices("NsCoefficients", tuple(NS_COEFFICIENTS))
 
 
-class NsAlgorithm(StrEnum):
-    standard = "standard"
-    gram = "gram"
-    auto = "auto"
+NsAlgorithm = _choices("NsAlgorithm", NS_ALGORITHMS)
 
 
-class RouterOptim(StrEnum):
-    adamw = "adamw"
-    muon = "muon"
+RouterOptim = _choices("RouterOptim", ROUTER_CHOICES)
 
 
-class AdjustLr(StrEnum):
-    original = "original"
-    match_rms_adamw = "match_rms_adamw"
+AdjustLr = _choices("AdjustLr", ADJUST_LR)
 
 
 class Device(StrEnum):

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
+
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 def pytest_collection_modifyitems(config, items):

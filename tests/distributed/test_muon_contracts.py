@@ -28,12 +28,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon import Muon
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.harness import init_mesh, run_world
 
 W = 4
 STEPS = 3
 TOL = 2e-5
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 KW = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, max_inflight=2)
 # the group key for blocks stacked on dim 0 (fused experts), whichever name Muon's defaults use
 BLOCKS = "num_blocks"

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,6 @@ MiB = 1 << 20
 W = 4
 SHAPE = (1024, 512)
 COUNT = 2
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 def _load_script():

@@ -13,12 +13,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from recipes import checkpoint
 from recipes.config import from_yaml
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 @pytest.fixture(scope="module")

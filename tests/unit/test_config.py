@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from muon.plan import REMAINDER_STRATEGIES
 from recipes import config as schema
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
     if plain["optim"]["name"] == "muon":
-        assert plain["optim"]["remainder_strategy"] in ("agrs", "pad_all2all", "ragged_all_to_all")
+        assert plain["optim"]["remainder_strategy"] in REMAINDER_STRATEGIES
     else:  # one schema per optimizer: an AdamW run carries no Muon key
         assert plain["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
     # What the workers receive round-trips into the typed schema.
@@ -323,6 +324,37 @@ def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
     assert proc.stderr.count(expected) == 1 and "Traceback" not in proc.stderr  # one message
     assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
     assert not list(tmp_path.iterdir())  # not even the empty run dir Hydra made
+
+
+def test_choice_lists_are_the_libraries_own():
+    """The config enums are muon's and models' own constants: one source for every choice."""
+    from models.glm.config import PRESET_NAMES
+    from muon.groups import ROUTER_CHOICES
+    from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+    from muon.optimizer import ADJUST_LR, NS_DTYPES
+    from muon.plan import REMAINDER_CHOICES
+
+    pairs = [
+        (schema.RemainderStrategy, REMAINDER_CHOICES),
+        (schema.NsDtype, NS_DTYPES),
+        (schema.NsCoefficients, tuple(NS_COEFFICIENTS)),
+        (schema.NsAlgorithm, NS_ALGORITHMS),
+        (schema.RouterOptim, ROUTER_CHOICES),
+        (schema.AdjustLr, ADJUST_LR),
+        (schema.ModelPreset, PRESET_NAMES),
+    ]
+    for enum, values in pairs:
+        assert tuple(e.value for e in enum) == tuple(values), enum.__name__
+
+
+def test_adjust_lr_none_reaches_the_optimizer():
+    """`optim.adjust_lr=none` (muon.Muon's unscaled update) composes and lands in every group."""
+    from models.glm import GLMForCausalLM, get_preset
+    from recipes.parallel import build_optimizer
+
+    opt = build_optimizer(_compose(["optim.adjust_lr=none"]), GLMForCausalLM(get_preset("tiny")))
+    muon_groups = [g for g in opt.param_groups if g.get("algorithm") == "muon"]
+    assert muon_groups and all(g["adjust_lr"] == "none" for g in muon_groups)
 
 
 def test_newton_schulz_knobs_reach_the_optimizer():
