@@ -118,16 +118,15 @@ def _behaviour_world():
         muon_optimizer._orthogonalize = real_orthogonalize
     out["pad_ns_calls"] = calls
 
-    # a rank with a different parameter order fails with the fingerprint error, fast
+    # a rank with a different parameter order fails with the fingerprint error instead of
+    # hanging in a mismatched collective (a hang would end the world at its timeout: no clock)
     shapes = [(8, 4), (12, 4)] if rank != 1 else [(12, 4), (8, 4)]
     holder = _sharded(shapes, mesh)
-    t0 = time.monotonic()
     try:
         Muon(holder)
         out["fingerprint"] = None
     except RuntimeError as e:
         out["fingerprint"] = str(e)
-    out["fingerprint_s"] = time.monotonic() - t0
     return out
 
 
@@ -166,7 +165,6 @@ def test_memory_balance_inflight_and_fingerprint():
     assert calls == [False], f"pad_all2all ran Newton-Schulz on padding slots: {calls}"
     for r in results:
         assert r["fingerprint"] and "different optimizer plans" in r["fingerprint"]
-        assert r["fingerprint_s"] < 10
 
 
 def _ns_shapes_world(expert_aware: bool, strategy: str):

@@ -17,6 +17,7 @@ from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from recipes import checkpoint
 from recipes.config import from_yaml
 from tests.harness import run_world
+from tests.train_cli import start_train_py
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,16 +42,7 @@ def _small(cache: str) -> list[str]:
 
 
 def _train_py(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
-    env = dict(os.environ, WANDB_MODE="offline")  # belt and braces: never the network here
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **popen,
-    )
+    return start_train_py(args, cwd, **popen)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:

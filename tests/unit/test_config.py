@@ -2,7 +2,6 @@
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ from omegaconf import OmegaConf
 
 from muon.plan import REMAINDER_STRATEGIES
 from recipes import config as schema
+from tests.train_cli import train_py
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -291,13 +291,7 @@ def test_run_dir_is_stable_per_command():
 
 
 def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return train_py(list(args), cwd, timeout=120)
 
 
 @pytest.mark.parametrize(
