@@ -37,7 +37,7 @@ import torch
 from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
-from recipes.bench.timing import rotations, timed
+from recipes.bench.timing import peak_bytes, rotations, timed
 from recipes.bench.world import run_world as _run_world
 
 #: (rows, cols, blocks, count) at W = 8, rows chunked 8 ways: dense full batches and remainders
@@ -102,14 +102,7 @@ def _worker(cfg: dict) -> list[dict]:
     for s in strategies:
         opt = opts[s]
         stats = dict(opt.step_stats)
-        peak = 0
-        for _ in range(cfg["mem_steps"]):
-            dist.barrier()
-            sync()
-            with meter.measure() as m, m.region("optim"):
-                opt.step()
-                sync()
-            peak = max(peak, m.peak_delta_bytes("optim"))
+        peak = peak_bytes(meter, opt.step, cfg["mem_steps"], sync=sync)
         plan = getattr(opt, "plan", None)  # the per-rank NS work only this version plans
         records.append(
             dict(

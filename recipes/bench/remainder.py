@@ -19,7 +19,7 @@ import torch
 
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
-from recipes.bench.timing import rotations, timed
+from recipes.bench.timing import peak_bytes, rotations, timed
 
 __all__ = ["STRATEGIES", "aggregate", "sweep"]
 
@@ -104,14 +104,7 @@ def sweep(cfg: dict) -> list[dict]:
         for s in strategies:
             opt = opts[s]
             stats = dict(opt.step_stats)
-            peak = 0
-            for _ in range(cfg["mem_steps"]):
-                dist.barrier()
-                sync()
-                with meter.measure() as m, m.region("optim"):
-                    opt.step()
-                    sync()
-                peak = max(peak, m.peak_delta_bytes("optim"))
+            peak = peak_bytes(meter, opt.step, cfg["mem_steps"], sync=sync)
             (mesh_plan, batches) = opt.plans[0]
             assert len(opt.plans) == 1 and len(batches) == 1, "one remainder batch expected"
             b = batches[0]

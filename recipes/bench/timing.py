@@ -48,3 +48,22 @@ def interleaved(
     for name in rotations(list(fns), rounds):
         times[name].append(timed(fns[name], sync=sync))
     return times
+
+
+def peak_bytes(meter, fn: Callable[[], object], repeats: int, *, sync=None) -> int:
+    """The largest `peak_delta_bytes` of `fn()` over `repeats` calls, each measured by `meter`
+    (a recipes.memory.MemoryMeter) with every rank starting together."""
+    import torch.distributed as dist
+
+    peak = 0
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        if sync:
+            sync()
+        with meter.measure() as m, m.region("step"):
+            fn()
+            if sync:
+                sync()
+        peak = max(peak, m.peak_delta_bytes("step"))
+    return peak
