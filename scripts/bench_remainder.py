@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_remainder: {json.dumps(cfg)}", flush=True)
     t0 = time.monotonic()
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's banner, once per rank
-    per_rank = run_world(sweep, args.world_size, cfg, init=args.backend, timeout_s=args.timeout)
+    per_rank = run_world(sweep, args.world_size, cfg, backend=args.backend, timeout_s=args.timeout)
     wall = time.monotonic() - t0
     rows = aggregate(per_rank, cfg)
     targets = evaluate_targets(rows, cfg)

@@ -127,7 +127,7 @@ def run_world(cfg: dict) -> list[dict]:
     """The W ranks (recipes.bench.world; `cfg["code"]`: another checkout's packages); the
     records of every rank."""
     by_rank = _run_world(
-        _worker, cfg["world_size"], cfg, init=None, timeout_s=3600, pythonpath=cfg["code"]
+        _worker, cfg["world_size"], cfg, backend=None, timeout_s=3600, pythonpath=cfg["code"]
     )
     return [rec for recs in by_rank for rec in recs]
 

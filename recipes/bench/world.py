@@ -9,8 +9,8 @@ child's traceback, a rank that dies names its exit code, and a world that does n
 `timeout_s` is killed, naming the ranks still running, so a deadlocked collective fails
 instead of hanging.
 
-`init="gloo"` / `"nccl"` (one GPU per rank, `cuda:<rank>`) joins the process group before `fn`
-and destroys it after; `init=None` leaves it to `fn` (RANK, WORLD_SIZE, LOCAL_RANK,
+`backend="gloo"` / `"nccl"` (one GPU per rank, `cuda:<rank>`) joins the process group before
+`fn` and destroys it after; `backend=None` leaves it to `fn` (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT are set). Every rank runs with one intra-op thread
 (OMP_NUM_THREADS=1, read by torch at import, so set before the spawn) unless `threads` says
 otherwise. `pythonpath`: a directory whose `muon`, `models` and `recipes` packages the ranks
@@ -57,16 +57,16 @@ def _worker(rank: int, world_size: int, port: int, spec: dict, fn: Callable, arg
             sys.path.insert(0, spec["pythonpath"])
             for name in [m for m in sys.modules if m.split(".")[0] in _OWN_PACKAGES]:
                 del sys.modules[name]  # later imports find the other checkout's packages
-        if spec["init"] is not None:
+        if spec["backend"] is not None:
             store = dist.TCPStore(
                 _HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=60)
             )
             kwargs = {}
-            if spec["init"] == "nccl":
+            if spec["backend"] == "nccl":
                 kwargs["device_id"] = torch.device("cuda", rank)
                 torch.cuda.set_device(rank)
             dist.init_process_group(
-                spec["init"],
+                spec["backend"],
                 store=store,
                 rank=rank,
                 world_size=world_size,
@@ -86,7 +86,7 @@ def run_world(
     fn: Callable,
     world_size: int,
     *args: Any,
-    init: str | None = "gloo",
+    backend: str | None = "gloo",
     timeout_s: float = 300.0,
     threads: int | None = 1,
     pythonpath: str | None = None,
@@ -98,8 +98,8 @@ def run_world(
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if init not in (None, "gloo", "nccl"):
-        raise ValueError(f"init: {init!r} is not one of None, 'gloo', 'nccl'")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The calling process hosts the store; the ranks count towards world_size + 1 clients.
@@ -112,7 +112,7 @@ def run_world(
         timeout=timedelta(seconds=60),
     )
     spec = dict(
-        init=init,
+        backend=backend,
         threads=threads,
         pythonpath=pythonpath,
         collective_timeout_s=max(timeout_s, 60.0),

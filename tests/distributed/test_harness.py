@@ -31,7 +31,7 @@ def _rank_one_skips_collective():
 
 
 def _join_from_environment():
-    """`init=None`: the rank joins from RANK/WORLD_SIZE/MASTER_* (the caller's store)."""
+    """`backend=None`: the rank joins from RANK/WORLD_SIZE/MASTER_* (the caller's store)."""
     dist.init_process_group("gloo")
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -40,7 +40,7 @@ def _join_from_environment():
 
 @pytest.mark.slow
 def test_world_joined_from_the_environment():
-    assert run_world(_join_from_environment, 2, init=None) == [2.0, 2.0]
+    assert run_world(_join_from_environment, 2, backend=None) == [2.0, 2.0]
 
 
 @pytest.mark.slow
