@@ -147,6 +147,7 @@ def _log(run_dir: Path, config: dict, start: int, steps: range) -> None:
     wandb.teardown()
 
 
+@pytest.mark.slow
 def test_resumed_run_sends_no_step_twice_and_switches_turn_off(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = _config(system_metrics=False, git=False)
