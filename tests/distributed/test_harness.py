@@ -31,16 +31,22 @@ def _rank_one_skips_collective():
 
 
 def _join_from_environment():
-    """`backend=None`: the rank joins from RANK/WORLD_SIZE/MASTER_* (the caller's store)."""
+    """`backend=None`: the rank joins from RANK/WORLD_SIZE/MASTER_* (the caller's store); and
+    `muon` is whatever `pythonpath` holds (another checkout's packages, for a baseline)."""
+    import muon
+
     dist.init_process_group("gloo")
     t = torch.ones(1)
     dist.all_reduce(t)
-    return t.item()
+    return t.item(), muon.__file__
 
 
 @pytest.mark.slow
-def test_world_joined_from_the_environment():
-    assert run_world(_join_from_environment, 2, backend=None) == [2.0, 2.0]
+def test_world_joined_from_the_environment_with_another_checkout(tmp_path):
+    (tmp_path / "muon").mkdir()
+    (tmp_path / "muon" / "__init__.py").write_text("")
+    out = run_world(_join_from_environment, 2, backend=None, pythonpath=str(tmp_path))
+    assert out == [(2.0, str(tmp_path / "muon" / "__init__.py"))] * 2
 
 
 @pytest.mark.slow

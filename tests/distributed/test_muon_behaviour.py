@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import muon.optimizer as muon_optimizer
 from muon import Muon
 from muon.runtime import AsyncRuntime
+from recipes.bench.fixtures import sharded_matrices
 from recipes.memory import MemoryMeter
 from tests.harness import init_mesh, run_world
 
@@ -25,18 +26,7 @@ W = 4
 
 
 def _sharded(shapes, mesh, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    holder = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes])
-    fully_shard(holder, mesh=mesh)
-    for p in holder:
-        p.grad = DTensor.from_local(
-            torch.randn(p.to_local().shape, generator=gen),
-            p.device_mesh,
-            p.placements,
-            shape=p.shape,
-            stride=p.stride(),
-        )
-    return list(holder)
+    return sharded_matrices(shapes, mesh, generator=torch.Generator().manual_seed(seed))
 
 
 def _memory_case(meter, mesh, strategy, count):
