@@ -138,8 +138,9 @@ def read_rng(ckpt: Path, rank: int) -> dict[str, torch.Tensor] | None:
         except pickle.UnpicklingError as err:
             raise ValueError(
                 f"{path}: not plain RNG tensors, refused (it would run code when unpickled). "
-                f"Delete {rng} to resume without this rank's RNG state, or re-save the states "
-                "with recipes.checkpoint.write_rng"
+                f"Delete {rng} to resume without the saved RNG states (the weights, optimizer "
+                "and data position still resume); checkpoints written now store them as "
+                "rank_<k>.safetensors"
             ) from err
     else:
         return None
