@@ -8,6 +8,7 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -19,23 +20,34 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from models.glm.config import PRESET_NAMES
+from muon.groups import ROUTER_CHOICES
+from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+from muon.optimizer import ADJUST_LR, NS_DTYPES
+from muon.plan import REMAINDER_CHOICES
+
 
 class ConfigError(ValueError):
     """A config value that composes but cannot run; the message names the key."""
 
 
-def _f(default: Any, help: str, factory: bool = False) -> Any:
-    """A dataclass field with its one-line help."""
+def _f(default: Any, help: str, factory: bool = False, *, same_run: bool = False) -> Any:
+    """A dataclass field with its one-line help. `same_run`: the key never changes what is
+    trained (where it is written, how often it is logged or saved, the world it runs on), so it
+    stays out of the run directory's name and a restart that changes it resumes the run."""
+    metadata = {"help": help, "same_run": same_run}
     if factory:
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-class ModelPreset(StrEnum):
-    tiny = "tiny"
-    small = "small"
-    glm45_air = "glm45_air"
-    glm52 = "glm52"
+def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
+    """A config Enum whose members are a library's own choice list (one source: muon's
+    constants), so a choice added there is accepted here, listed by --help and tested."""
+    return StrEnum(name, {v: v for v in values}, module=__name__)
+
+
+ModelPreset = _choices("ModelPreset", PRESET_NAMES)
 
 
 class OptimName(StrEnum):
@@ -43,39 +55,22 @@ class OptimName(StrEnum):
     adamw = "adamw"
 
 
-class RemainderStrategy(StrEnum):
-    agrs = "agrs"
-    pad_all2all = "pad_all2all"
-    ragged_all_to_all = "ragged_all_to_all"
-    auto = "auto"
+RemainderStrategy = _choices("RemainderStrategy", REMAINDER_CHOICES)
 
 
-class NsDtype(StrEnum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
-    float16 = "float16"
+NsDtype = _choices("NsDtype", NS_DTYPES)
 
 
-class NsCoefficients(StrEnum):
-    fixed = "fixed"
-    tuned = "tuned"
-    polar_express = "polar_express"
+NsCoefficients = _choices("NsCoefficients", tuple(NS_COEFFICIENTS))
 
 
-class NsAlgorithm(StrEnum):
-    standard = "standard"
-    gram = "gram"
-    auto = "auto"
+NsAlgorithm = _choices("NsAlgorithm", NS_ALGORITHMS)
 
 
-class RouterOptim(StrEnum):
-    adamw = "adamw"
-    muon = "muon"
+RouterOptim = _choices("RouterOptim", ROUTER_CHOICES)
 
 
-class AdjustLr(StrEnum):
-    original = "original"
-    match_rms_adamw = "match_rms_adamw"
+AdjustLr = _choices("AdjustLr", ADJUST_LR)
 
 
 class Device(StrEnum):
@@ -129,15 +124,21 @@ class WandbMode(StrEnum):
 
 @dataclass
 class RunConfig:
-    name: str = _f("default", "run family; the run dir is <root>/<name>/<overrides>")
-    root: str = _f("outputs", "directory holding all runs (relative to the launch cwd)")
+    name: str = _f("default", "run family; the run dir is <root>/<name>/<overrides>", same_run=True)
+    root: str = _f(
+        "outputs", "directory holding all runs (relative to the launch cwd)", same_run=True
+    )
 
 
 @dataclass
 class MeshConfig:
-    world_size: int = _f(4, "number of ranks (a local world is started when no launcher env)")
-    ep: int = _f(2, "expert-parallel degree; divides world_size")
-    device: Device = _f(Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo")
+    world_size: int = _f(
+        4, "number of ranks (a local world is started when no launcher env)", same_run=True
+    )
+    ep: int = _f(2, "expert-parallel degree; divides world_size", same_run=True)
+    device: Device = _f(
+        Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo", same_run=True
+    )
 
 
 @dataclass
@@ -216,7 +217,9 @@ class DataConfig:
     path: str | None = _f(None, "tokens: the token file; stdlib: the source dir (None: own)")
     dtype: TokenDtype = _f(TokenDtype.uint8, "element type of the token file")
     vocab_size: int = _f(256, "vocabulary size; the model's vocab is set to it")
-    cache_dir: str = _f("~/.cache/moe_muon_recipes", "where built token files are kept")
+    cache_dir: str = _f(
+        "~/.cache/moe_muon_recipes", "where built token files are kept", same_run=True
+    )
     seq_len: int = _f(128, "tokens per sequence")
     batch_size: int = _f(8, "sequences per rank per micro-step")
 
@@ -240,41 +243,61 @@ class TrainConfig:
         TrainDtype.auto, "FSDP2 gradient reduce-scatter dtype; auto: float32"
     )
     activation_checkpointing: ActivationCheckpointing = _f(
-        ActivationCheckpointing.none, "none, or full: recompute each decoder layer in backward"
+        ActivationCheckpointing.none,
+        "none, or full: recompute each decoder layer in backward",
+        same_run=True,
     )
-    compile: bool = _f(False, "torch.compile each decoder layer (CPU needs a C++ compiler)")
+    compile: bool = _f(
+        False, "torch.compile each decoder layer (CPU needs a C++ compiler)", same_run=True
+    )
 
 
 @dataclass
 class MetricsConfig:
-    log_every: int = _f(1, "write metrics every N steps")
-    memory_every: int = _f(25, "measure per-rank memory every N steps (profiling is costly)")
-    progress: bool = _f(True, "tqdm progress bar on rank 0 (when attached to a terminal)")
+    log_every: int = _f(1, "write metrics every N steps", same_run=True)
+    memory_every: int = _f(
+        25, "measure per-rank memory every N steps (profiling is costly)", same_run=True
+    )
+    progress: bool = _f(
+        True, "tqdm progress bar on rank 0 (when attached to a terminal)", same_run=True
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(100, "save every N steps (and at the end); 0: only at the end")
-    keep: int = _f(2, "committed checkpoints kept")
-    resume: bool = _f(True, "resume from the newest committed checkpoint of the run dir")
-    async_mode: bool = _f(False, "periodic saves through DCP's async_save (a CPU copy per rank)")
-    export_hf: bool = _f(True, "export the final model as a transformers directory (<run>/hf)")
-    hf_dtype: HFDtype = _f(HFDtype.float32, "dtype of the exported matrices (router stays fp32)")
-    hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB")
+    every: int = _f(100, "save every N steps (and at the end); 0: only at the end", same_run=True)
+    keep: int = _f(2, "committed checkpoints kept", same_run=True)
+    resume: bool = _f(
+        True, "resume from the newest committed checkpoint of the run dir", same_run=True
+    )
+    async_mode: bool = _f(
+        False, "periodic saves through DCP's async_save (a CPU copy per rank)", same_run=True
+    )
+    export_hf: bool = _f(
+        True, "export the final model as a transformers directory (<run>/hf)", same_run=True
+    )
+    hf_dtype: HFDtype = _f(
+        HFDtype.float32, "dtype of the exported matrices (router stays fp32)", same_run=True
+    )
+    hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB", same_run=True)
     init_from: str | None = _f(None, "a transformers Glm4Moe directory to start from")
 
 
 @dataclass
 class LoggerConfig:
-    backend: LoggerBackend = _f(LoggerBackend.wandb, "wandb or none")
-    mode: WandbMode = _f(WandbMode.offline, "offline (sync later with `wandb sync`) or online")
-    project: str = _f("moe-muon-recipes", "W&B project")
-    entity: str | None = _f(None, "W&B entity (team); None: your default")
-    group: str | None = _f(None, "W&B group; None: run.name")
-    job_type: str = _f("train", "W&B job type")
-    tags: list[str] = _f(list, "W&B tags", True)
-    system_metrics: bool = _f(True, "W&B system metrics (CPU, GPU, memory, disk, network)")
-    git: bool = _f(True, "record this checkout's git commit in the W&B run")
+    backend: LoggerBackend = _f(LoggerBackend.wandb, "wandb or none", same_run=True)
+    mode: WandbMode = _f(
+        WandbMode.offline, "offline (sync later with `wandb sync`) or online", same_run=True
+    )
+    project: str = _f("moe-muon-recipes", "W&B project", same_run=True)
+    entity: str | None = _f(None, "W&B entity (team); None: your default", same_run=True)
+    group: str | None = _f(None, "W&B group; None: run.name", same_run=True)
+    job_type: str = _f("train", "W&B job type", same_run=True)
+    tags: list[str] = _f(list, "W&B tags", True, same_run=True)
+    system_metrics: bool = _f(
+        True, "W&B system metrics (CPU, GPU, memory, disk, network)", same_run=True
+    )
+    git: bool = _f(True, "record this checkout's git commit in the W&B run", same_run=True)
 
 
 @dataclass
@@ -300,6 +323,28 @@ class ConfigSchema(Config):
     optim: OptimConfig = _f(MISSING, "optimizer (its keys depend on optim.name)")
 
 
+#: config groups whose choice never changes what is trained (an experiment names its own run.name)
+SAME_RUN_GROUPS = ("experiment", "logger", "checkpoint")
+
+
+def same_run_keys() -> list[str]:
+    """The keys (and groups) left out of the run directory's name: `SAME_RUN_GROUPS` and every
+    field declared `same_run` (conf/train.yaml's `exclude_keys` resolves to this list)."""
+    keys = list(SAME_RUN_GROUPS)
+
+    def walk(node: type, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            if dataclasses.is_dataclass(f.default_factory):
+                walk(f.default_factory, f"{prefix}{f.name}.")
+            elif f.metadata["same_run"] and f"{prefix}{f.name}" not in keys:
+                keys.append(f"{prefix}{f.name}")
+
+    walk(Config, "")
+    for schema in OPTIM_SCHEMAS.values():
+        walk(schema, "optim.")
+    return keys
+
+
 def register() -> None:
     """Register the schemas and the resolvers of conf/train.yaml (idempotent)."""
     from recipes.help import config_groups, schema_help
@@ -314,6 +359,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("schema_help", schema_help)
     if not OmegaConf.has_resolver("config_groups"):
         OmegaConf.register_new_resolver("config_groups", config_groups)
+    if not OmegaConf.has_resolver("same_run_keys"):
+        OmegaConf.register_new_resolver("same_run_keys", same_run_keys)
     if not OmegaConf.has_resolver("slurm_tasks"):
         OmegaConf.register_new_resolver("slurm_tasks", slurm_tasks)
 
@@ -529,6 +576,54 @@ def _validate_model(cfg: DictConfig) -> None:
         check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
     except ValueError as err:
         raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
+    _validate_seq_len(cfg, config.max_position_embeddings)
+
+
+def _validate_seq_len(cfg: DictConfig, max_positions: int) -> None:
+    """`data.seq_len` fits the model's positions and the token stream (file sizes only)."""
+    seq_len = cfg.data.seq_len
+    if seq_len > max_positions:
+        raise _fail(
+            "data.seq_len",
+            seq_len,
+            f"exceeds the model's max_position_embeddings={max_positions} "
+            f"(model.preset={cfg.model.preset.value}; "
+            "+model.overrides.max_position_embeddings=N raises it)",
+        )
+    count = _token_count(cfg.data)
+    if count is not None and count < seq_len + 1:
+        raise _fail(
+            "data.seq_len",
+            seq_len,
+            f"a sample is seq_len + 1 tokens; data.path={cfg.data.path} holds {count}",
+        )
+
+
+def _token_count(data: DictConfig) -> int | None:
+    """Tokens the stream will hold, from file sizes; None for this Python's own standard
+    library (tens of millions of bytes, and summing them costs a second per check)."""
+    from recipes.data import stdlib_files
+
+    if data.source == DataSource.stdlib:
+        if data.path is None:
+            return None
+        files = stdlib_files(Path(os.path.expanduser(data.path)))
+        if not files:
+            raise _fail("data.path", data.path, "no .py files in this source directory")
+        return sum(p.stat().st_size for p in files) + 2 * max(len(files) - 1, 0)  # b"\n\n"
+    path = Path(os.path.expanduser(data.path))
+    itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}[data.dtype.value]
+    size = path.stat().st_size
+    meta = path.with_suffix(".json")  # written beside it by recipes.data.write_tokens
+    written = json.loads(meta.read_text()).get("dtype") if meta.is_file() else None
+    if written not in (None, data.dtype.value) or size % itemsize:
+        raise _fail(
+            "data.dtype",
+            data.dtype.value,
+            f"{data.path} is {size} bytes"
+            + (f", written as {written}" if written else f", not whole {itemsize}-byte tokens"),
+        )
+    return size // itemsize
 
 
 def _model_error(cfg: DictConfig, message: str) -> ConfigError:

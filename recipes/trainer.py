@@ -120,9 +120,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> None:
-        """Load the newest committed checkpoint of the run dir, if any (and allowed)."""
+        """Load the newest committed checkpoint of the run dir, if any; with
+        `checkpoint.resume=false` move the run found there aside instead (checkpoint.set_aside)."""
         found = checkpoint.latest(self.ckpt_root) if self.rank == 0 else None
-        found = _broadcast(str(found) if found and self.cfg.checkpoint.resume else None)
+        if found and not self.cfg.checkpoint.resume:  # a start over: the old run kept apart
+            aside = checkpoint.set_aside(self.run_dir)
+            log.warning("checkpoint.resume=false: the previous run moved to %s", aside)
+            found = None
+        found = _broadcast(str(found) if found else None)
         if found is None:
             self._init_from()
             return

@@ -16,13 +16,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from recipes import checkpoint  # noqa: E402
-from recipes.hf import export_checkpoint  # noqa: E402
+from recipes import checkpoint
+from recipes.hf import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,16 +38,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan  # noqa: E402
+from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
+from recipes.bench.fixtures import DTYPES
 
 GiB = 1 << 30
 TOKENS_PER_STEP = 4 << 20
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def fmt_bytes(n: float | None) -> str:

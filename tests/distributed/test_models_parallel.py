@@ -14,24 +14,15 @@ from models.glm.expert_parallel import all_to_all
 from models.glm.hf_adapter import export_hf, import_hf
 from models.glm.parallelize import build_meshes, parallelize
 from tests.harness import run_world
+from tests.models import tiny_glm
 
-CFG = GLMConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    n_dense_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+CFG = tiny_glm(
     head_dim=8,
-    n_routed_experts=8,
     num_experts_per_tok=2,
     n_group=2,
     topk_group=2,
     attention_bias=True,
     use_qk_norm=True,
-    routed_scaling_factor=2.5,
     num_mtp_layers=1,  # built and sharded, never run: its grads stay None everywhere
 )
 B, T = 2, 6  # per-rank batch

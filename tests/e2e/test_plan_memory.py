@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,6 @@ MiB = 1 << 20
 W = 4
 SHAPE = (1024, 512)
 COUNT = 2
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 def _load_script():
@@ -190,9 +190,9 @@ def _measured_world() -> dict:
 
     import muon.optimizer as muon_optimizer
     from muon import Muon
+    from recipes.bench.fixtures import sharded_matrices
     from recipes.memory import MemoryMeter
     from tests.harness import init_mesh
-    from tests.test_muon_behaviour import _sharded
 
     planner = _load_script()
     mesh = init_mesh((W,), ("fsdp",))
@@ -200,7 +200,7 @@ def _measured_world() -> dict:
     real_orthogonalize = muon_optimizer._orthogonalize
     out: dict[str, dict] = {}
     for strategy in STRATEGIES:
-        params = _sharded([SHAPE] * COUNT, mesh)
+        params = sharded_matrices([SHAPE] * COUNT, mesh, generator=torch.Generator().manual_seed(0))
         opt = Muon(params, ns_dtype=torch.float32, nesterov=False, remainder_strategy=strategy)
         ((mp, (batch,)),) = opt.plans
         r = mp.fsdp_rank

@@ -81,6 +81,7 @@ def test_activation_bytes_match_autograd(name, dtype):
     assert slack == B * 8 + 4, (name, dtype, slack)
 
 
+@pytest.mark.slow
 def test_planner_prints_the_whole_step_estimate_against_a_budget():
     """`scripts/plan_memory.py --step` (fake 8-rank world): both checkpointing modes, the
     verdict against --budget-gib, and the exit status when nothing fits."""
