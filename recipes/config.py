@@ -36,6 +36,7 @@ class ModelPreset(StrEnum):
     small = "small"
     glm45_air = "glm45_air"
     glm52 = "glm52"
+    hf = "hf"
 
 
 class OptimName(StrEnum):
@@ -142,7 +143,10 @@ class MeshConfig:
 
 @dataclass
 class ModelConfig:
-    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name")
+    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name; hf: from model.path")
+    path: str | None = _f(
+        None, "model=hf: a transformers glm4_moe / glm_moe_dsa directory (its config.json)"
+    )
     overrides: dict[str, Any] = _f(dict, "GLMConfig fields replacing the preset's", True)
 
 
@@ -261,7 +265,7 @@ class CheckpointConfig:
     export_hf: bool = _f(True, "export the final model as a transformers directory (<run>/hf)")
     hf_dtype: HFDtype = _f(HFDtype.float32, "dtype of the exported matrices (router stays fp32)")
     hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB")
-    init_from: str | None = _f(None, "a transformers Glm4Moe directory to start from")
+    init_from: str | None = _f(None, "a transformers GLM directory to start from")
 
 
 @dataclass
@@ -508,8 +512,9 @@ def _validate_data_path(data: DictConfig) -> None:
 
 def _validate_model(cfg: DictConfig) -> None:
     """The model the ranks would build, and its layout on the mesh, without building it."""
-    from models.glm import GLMConfig, get_preset
+    from models.glm import GLMConfig
     from models.glm.parallelize import check_layout
+    from recipes.parallel import model_config
 
     model = cfg.model
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
@@ -520,25 +525,47 @@ def _validate_model(cfg: DictConfig) -> None:
                 model.overrides[key],
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
             )
-    overrides = {**model.overrides, "vocab_size": cfg.data.vocab_size}
+    from_hf = str(model.preset) == ModelPreset.hf
+    if from_hf:
+        _validate_model_path(model.path)
+    elif model.path is not None:
+        raise _fail("model.path", model.path, "is read by model=hf only; drop it or use model=hf")
     try:
-        config = get_preset(str(model.preset), **overrides)
+        config = model_config(cfg)
     except (TypeError, ValueError) as err:
         raise _model_error(cfg, str(err)) from None
+    if from_hf and cfg.data.vocab_size > config.vocab_size:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"token ids must fit the vocabulary of {model.path}/config.json "
+            f"(vocab_size {config.vocab_size}): <= {config.vocab_size}",
+        )
     try:
         check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
     except ValueError as err:
         raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
 
 
+def _validate_model_path(path: str | None) -> None:
+    if path is None:
+        raise _fail("model.path", None, "model=hf needs a transformers directory")
+    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("model.path", path, "not a transformers directory (no config.json)")
+
+
 def _model_error(cfg: DictConfig, message: str) -> ConfigError:
     """Name the key the user set that the model's message mentions first (else the preset)."""
     keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
-    keys["data.vocab_size"] = "vocab_size"
+    from_hf = str(cfg.model.preset) == ModelPreset.hf
+    if not from_hf:  # model=hf takes the vocabulary of its config.json
+        keys["data.vocab_size"] = "vocab_size"
     found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
     if found:
         key = min(found)[1]
         return _fail(key, OmegaConf.select(cfg, key), message)
+    if from_hf:
+        return _fail("model.path", cfg.model.path, message)
     return _fail("model.preset", cfg.model.preset.value, message)
 
 

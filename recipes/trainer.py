@@ -146,9 +146,17 @@ class Trainer:
             return
         from recipes.hf import init_from
 
-        init_from(self.model, Path(path).expanduser())
+        initialized = init_from(self.model, Path(path).expanduser())
         if self.rank == 0:
             log.info("initialized from the transformers directory %s", path)
+            if initialized:
+                log.warning(
+                    "%s holds no MTP layer weights; these %d tensors keep their seeded "
+                    "initialization: %s",
+                    path,
+                    len(initialized),
+                    ", ".join(initialized),
+                )
 
     def save(self) -> Path:
         """Collective: checkpoint the current step (committed now, or at the next save / `wait`

@@ -55,8 +55,9 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
 def test_model_group_matches_presets():
     from models.glm.config import PRESET_NAMES
 
-    assert _options("model") == sorted(PRESET_NAMES)
-    assert sorted(p.value for p in schema.ModelPreset) == sorted(PRESET_NAMES)
+    # `model=hf` builds the model of a transformers directory (model.path) instead of a preset.
+    assert _options("model") == sorted([*PRESET_NAMES, "hf"])
+    assert sorted(p.value for p in schema.ModelPreset) == sorted([*PRESET_NAMES, "hf"])
 
 
 def test_embedded_default():
