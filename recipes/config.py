@@ -587,13 +587,20 @@ def _finite(node: Any, prefix: str = "") -> None:
 
 def _validate_checkpoint(cfg: DictConfig) -> None:
     _positive(cfg, "checkpoint.hf_max_shard_gib")
+    from models.glm.hf_config import config_to_hf
+    from recipes.parallel import model_config
+
+    if cfg.checkpoint.export_hf:
+        try:  # the final export needs a transformers layout of the model
+            config_to_hf(model_config(cfg))
+        except ValueError as err:
+            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
     path = cfg.checkpoint.init_from
     if path is None:
         return
     if not (Path(os.path.expanduser(path)) / "config.json").is_file():
         raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
     from recipes.hf import check_init_from
-    from recipes.parallel import model_config
 
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
         check_init_from(os.path.expanduser(path), model_config(cfg))

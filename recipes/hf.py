@@ -122,9 +122,13 @@ def check_init_from(path: str | Path, config: GLMConfig) -> list[str]:
     `config`: same config fields (naming those that differ) and every tensor present in the
     right shape and a loadable format (naming the tensors). Reads config.json and the
     safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
+    from models.glm.hf_config import TRAINING_ONLY
+
     hf = HFDir(path)
     theirs, ours = hf.config.to_dict(), config.to_dict()
-    differ = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    differ = {
+        k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k] and k not in TRAINING_ONLY
+    }
     if differ:
         listed = ", ".join(f"{k}: run {a!r}, files {b!r}" for k, (a, b) in sorted(differ.items()))
         raise ValueError(
