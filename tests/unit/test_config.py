@@ -40,6 +40,13 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
         token_file = tmp_path / "tokens.bin"
         token_file.write_bytes(bytes(64))
         overrides = [*overrides, f"data.path={token_file}"]
+    if overrides == ["model=hf"]:  # the model of a transformers directory: the tiny preset's
+        from models.glm import GLMForCausalLM, get_preset
+        from models.glm.hf_adapter import export_hf
+
+        tiny = GLMForCausalLM(get_preset("tiny"))
+        export_hf(tiny, tiny.config, tmp_path / "hf")
+        overrides = [*overrides, f"model.path={tmp_path / 'hf'}"]
     cfg = _compose(overrides)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)

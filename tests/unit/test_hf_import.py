@@ -165,8 +165,8 @@ def test_missing_mtp_layer_is_initialized_and_reported(tmp_path):
     # The public checkpoints' MTP copies of the embedding and head are accepted (ours shares
     # the model's); any other tensor the model has no place for is an error naming it.
     copies = {
-        "model.layers.2.embed_tokens.weight": tensors["model.embed_tokens.weight"],
-        "model.layers.2.shared_head.head.weight": tensors["lm_head.weight"],
+        "model.layers.2.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        "model.layers.2.shared_head.head.weight": tensors["lm_head.weight"].clone(),
     }
     _rewrite(tmp_path, {**tensors, **copies})
     assert load_hf(GLMForCausalLM(CFG), tmp_path) == []
@@ -204,7 +204,7 @@ def test_model_hf_builds_the_directory_config(tmp_path):
     with pytest.raises(ConfigError, match="model.path=.*read by model=hf only"):
         validate(cfg(f"model.path={tmp_path}"))
     with pytest.raises(ConfigError, match=r"data.vocab_size=512: .*<= 300"):
-        validate(cfg("model.preset=hf", f"model.path={tmp_path}", "data.vocab_size=512"))
+        validate(cfg("model.preset=hf", f"model.path={tmp_path}", "data.vocab_size=512", "data.dtype=uint16"))
     # A preset that disagrees with the files fails naming every differing field.
     with pytest.raises(ConfigError, match=r"hidden_size: run 64, files 16.*model=hf model.path"):
-        validate(cfg(f"checkpoint.init_from={tmp_path}", "data.vocab_size=300"))
+        validate(cfg(f"checkpoint.init_from={tmp_path}", "data.vocab_size=300", "data.dtype=uint16"))
