@@ -219,7 +219,9 @@ class DataConfig:
     source: DataSource = _f(DataSource.stdlib, "stdlib: this Python's .py files as bytes")
     path: str | None = _f(None, "tokens: the token file; stdlib: the source dir (None: own)")
     dtype: TokenDtype = _f(TokenDtype.uint8, "element type of the token file")
-    vocab_size: int = _f(256, "vocabulary size; the model's vocab is set to it (model=hf: at most its)")
+    vocab_size: int = _f(
+        256, "vocabulary size; the model's vocab is set to it (model=hf: at most its)"
+    )
     cache_dir: str = _f("~/.cache/moe_muon_recipes", "where built token files are kept")
     seq_len: int = _f(128, "tokens per sequence")
     batch_size: int = _f(8, "sequences per rank per micro-step")

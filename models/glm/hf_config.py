@@ -197,7 +197,9 @@ def config_from_hf(hf: dict) -> GLMConfig:
     transformers' defaults of that model type)."""
     model_type = hf.get("model_type", "glm4_moe")
     if model_type not in _MODEL_TYPES:
-        raise ValueError(f"config.json model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
+        raise ValueError(
+            f"config.json model_type must be one of {_MODEL_TYPES}, got {model_type!r}"
+        )
     _refuse_unsupported(hf, model_type)
     dsa = model_type == "glm_moe_dsa"
     defaults = _GLM_MOE_DSA_DEFAULTS if dsa else _GLM4_MOE_DEFAULTS

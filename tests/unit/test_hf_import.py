@@ -189,7 +189,9 @@ def test_model_hf_builds_the_directory_config(tmp_path):
 
     def cfg(*dotlist):
         base = OmegaConf.structured(Config)
-        return OmegaConf.merge(base, OmegaConf.from_dotlist(["checkpoint.export_hf=false", *dotlist]))
+        return OmegaConf.merge(
+            base, OmegaConf.from_dotlist(["checkpoint.export_hf=false", *dotlist])
+        )
 
     run = cfg("model.preset=hf", f"model.path={tmp_path}")
     validate(run)
@@ -204,7 +206,16 @@ def test_model_hf_builds_the_directory_config(tmp_path):
     with pytest.raises(ConfigError, match="model.path=.*read by model=hf only"):
         validate(cfg(f"model.path={tmp_path}"))
     with pytest.raises(ConfigError, match=r"data.vocab_size=512: .*<= 300"):
-        validate(cfg("model.preset=hf", f"model.path={tmp_path}", "data.vocab_size=512", "data.dtype=uint16"))
+        validate(
+            cfg(
+                "model.preset=hf",
+                f"model.path={tmp_path}",
+                "data.vocab_size=512",
+                "data.dtype=uint16",
+            )
+        )
     # A preset that disagrees with the files fails naming every differing field.
     with pytest.raises(ConfigError, match=r"hidden_size: run 64, files 16.*model=hf model.path"):
-        validate(cfg(f"checkpoint.init_from={tmp_path}", "data.vocab_size=300", "data.dtype=uint16"))
+        validate(
+            cfg(f"checkpoint.init_from={tmp_path}", "data.vocab_size=300", "data.dtype=uint16")
+        )
