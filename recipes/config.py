@@ -36,6 +36,7 @@ class ModelPreset(StrEnum):
     small = "small"
     glm45_air = "glm45_air"
     glm52 = "glm52"
+    mla_tiny = "mla_tiny"
     hf = "hf"
 
 
