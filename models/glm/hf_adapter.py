@@ -1,21 +1,29 @@
-"""Export to / import from a transformers `Glm4MoeForCausalLM` directory, tensor by tensor.
+"""Export to / import from a transformers GLM directory, tensor by tensor: `Glm4MoeForCausalLM`
+(attention "gqa") or `GlmMoeDsaForCausalLM` (attention "mla", GLM-5).
 
-Layout: `config.json` (model_type "glm4_moe", see hf_config.py), `model-0000k-of-0000n.safetensors`
-and `model.safetensors.index.json`. Our keys already follow the transformers names except for
+Layout: `config.json` (model_type "glm4_moe" or "glm_moe_dsa", see hf_config.py),
+`model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Our keys already follow
+the transformers names (the MLA and indexer modules included; a "shared" DSA layer has no
+indexer, as in the files) except for
 - the fused 2-D experts: our `mlp.experts.gate_up_proj [E*2I, D]` / `down_proj [E*D, I]` are
   per expert `mlp.experts.{e}.gate_proj.weight [I, D]`, `.up_proj.weight [I, D]`,
   `.down_proj.weight [D, I]` in the files; on import the fused 3-D in-memory layout of
   transformers (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`) is read too;
 - MTP layers: our `model.mtp_layers.{i}.*` are `model.layers.{num_hidden_layers + i}.*`, as in
-  the public GLM checkpoints (transformers ignores them);
+  the public GLM checkpoints (transformers ignores them). An import accepts files without them
+  (transformers' save_pretrained drops them; the layer keeps its initialization and is
+  reported) and ignores the public files' MTP copies of the embedding and head;
 - with tied embeddings `lm_head.weight` is left out of the files.
+Block-wise fp8 releases are dequantized on import (hf_fp8.py); a tensor of the files the model
+has no place for is an error, not silently dropped.
 
 Memory: the export holds one tensor at a time in process memory. Each output file is assembled
 in a file-backed shared map (page cache, not process memory) and then written by the
 safetensors library, which needs every tensor of a file addressable at once. The import fills a
 model's local shards (DTensor or plain) from `safe_open(...).get_slice`, reading at most
-`chunk_elems` elements per read (by default one expert matrix) and casting into the shard, so a
-rank never holds a tensor it does not own, nor a fused expert stack.
+`chunk_elems` elements per read (by default one expert matrix; fp8: the matching scale rows)
+and casting into the shard, so a rank never holds a tensor it does not own, nor a fused expert
+stack.
 """
 
 from __future__ import annotations
@@ -47,7 +55,13 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
-_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # as transformers keeps
+# Kept float32 in a bf16 export, as transformers keeps them (the router; the indexer's head
+# weights, `_keep_in_fp32_modules` of GlmMoeDsa).
+_FP32_SUFFIXES = (
+    "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias",
+    "indexer.weights_proj.weight",
+)
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -429,7 +443,7 @@ def load_hf(
 
 
 def import_hf(path: str | os.PathLike) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
-    """Read a transformers Glm4Moe directory into (GLMConfig, our full float32 state dict) in
+    """Read a transformers GLM directory into (GLMConfig, our full float32 state dict) in
     one process (fused and per-expert layouts, one file or an index). Raises ValueError
     naming missing or mis-shaped tensors."""
     from models.glm.model import GLMForCausalLM
