@@ -8,7 +8,7 @@
 - `hf_model_config(path, overrides)`: `model=hf model.path=DIR`, the model of DIR's config.json.
 - `check_init_from(cfg)`: in the launching process, before any rank starts: the directory, its
   config against the model the run builds, and every tensor's presence, shape and format.
-- `init_from(model, path)`: every rank fills its own shards from the files (hf_adapter.load_hf).
+- `init_from(model, path)`: every rank fills its own shards from the files (hf_import.load_hf).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from models.glm import GLMConfig
-from models.glm.hf_adapter import HFDir, check_hf, load_hf, write_hf
+from models.glm.hf_adapter import write_hf
+from models.glm.hf_import import HFDir, check_hf, load_hf
 
 GiB = 1 << 30
 

@@ -275,7 +275,7 @@ def test_transformers_dirs_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_pa
     the same logits. Each rank's import peak above its shards stays within one expert's
     weights (bf16 files), its export peak within the tensor it reads plus the saved piece."""
     pytest.importorskip("transformers")
-    from models.glm.hf_adapter import import_hf
+    from models.glm.hf_import import import_hf
 
     glm4, fp8, dsa = tmp_path / "glm4", tmp_path / "fp8", tmp_path / "dsa"
     _glm4_moe_dir(glm4)
@@ -287,7 +287,7 @@ def test_transformers_dirs_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_pa
     want_dsa, _ = _transformers(dsa, ids)
     _, fp8_sd = import_hf(fp8)
     from models.glm import GLMForCausalLM
-    from models.glm.hf_adapter import HFDir
+    from models.glm.hf_import import HFDir
 
     single = GLMForCausalLM(HFDir(fp8).config)
     single.load_state_dict(fp8_sd)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.expert_parallel import all_to_all
-from models.glm.hf_adapter import export_hf, import_hf
+from models.glm.hf_adapter import export_hf
+from models.glm.hf_import import import_hf
 from models.glm.parallelize import build_meshes, parallelize
 from tests.harness import run_world
 

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.hf_adapter import INDEX, export_hf, import_hf, load_hf
+from models.glm.hf_adapter import INDEX, export_hf
+from models.glm.hf_import import import_hf, load_hf
 
 CFG = GLMConfig(
     vocab_size=40,
