@@ -349,6 +349,8 @@ def format_report(report: dict) -> str:
         f"nesterov {meta['nesterov']}, "
         f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
         f"max_inflight {meta['max_inflight']}; plans built in {meta['build_s']:.1f} s",
+        f"optimizer: {meta['param_tensors']} parameter tensors (the gradient census all-reduces "
+        f"{meta['param_tensors'] + 1} int32 flags, {fmt_bytes(4 * (meta['param_tensors'] + 1))})",
         "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
         "(of the whole group when it has none) / one that does not.",
         "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: NS "
@@ -517,6 +519,8 @@ def plan(
             for s in strategies
         }
         build_s = time.perf_counter() - t0
+        first = next(iter(opts.values()))
+        param_tensors = sum(len(g["params"]) for g in first.param_groups)
         ns_itemsize = DTYPES[ns_dtype].itemsize
         report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
         efsdp = meshes.efsdp
@@ -541,6 +545,7 @@ def plan(
         build_s=build_s,
         tokens_per_step=tokens_per_step,
         active_parameters=active,
+        param_tensors=param_tensors,
     )
     report["over_budget"] = over_budget(report, budget)
     return report
