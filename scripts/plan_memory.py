@@ -73,13 +73,15 @@ def init_fake_world(world_size: int, rank: int) -> bool:
     return True
 
 
-def build_model(model_name: str, world_size: int, ep: int, dtype: torch.dtype):
+def build_model(
+    model_name: str, world_size: int, ep: int, dtype: torch.dtype, overrides: dict | None = None
+):
     """The real GLM model on the meta device, parallelized with the real EP + FSDP2 code."""
     from models.glm import get_preset
     from models.glm.model import GLMForCausalLM
     from models.glm.parallelize import build_meshes, parallelize
 
-    config = get_preset(model_name)
+    config = get_preset(model_name, **(overrides or {}))
     with torch.device("meta"):
         model = GLMForCausalLM(config).to(dtype)
     meshes = build_meshes(world_size, ep, "cpu")
@@ -493,14 +495,16 @@ def plan(
     budget_gib: float | None = None,
     strategies: tuple[str, ...] = REMAINDER_CHOICES,
     tokens_per_step: int = TOKENS_PER_STEP,
+    overrides: dict | None = None,
 ) -> dict:
-    """Build the optimizer plans in a fake world and return the report as plain data."""
+    """Build the optimizer plans in a fake world and return the report as plain data
+    (`overrides`: GLMConfig fields replacing the preset's)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank} is outside the world of {world_size}")
     t0 = time.perf_counter()
     created = init_fake_world(world_size, rank)
     try:
-        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype])
+        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype], overrides)
         active = active_parameters(net, config)
         fwd_bwd = 6 * active * tokens_per_step / world_size
         budget = None if budget_gib is None else budget_gib * GiB
@@ -546,6 +550,7 @@ def plan(
         tokens_per_step=tokens_per_step,
         active_parameters=active,
         param_tensors=param_tensors,
+        overrides=dict(overrides or {}),
     )
     report["over_budget"] = over_budget(report, budget)
     return report
@@ -598,7 +603,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seq-len", type=int, default=4096, help="--step: tokens per sequence")
     ap.add_argument("--micro-batch", type=int, default=1, help="--step: sequences per rank")
+    ap.add_argument(
+        "--indexer-training",
+        choices=("kl", "frozen"),
+        default=None,
+        help="DSA models: the indexer trained by its KL loss or frozen (no gradient, not in "
+        "the optimizer); default: the preset's",
+    )
     args = ap.parse_args(argv)
+    overrides = {}
+    if args.indexer_training is not None:
+        from models.glm import get_preset
+
+        if not get_preset(args.model).uses_dsa:
+            ap.error(f"--indexer-training: --model {args.model} has no sparse-attention indexer")
+        overrides["indexer_training"] = args.indexer_training
     report = plan(
         model=args.model,
         world_size=args.world_size,
@@ -614,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_gib=args.budget_gib,
         strategies=tuple(args.strategy or REMAINDER_CHOICES),
         tokens_per_step=args.tokens_per_step,
+        overrides=overrides,
     )
     print(format_report(report))
     if args.json:
@@ -630,7 +650,10 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq_len,
             micro_batch=args.micro_batch,
             budget_gib=args.budget_gib,
-            extra=(f"optim.max_inflight={args.max_inflight}",),
+            extra=(
+                f"optim.max_inflight={args.max_inflight}",
+                *(f"+model.overrides.{k}={v}" for k, v in overrides.items()),
+            ),
         )
         print(text)
     return 1 if report["over_budget"] or not fits else 0

@@ -289,3 +289,30 @@ def test_planned_step_peak_bounds_measured(measured, strategy):
         planned, got = row["planned_peak"], row["measured_step"]
         assert got <= 1.10 * planned + row["staging"] + 64 * 1024, row
         assert planned <= 1.6 * got + 64 * 1024, row
+
+
+def test_indexer_training_flag_frozen_vs_kl():
+    """`--indexer-training`: a frozen indexer leaves the optimizer (fewer parameter tensors:
+    5 per indexer, 3 indexers in mla_tiny: layers 0 and 2 and the MTP layer) and the step
+    estimate (no indexer gradients, state or KL activations); a model without one refuses it."""
+    base = [sys.executable, str(SCRIPT), "--model", "mla_tiny", "--world-size", "8", "--ep", "2"]
+    base += ["--strategy", "auto", "--step", "--seq-len", "64"]
+    out = {}
+    for mode in ("kl", "frozen"):
+        proc = subprocess.run([*base, "--indexer-training", mode], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        tensors = int(proc.stdout.split("optimizer: ")[1].split()[0])
+        peaks = [
+            float(line.split()[4])
+            for line in proc.stdout.splitlines()
+            if "step peak per rank" in line
+        ]
+        out[mode] = tensors, peaks
+    assert out["kl"][0] - out["frozen"][0] == 15, out
+    assert all(f < k for f, k in zip(out["frozen"][1], out["kl"][1], strict=True)), out
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "small", "--indexer-training", "frozen"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "has no sparse-attention indexer" in bad.stderr
