@@ -9,10 +9,10 @@ import torch
 from models.glm import GLMForCausalLM, get_preset
 from muon import Muon, param_groups
 
-SEQ = 48  # > mla_tiny's index_topk (16): the attention is sparse
+SEQ = 40  # > mla_tiny's index_topk (16): the attention is sparse
 
 
-def _batch(seed: int = 0, batch: int = 4):
+def _batch(seed: int = 0, batch: int = 2):
     """A learnable stream: short random motifs repeated, so two tokens ahead is predictable."""
     g = torch.Generator().manual_seed(seed)
     motif = torch.randint(0, 256, (batch, 6), generator=g)
@@ -37,7 +37,7 @@ def test_mtp_loss_decreases_and_reaches_mtp_params(preset):
     x, y = _batch()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     mtp_losses = []
-    for step in range(15):
+    for step in range(6):
         terms = model(x, y)
         _objective(terms, 0.3).backward()
         if step == 0:
@@ -82,7 +82,7 @@ def test_mtp_weight_zero_matches_no_mtp_layers():
         params = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_")]
         opt = torch.optim.AdamW(params, lr=3e-3)
         losses = []
-        for _ in range(4):
+        for _ in range(3):
             terms = model(x, y, with_mtp=False)
             assert "mtp_loss" not in terms
             _objective(terms, 0.0).backward()
@@ -126,6 +126,9 @@ def _grads(model, x, y) -> dict[str, torch.Tensor]:
 
 def test_kl_mode_lowers_kl_and_keeps_main_gradients():
     kl_model = _model("mla_tiny")
+    with torch.no_grad():  # peaked attention (random init is near uniform, KL ~1e-5)
+        for layer in kl_model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(30.0)
     frozen = _model("mla_tiny", indexer_training="frozen")
     frozen.load_state_dict(kl_model.state_dict())
     x, y = _batch(3)
@@ -142,7 +145,7 @@ def test_kl_mode_lowers_kl_and_keeps_main_gradients():
     params = [p for n, p in kl_model.named_parameters() if ".indexer." in n]
     opt = torch.optim.AdamW(params, lr=1e-2)
     kls = []
-    for _ in range(20):
+    for _ in range(10):
         terms = kl_model(x, y)
         terms["indexer_kl"].backward()
         opt.step()
