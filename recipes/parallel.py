@@ -18,9 +18,11 @@ from models.glm.parallelize import build_meshes, parallelize
 
 
 def model_config(cfg: DictConfig) -> GLMConfig:
-    """The GLMConfig of `model.preset` with `model.overrides`, its vocab set to the data's;
-    `model=hf`: of `model.path`'s config.json, whose vocab it keeps (the data's ids must fit)."""
+    """The GLMConfig of `model.preset` with `model.overrides`, its vocab set to the data's and
+    its indexer training to `train.indexer_training`; `model=hf`: of `model.path`'s
+    config.json, whose vocab it keeps (the data's ids must fit)."""
     overrides = dict(cfg.model.overrides)
+    overrides["indexer_training"] = str(cfg.train.get("indexer_training", "kl"))
     if str(cfg.model.preset) == "hf":
         from recipes.hf import hf_model_config
 
@@ -67,7 +69,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
     o = cfg.optim
     if o.name == "adamw":
         return torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # a frozen indexer: no state
             lr=o.lr,
             betas=tuple(o.betas),
             eps=o.eps,

@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_gib=args.budget_gib,
             extra=(
                 f"optim.max_inflight={args.max_inflight}",
-                *(f"+model.overrides.{k}={v}" for k, v in overrides.items()),
+                *(f"train.{k}={v}" for k, v in overrides.items()),
             ),
         )
         print(text)

@@ -69,8 +69,9 @@ class Indexer(nn.Module):
             logits_BTMS = torch.einsum("btmc,bsc->btms", q_BTMC.float(), k_BTC.float())
             relu_BTMS = F.relu(logits_BTMS * self.head_dim**-0.5)
             # weights_proj computes in float32 (GLM-5 keeps it float32 in bf16 checkpoints).
-            w = self.weights_proj.weight
-            w_BTM = F.linear(x_BTD.to(w.dtype), w).float() * self.n_heads**-0.5
+            # Through __call__: under FSDP2 mixed precision weights_proj is its own float32 unit.
+            x_in = x_BTD.to(self.weights_proj.weight.dtype)
+            w_BTM = self.weights_proj(x_in).float() * self.n_heads**-0.5
             scores_BTS = torch.einsum("btm,btms->bts", w_BTM, relu_BTMS)
             causal_TS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
             return scores_BTS.masked_fill(~causal_TS, float("-inf"))
