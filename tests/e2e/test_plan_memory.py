@@ -296,7 +296,7 @@ def test_indexer_training_flag_frozen_vs_kl():
     5 per indexer, 3 indexers in mla_tiny: layers 0 and 2 and the MTP layer) and the step
     estimate (no indexer gradients, state or KL activations); a model without one refuses it."""
     base = [sys.executable, str(SCRIPT), "--model", "mla_tiny", "--world-size", "8", "--ep", "2"]
-    base += ["--strategy", "auto", "--step", "--seq-len", "64"]
+    base += ["--strategy", "auto", "--step", "--seq-len", "512", "--micro-batch", "2"]
     out = {}
     for mode in ("kl", "frozen"):
         proc = subprocess.run([*base, "--indexer-training", mode], capture_output=True, text=True)
