@@ -123,10 +123,12 @@ def check_init_from(path: str | Path, config: GLMConfig) -> list[str]:
     `config`: same config fields (naming those that differ) and every tensor present in the
     right shape and a loadable format (naming the tensors). Reads config.json and the
     safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
-    from models.glm.hf_config import TRAINING_ONLY
+    from models.glm.hf_config import TRAINING_ONLY, canonical_indexer_types
 
     hf = HFDir(path)
     theirs, ours = hf.config.to_dict(), config.to_dict()
+    for fields in (theirs, ours):  # all "full" and None say the same
+        fields["indexer_types"] = canonical_indexer_types(fields["indexer_types"])
     differ = {
         k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k] and k not in TRAINING_ONLY
     }

@@ -246,6 +246,12 @@ def config_from_hf(hf: dict) -> GLMConfig:
         head_dim=None,  # transformers' head_dim is the rotary width, qk_rope_head_dim
         partial_rotary_factor=1.0,
         use_qk_norm=False,
-        indexer_types=_indexer_types(hf, n),
+        indexer_types=canonical_indexer_types(_indexer_types(hf, n)),
     )
     return GLMConfig(**kwargs)
+
+
+def canonical_indexer_types(types: list[str] | None) -> list[str] | None:
+    """None for "every layer runs its own indexer" (GLMConfig's default), else `types`: the
+    one spelling configs are compared in."""
+    return None if types is None or all(t == "full" for t in types) else list(types)

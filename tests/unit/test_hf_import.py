@@ -220,3 +220,40 @@ def test_model_hf_builds_the_directory_config(tmp_path):
         validate(
             cfg(f"checkpoint.init_from={tmp_path}", "data.vocab_size=300", "data.dtype=uint16")
         )
+
+
+def test_glm_moe_dsa_config_mapping():
+    """glm_moe_dsa config.json <-> attention='mla': exact round trips of the MLA presets, the
+    indexer pattern derived as transformers derives it, yarn scaling, and refusals naming the
+    key for what our model cannot compute."""
+    from models.glm import get_preset
+    from models.glm.hf_config import config_from_hf, config_to_hf
+
+    for name in ("mla_tiny", "glm52"):
+        config = get_preset(name)
+        hf = config_to_hf(config)
+        assert hf["model_type"] == "glm_moe_dsa" and hf["head_dim"] == config.qk_rope_head_dim
+        assert config_from_hf(json.loads(json.dumps(hf))) == config
+    hf = config_to_hf(get_preset("mla_tiny", indexer_types=["full", "shared", "shared"]))
+    del hf["indexer_types"]
+    hf.update(index_topk_freq=2, index_skip_topk_offset=1, num_hidden_layers=5)
+    hf["mlp_layer_types"] = ["dense"] + ["sparse"] * 4
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.GlmMoeDsaConfig(**hf).indexer_types
+    assert config_from_hf(hf).indexer_types == theirs and "shared" in theirs
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    hf["rope_parameters"] = {**yarn, "rope_theta": 5e4}
+    ours = config_from_hf(hf)
+    assert ours.rope_scaling == yarn and ours.rope_theta == 5e4
+    assert config_to_hf(ours)["rope_parameters"] == {**yarn, "rope_theta": 5e4}
+    for key, value, message in (
+        ("hidden_act", "gelu", "hidden_act must be 'silu'"),
+        ("mlp_bias", True, "mlp_bias must be false"),
+        ("mlp_layer_types", ["sparse", "dense"] + ["sparse"] * 3, "only the first layers"),
+        ("model_type", "deepseek_v3", "model_type must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            config_from_hf({**hf, key: value})
+    dense = dict(index_topk=None, index_n_heads=None, index_head_dim=None, indexer_types=None)
+    with pytest.raises(ValueError, match="index_topk is None"):
+        config_to_hf(get_preset("mla_tiny", **dense))
