@@ -312,7 +312,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if self.rank == 0 and self.step % report_every == 0:
-                extra = "".join(f" {k} {metrics[k]:.4f}" for k in AUX_LOSSES if k in metrics)
+                extra = "".join(f" {k} {metrics[k]:.4g}" for k in AUX_LOSSES if k in metrics)
                 line = (
                     f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f}{extra} "
                     f"lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tokens/s"

@@ -223,6 +223,9 @@ def test_checkpointed_layers_give_the_same_gradients_and_count_loads_once(compil
         # dozen ops deep); 1e-5 of each gradient's scale catches a misaligned recomputation
         # (which gave errors of ~50% of the router's gradient).
         assert loss == pytest.approx(loss2, rel=1e-5)
+        # The indexer's KL gradient is a difference of two nearly equal distributions at init
+        # (attention and index scores both near uniform, KL ~1e-5): the cancellation turns the
+        # same rounding into ~100x more of its (tiny) scale, so it gets 1e-3 (measured 2e-5).
         for n in grads:
-            scale = grads[n].abs().max().item()
+            scale = grads[n].abs().max().item() * (100 if ".indexer." in n else 1)
             torch.testing.assert_close(grads2[n], grads[n], rtol=0, atol=1e-5 * scale)

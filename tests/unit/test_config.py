@@ -113,6 +113,7 @@ def test_user_keys_override():
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
+        ("train.indexer_training=train", ["train.indexer_training", "kl, frozen"]),
         # one schema per optimizer: Muon keys do not exist under optim=adamw
         ("optim=adamw optim.remainder_strategy=agrs", ["remainder_strategy", "AdamWOptimConfig"]),
     ],
@@ -146,12 +147,41 @@ def test_compose_rejects(override, expected):
         (["+model.overrides.rope_theta=-1.0"], "model.overrides.rope_theta=-1.0: GLMConfig"),
         (["+model.overrides.num_experts_per_tok=9"], "model.overrides.num_experts_per_tok=9: "),
         (["mesh.world_size=6", "mesh.ep=3"], "mesh.ep=3: n_routed_experts (8) must be"),
+        (["train.mtp_loss_weight=-0.1"], "train.mtp_loss_weight=-0.1: must be >= 0"),
+        (
+            ["+model.overrides.indexer_training=frozen"],
+            "model.overrides.indexer_training=frozen: set train.indexer_training instead",
+        ),
+        (
+            ["model=mla_tiny", "+model.overrides.indexer_types=[full,full]"],
+            "model.overrides.indexer_types=['full', 'full']: GLMConfig.indexer_types has 2",
+        ),
+        (
+            ["+model.overrides.kv_lora_rank=8"],
+            "model.overrides.kv_lora_rank=8: GLMConfig.kv_lora_rank is a multi-head latent",
+        ),
     ],
 )
 def test_validate_rejects(overrides, expected):
     with pytest.raises(schema.ConfigError) as err:
         schema.validate(_compose(overrides))
     assert expected in str(err.value)
+
+
+def test_training_objective_knobs_reach_the_model():
+    """train.indexer_training picks the model's indexer mode; train.mtp_loss_weight defaults
+    to DeepSeek-V3's 0.3; MLA fields and lists pass through model.overrides."""
+    from recipes.parallel import model_config
+
+    cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen"])
+    schema.validate(cfg)
+    assert model_config(cfg).indexer_training == "frozen"
+    assert cfg.train.mtp_loss_weight == 0.3
+    cfg = _compose(["model=mla_tiny", "+model.overrides.indexer_types=[full,full,shared]"])
+    schema.validate(cfg)
+    config = model_config(cfg)
+    assert config.indexer_training == "kl" and config.indexer_types == ["full", "full", "shared"]
+    assert type(config.indexer_types) is list
 
 
 def test_validate_checks_the_launcher_world():
