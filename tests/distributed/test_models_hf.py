@@ -1,6 +1,6 @@
 """Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields,
-multi-file export split by size, fused 3-D import, sharded import on a mesh, and parity with
-transformers itself (when installed: the dev extra pins it)."""
+multi-file export split by size, fused 3-D import, and the checks before a run starts. Parity
+with transformers itself on a 4-rank mesh: test_models_hf_transformers.py."""
 
 import json
 import os
