@@ -257,3 +257,18 @@ def test_glm_moe_dsa_config_mapping():
     dense = dict(index_topk=None, index_n_heads=None, index_head_dim=None, indexer_types=None)
     with pytest.raises(ValueError, match="index_topk is None"):
         config_to_hf(get_preset("mla_tiny", **dense))
+
+
+def test_bf16_glm_moe_dsa_export_keeps_fp32_modules(tmp_path):
+    """A bf16 export keeps what transformers keeps in float32 (the router, the indexer's head
+    weights) and rounds the rest; shared DSA layers have no indexer tensors, as in GLM-5."""
+    from models.glm import get_preset
+
+    config = get_preset("mla_tiny")
+    export_hf(_model(config), config, str(tmp_path), dtype=torch.bfloat16)
+    files = _tensors(tmp_path)
+    assert files["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    assert files["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert files["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
+    assert not any(k.startswith("model.layers.1.self_attn.indexer.") for k in files)
+    assert any(k.startswith("model.layers.3.self_attn.indexer.") for k in files)  # MTP: own
