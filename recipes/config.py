@@ -357,9 +357,20 @@ def slurm_tasks(what: str, world_size: int, nodes: int) -> int:
     raise ValueError(f"slurm_tasks: unknown field {what!r} (tasks_per_node, cpus_per_task)")
 
 
+RUN_ID_MAX = 200  # bytes of a run-dir leaf (file systems allow 255 per name)
+
+
 def run_id(override_dirname: str) -> str:
-    """The run-dir leaf for a set of overrides: stable for the same command, never empty."""
-    return override_dirname.replace("/", "_") or "base"
+    """The run-dir leaf for a set of overrides: stable for the same command, never empty. A
+    longer one (paths in `model.path` / `checkpoint.init_from`) keeps its start and ends in a
+    hash of the whole, so the same command still finds its run directory."""
+    import hashlib
+
+    leaf = override_dirname.replace("/", "_") or "base"
+    if len(leaf.encode()) <= RUN_ID_MAX:
+        return leaf
+    digest = hashlib.sha1(leaf.encode()).hexdigest()[:16]
+    return leaf.encode()[: RUN_ID_MAX - 17].decode(errors="ignore") + "-" + digest
 
 
 def describe(node: type = None, prefix: str = "") -> list[str]:

@@ -369,7 +369,8 @@ def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_pa
 
     src = tmp_path / "src"
     _glm_moe_dsa_dir(src)
-    args = ["model=hf", "model.path=src", "checkpoint.init_from=src"]  # relative to the cwd
+    # Absolute paths, twice in the run directory's name: recipes.config.run_id shortens it.
+    args = ["model=hf", f"model.path={src}", f"checkpoint.init_from={src}"]
     args += ["mesh.world_size=4", "mesh.ep=2", "train.steps=1", "logger=none"]
     args += ["optim.lr=1e-9", "optim.adamw_lr=1e-9", "train.router_bias_rate=0"]
     args += ["data.seq_len=16", "data.batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]

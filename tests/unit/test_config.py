@@ -251,6 +251,12 @@ def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path
 
 def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
+    # Paths in the overrides can pass the file system's 255-byte name limit: a long leaf keeps
+    # its start and a hash of the whole (stable, distinct per command).
+    long = ",".join(f"model.path=/{'d' * 150}/{k}" for k in "ab")
+    leaf = schema.run_id(long)
+    assert len(leaf.encode()) <= schema.RUN_ID_MAX and leaf.startswith("model.path=_ddd")
+    assert leaf == schema.run_id(long) != schema.run_id(long.replace("/b", "/c"))
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
 
 
