@@ -581,6 +581,16 @@ def _finite(node: Any, prefix: str = "") -> None:
 
 def _validate_checkpoint(cfg: DictConfig) -> None:
     _positive(cfg, "checkpoint.hf_max_shard_gib")
+    if cfg.checkpoint.export_hf:
+        from recipes.parallel import model_config
+
+        if model_config(cfg).attention != "gqa":
+            raise _fail(
+                "checkpoint.export_hf",
+                True,
+                "the transformers export writes the Glm4Moe (attention='gqa') layout only; "
+                "set checkpoint.export_hf=false for an MLA model",
+            )
     path = cfg.checkpoint.init_from
     if path is None:
         return

@@ -42,6 +42,11 @@ _RENAMED = {"n_dense_layers": "first_k_dense_replace", "num_mtp_layers": "num_ne
 def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json dict of `config` for transformers' Glm4MoeConfig."""
     c = config
+    if c.attention != "gqa":
+        raise ValueError(
+            f"GLMConfig.attention={c.attention!r}: the transformers export writes the Glm4Moe "
+            "(attention='gqa') layout only; the glm_moe_dsa layout is not written yet"
+        )
     out = {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
