@@ -6,7 +6,8 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 
 - resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
 - forward/backward peak (at the start of backward, where every activation is still alive):
-  activations of all decoder layers for one micro-batch (or, with activation checkpointing,
+  activations of all decoder layers (the MTP layers too, with their norms and loss heads,
+  when train.mtp_loss_weight > 0) for one micro-batch (or, with activation checkpointing,
   each layer's input plus one recomputed layer), the loss head, the root's unsharded
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
   flat staging copy of an all-gather on CPU, one layer's unsharded gradients before their
@@ -32,7 +33,14 @@ GiB = 1 << 30
 
 
 def attention_bytes_per_token(config: GLMConfig, a: int) -> int:
-    """Saved by input norm + attention of one layer, per token; `a` = compute itemsize."""
+    """Saved by input norm + attention of one layer, per token; `a` = compute itemsize.
+    Grouped-query attention only: multi-head latent attention and its DSA indexer (whose
+    scores grow with the square of the sequence) are not counted yet, and refused."""
+    if config.attention != "gqa":
+        raise NotImplementedError(
+            f"the step-memory estimate counts attention='gqa' activations; attention="
+            f"{config.attention!r} (MLA + DSA) is not modeled yet"
+        )
     D, hd = config.hidden_size, config.head_dim_resolved
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
     total = norm_bytes_per_token(D, a) + D * a  # norm; its output, saved by q/k/v
@@ -79,6 +87,15 @@ def layer_bytes_per_token(config: GLMConfig, is_moe: bool, a: int, ep: int) -> i
     if is_moe:
         return total + moe_bytes_per_token(config, a, ep)
     return total + mlp_bytes_per_token(config.intermediate_size, a)
+
+
+def mtp_extra_bytes_per_token(config: GLMConfig, a: int) -> int:
+    """What an MTP layer saves beyond its decoder layer, per token: enorm (over the float32
+    embedding when `a` is 4, a fresh float32 copy otherwise) and hnorm, their concatenation
+    (saved by eh_proj), and its own loss head (shared_head.norm, lm_head, log-softmax,
+    targets, the shifted ids)."""
+    D = config.hidden_size
+    return 2 * norm_bytes_per_token(D, a) + 2 * D * a + head_bytes_per_token(config, a)
 
 
 def head_bytes_per_token(config: GLMConfig, a: int) -> int:
@@ -178,17 +195,27 @@ def estimate_step_memory(
     nesterov: bool,
     max_inflight: int,
     gloo: bool,
+    mtp: bool = True,
 ) -> StepMemory:
     """Per-rank memory of one step of `model` (this rank's sharded GLMForCausalLM, on any
-    device incl. meta) with optimizer `opt`, for micro-batches of `tokens` tokens per rank."""
+    device incl. meta) with optimizer `opt`, for micro-batches of `tokens` tokens per rank;
+    `mtp`: whether the MTP layers run and train (train.mtp_loss_weight > 0)."""
     config: GLMConfig = model.config
     a = torch.finfo(param_dtype).bits // 8
-    layers = list(model.model.layers)
-    per_layer = [tokens * layer_bytes_per_token(config, x.is_moe, a, ep) for x in layers]
+    main = list(model.model.layers)
+    mtp_layers = list(model.model.mtp_layers) if mtp else []  # idle with mtp_loss_weight 0
+    layers = main + mtp_layers
+    per_layer = [tokens * layer_bytes_per_token(config, x.is_moe, a, ep) for x in main]
+    mtp_layer = layer_bytes_per_token(config, True, a, ep) + mtp_extra_bytes_per_token(config, a)
+    per_layer += [tokens * mtp_layer for _ in mtp_layers]
     inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
     head = tokens * head_bytes_per_token(config, a)
     parts: dict[str, int] = {}
-    trained = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")]
+    trained = [
+        p
+        for n, p in model.named_parameters()
+        if p.requires_grad and (mtp or not n.startswith("model.mtp_layers."))
+    ]
     parts["master parameters (fp32 shards)"] = _local_bytes(model.parameters())
     state = 0
     for g in opt.param_groups:
@@ -196,13 +223,17 @@ def estimate_step_memory(
         state += copies * _local_bytes(g["params"], 4)
     parts["optimizer state"] = state
     if activation_checkpointing:
-        parts["activations (layer inputs)"] = inputs * len(layers)
+        # An MTP layer's norms, eh_proj input and head sit outside its checkpoint.
+        extras = len(mtp_layers) * tokens * mtp_extra_bytes_per_token(config, a)
+        parts["activations (layer inputs)"] = inputs * len(layers) + extras
         parts["activations (recomputed layer)"] = max(per_layer, default=0)
     else:
         parts["activations (all layers)"] = sum(per_layer)
     parts["loss head activations"] = head
-    # The gradient of the logits (float32) and its cast to the compute dtype, at backward start.
-    parts["loss head gradients"] = tokens * config.vocab_size * (4 + a)
+    # The gradient of the logits (float32) and its cast to the compute dtype, at backward start
+    # (for the next-token head and each MTP head: autograd may hold them all at once).
+    heads = 1 + len(mtp_layers)
+    parts["loss head gradients"] = heads * tokens * config.vocab_size * (4 + a)
     root = _unsharded_bytes(model.model.embed_tokens, a, ep)
     root += _unsharded_bytes(model.lm_head, a, ep) + _unsharded_bytes(model.model.norm, a, ep)
     parts["root parameters (unsharded)"] = root
@@ -270,6 +301,7 @@ def estimate_for_config(
         nesterov=bool(o.nesterov),
         max_inflight=int(o.max_inflight),
         gloo=device_type == "cpu",
+        mtp=float(cfg.train.mtp_loss_weight) > 0,
     )
 
 

@@ -9,7 +9,11 @@ import torch
 
 from models.glm import GLMForCausalLM, get_preset
 from models.glm.layers import rope_cos_sin
-from recipes.step_memory import head_bytes_per_token, layer_bytes_per_token
+from recipes.step_memory import (
+    head_bytes_per_token,
+    layer_bytes_per_token,
+    mtp_extra_bytes_per_token,
+)
 
 CONFIGS = {
     "small": get_preset("small"),  # qk-norm, grouped routing, scaling 2.5
@@ -79,6 +83,44 @@ def test_activation_bytes_match_autograd(name, dtype):
     # column (B * 8 bytes), and cross-entropy saves a float32 scalar total weight (4 bytes).
     slack = got - B * T * head_bytes_per_token(config, itemsize)
     assert slack == B * 8 + 4, (name, dtype, slack)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mtp_layer_bytes_match_autograd(dtype):
+    """An MTP layer with its loss head: the decoder layer plus `mtp_extra_bytes_per_token`."""
+    config = get_preset("small", num_hidden_layers=2, num_mtp_layers=1)
+    model = GLMForCausalLM(config)
+    model.init_weights(0)
+    model.to(dtype)
+    for router in model.routers():
+        router.weight.data = router.weight.data.float()
+    B, T = 2, 48
+    cos, sin = rope_cos_sin(T, config.rotary_dim, config.rope_theta, "cpu")
+    itemsize = torch.finfo(dtype).bits // 8
+    ids = torch.randint(0, config.vocab_size, (B, T + 1))
+    h = torch.randn(B, T, config.hidden_size, dtype=dtype, requires_grad=True)
+
+    def mtp():
+        emb = model.model.embed_tokens(ids[:, :-1].roll(-1, dims=1))
+        _, normed, _ = model.model.mtp_layers[0](h, emb, cos, sin)
+        logits = model.lm_head(normed)
+        torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)
+        )
+
+    got = _saved_bytes(mtp, [*model.parameters(), cos, sin])
+    per_token = layer_bytes_per_token(config, True, itemsize, ep=1)
+    per_token += mtp_extra_bytes_per_token(config, itemsize)
+    # Slack: cross-entropy's float32 scalar total weight (both id tensors are fresh [B, T]
+    # copies here: the rolled ids and the reshaped targets).
+    assert got - B * T * per_token == 4, dtype
+
+
+def test_mla_estimate_is_refused_not_guessed():
+    from recipes.step_memory import attention_bytes_per_token
+
+    with pytest.raises(NotImplementedError, match="attention='mla'"):
+        attention_bytes_per_token(get_preset("mla_tiny"), 4)
 
 
 def test_planner_prints_the_whole_step_estimate_against_a_budget():
