@@ -78,6 +78,16 @@ def _expert_groups(report: dict) -> dict[tuple, dict]:
 GATE_UP, DOWN = (256 * 2 * 2048, 6144), (256 * 6144, 2048)
 
 
+def _balanced(ns: dict) -> bool:
+    """The owners' balance bound: greedy (LPT) assignment leaves the busiest rank at most one
+    unit above the ideal, and GLM-5's largest whole matrix is the attention output
+    projection [6144, 64 x 256] (standard Newton-Schulz: the most FLOPs of any algorithm)."""
+    from muon.cost import block_flops
+
+    largest = block_flops(6144, 64 * 256, steps=5, algorithm="standard")
+    return ns["ns_flops_busiest"] <= ns["ns_flops_ideal"] + largest
+
+
 @pytest.fixture(scope="module")
 def glm52_512(tmp_path_factory):
     return _run_planner(tmp_path_factory.mktemp("plan512"))
@@ -103,9 +113,9 @@ def test_glm52_expert_aware_paths(glm52_512):
     for s in (*STRATEGIES, "auto"):
         ns = report["totals"][s]["ns"]
         # every block orthogonalized once (no padding NS, no duplicated sub-group blocks), and
-        # owners balanced by cost: the busiest rank within 5% of the ideal
+        # owners balanced by cost: the busiest rank within one unit of the ideal
         assert ns["ns_flops_mean"] == pytest.approx(ns["ns_flops_ideal"], rel=1e-12)
-        assert ns["ns_flops_busiest"] <= 1.05 * ns["ns_flops_ideal"], (s, ns["busiest_over_ideal"])
+        assert _balanced(ns), (s, ns["busiest_over_ideal"])
         assert len(ns["ns_flops_per_rank"]) == 64 == len(ns["bytes_sent_per_rank"])
         assert max(ns["ns_flops_per_rank"]) <= ns["ns_flops_busiest"]
         assert 0 < ns["ns_share_of_step"] < 0.05
@@ -121,7 +131,7 @@ def test_glm52_busiest_rank_work_halves_from_512_to_1024_ranks(glm52_512, tmp_pa
     """Strong scaling of the optimizer step: doubling the ranks shrinks the busiest rank's
     Newton-Schulz work by at least 1.8x (sub-group blocks of k = 2 and 4 once each)."""
     at_1024 = _run_planner(tmp_path, "--strategy", "auto", world=1024)["totals"]["auto"]["ns"]
-    assert at_1024["ns_flops_busiest"] <= 1.05 * at_1024["ns_flops_ideal"], at_1024
+    assert _balanced(at_1024), at_1024
     at_512 = glm52_512["totals"]["auto"]["ns"]
     ratio = at_512["ns_flops_busiest"] / at_1024["ns_flops_busiest"]
     assert ratio >= 1.8, (at_512["ns_flops_busiest"], at_1024["ns_flops_busiest"])
