@@ -6,9 +6,9 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 
 - resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
 - forward/backward peak (at the start of backward, where every activation is still alive):
-  activations of all decoder layers and MTP layers for one micro-batch (or, with activation
-  checkpointing, each layer's input plus one recomputed layer), the loss heads (next-token and
-  one per MTP layer), the root's unsharded
+  activations of all decoder layers and MTP layers (those when train.mtp_loss_weight > 0) for
+  one micro-batch (or, with activation checkpointing, each layer's input plus one recomputed
+  layer), the loss heads (next-token and one per running MTP layer), the root's unsharded
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
   flat staging copy of an all-gather on CPU, one layer's unsharded gradients before their
   reduce-scatter, and the gradient temporaries of the loss head;
@@ -256,24 +256,31 @@ def estimate_step_memory(
     max_inflight: int,
     gloo: bool,
     seq_len: int | None = None,
+    mtp: bool = True,
 ) -> StepMemory:
     """Per-rank memory of one step of `model` (this rank's sharded GLMForCausalLM, on any
     device incl. meta) with optimizer `opt`, for micro-batches of `tokens` tokens per rank
-    (sequences of `seq_len`; None: one sequence)."""
+    (sequences of `seq_len`; None: one sequence); `mtp`: whether the MTP layers run and train
+    (train.mtp_loss_weight > 0)."""
     config: GLMConfig = model.config
     a = torch.finfo(param_dtype).bits // 8
     seq_len = seq_len or tokens
     batch = max(1, tokens // seq_len)
-    layers = [*model.model.layers, *model.model.mtp_layers]
+    mtp_layers = list(model.model.mtp_layers) if mtp else []  # idle with mtp_loss_weight 0
+    layers = [*model.model.layers, *mtp_layers]
     per_layer = [
         layer_activation_bytes(config, i, x.is_moe, a, ep, batch, seq_len)
         for i, x in enumerate(layers)
     ]
     inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
     # The next-token head, and per MTP layer its own (shared_head.norm, lm_head, loss).
-    head = tokens * head_bytes_per_token(config, a) * (1 + config.num_mtp_layers)
+    head = tokens * head_bytes_per_token(config, a) * (1 + len(mtp_layers))
     parts: dict[str, int] = {}
-    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen indexer: none
+    trained = [  # no gradient: a frozen indexer, idle MTP layers
+        p
+        for n, p in model.named_parameters()
+        if p.requires_grad and (mtp or not n.startswith("model.mtp_layers."))
+    ]
     parts["master parameters (fp32 shards)"] = _local_bytes(model.parameters())
     state = 0
     for g in opt.param_groups:
@@ -282,7 +289,7 @@ def estimate_step_memory(
     parts["optimizer state"] = state
     if activation_checkpointing:
         # An MTP layer's norms and eh_proj run outside its checkpointed block.
-        mtp_outside = tokens * mtp_input_bytes_per_token(config, a) * config.num_mtp_layers
+        mtp_outside = tokens * mtp_input_bytes_per_token(config, a) * len(mtp_layers)
         parts["activations (layer inputs)"] = inputs * len(layers) + mtp_outside
         parts["activations (recomputed layer)"] = max(per_layer, default=0)
     else:
@@ -350,6 +357,7 @@ def estimate_for_config(
         opt,
         tokens=cfg.data.batch_size * cfg.data.seq_len,
         seq_len=cfg.data.seq_len,
+        mtp=float(cfg.train.mtp_loss_weight) > 0,
         ep=cfg.mesh.ep,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,

@@ -301,5 +301,5 @@ def test_glm52_plans_on_512_fake_ranks():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
-    expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 749033455360"
+    expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 753864119552"
     assert line == expected

@@ -149,6 +149,16 @@ def test_compose_rejects(override, expected):
         (["mesh.world_size=6", "mesh.ep=3"], "mesh.ep=3: n_routed_experts (8) must be"),
         (["train.mtp_loss_weight=-0.1"], "train.mtp_loss_weight=-0.1: must be >= 0"),
         (
+            [
+                "model=mla_tiny",
+                "+model.overrides.index_topk=null",
+                "+model.overrides.index_n_heads=null",
+                "+model.overrides.index_head_dim=null",
+                "+model.overrides.indexer_types=null",
+            ],
+            "checkpoint.export_hf=True: GLMConfig.index_topk is None",
+        ),
+        (
             ["+model.overrides.indexer_training=frozen"],
             "model.overrides.indexer_training=frozen: set train.indexer_training instead",
         ),
@@ -173,11 +183,17 @@ def test_training_objective_knobs_reach_the_model():
     to DeepSeek-V3's 0.3; MLA fields and lists pass through model.overrides."""
     from recipes.parallel import model_config
 
-    cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen"])
+    cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen", "checkpoint.export_hf=0"])
     schema.validate(cfg)
     assert model_config(cfg).indexer_training == "frozen"
     assert cfg.train.mtp_loss_weight == 0.3
-    cfg = _compose(["model=mla_tiny", "+model.overrides.indexer_types=[full,full,shared]"])
+    cfg = _compose(
+        [
+            "model=mla_tiny",
+            "+model.overrides.indexer_types=[full,full,shared]",
+            "checkpoint.export_hf=false",
+        ]
+    )
     schema.validate(cfg)
     config = model_config(cfg)
     assert config.indexer_training == "kl" and config.indexer_types == ["full", "full", "shared"]

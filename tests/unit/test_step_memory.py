@@ -140,6 +140,38 @@ def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
     assert got - want == 4, (name, dtype, got - want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_mtp_layer_bytes_match_autograd(dtype):
+    """A GQA MTP layer with its loss head: the decoder layer, its norms and eh_proj input
+    (`layer_activation_bytes` of layer num_hidden_layers) plus a loss head."""
+    config = get_preset("small", num_hidden_layers=2, num_mtp_layers=1)
+    model = GLMForCausalLM(config)
+    model.init_weights(0)
+    model.to(dtype)
+    for router in model.routers():
+        router.weight.data = router.weight.data.float()
+    B, T = 2, 48
+    cos, sin = rope_cos_sin(T, config.rotary_dim, config.rope_theta, "cpu")
+    itemsize = torch.finfo(dtype).bits // 8
+    ids = torch.randint(0, config.vocab_size, (B, T + 1))
+    h = torch.randn(B, T, config.hidden_size, dtype=dtype, requires_grad=True)
+
+    def mtp():
+        emb = model.model.embed_tokens(ids[:, :-1].roll(-1, dims=1))
+        _, normed, _ = model.model.mtp_layers[0](h, emb, cos, sin)
+        logits = model.lm_head(normed)
+        torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)
+        )
+
+    got = _saved_bytes(mtp, [*model.parameters(), cos, sin])
+    want = layer_activation_bytes(config, 2, True, itemsize, 1, B, T)
+    want += B * T * head_bytes_per_token(config, itemsize)
+    # Slack: cross-entropy's float32 scalar total weight (both id tensors are fresh [B, T]
+    # copies here: the rolled ids and the reshaped targets).
+    assert got - want == 4, dtype
+
+
 def test_planner_prints_the_whole_step_estimate_against_a_budget():
     """`scripts/plan_memory.py --step` (fake 8-rank world): both checkpointing modes, the
     verdict against --budget-gib, and the exit status when nothing fits."""
