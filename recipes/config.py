@@ -526,13 +526,14 @@ def _validate_model(cfg: DictConfig) -> None:
     from models.glm.parallelize import check_layout
 
     model = cfg.model
-    if "indexer_training" in model.overrides:
+    chosen = str(cfg.train.indexer_training)
+    if str(model.overrides.get("indexer_training", chosen)) != chosen:
         raise _fail(
             "model.overrides.indexer_training",
             model.overrides.indexer_training,
-            "set train.indexer_training instead (kl or frozen)",
+            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
         )
-    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig) if f.name != "indexer_training")
+    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
     for key in model.overrides:
         if key not in allowed:
             raise _fail(
@@ -541,7 +542,7 @@ def _validate_model(cfg: DictConfig) -> None:
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
             )
     overrides = {**model.overrides, "vocab_size": cfg.data.vocab_size}
-    overrides["indexer_training"] = str(cfg.train.indexer_training)
+    overrides["indexer_training"] = chosen
     try:
         config = get_preset(str(model.preset), **overrides)
     except (TypeError, ValueError) as err:

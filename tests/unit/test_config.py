@@ -145,7 +145,7 @@ def test_compose_rejects(override, expected):
         (["model=mla_tiny"], "checkpoint.export_hf=True: the transformers export writes"),
         (
             ["+model.overrides.indexer_training=frozen"],
-            "model.overrides.indexer_training=frozen: set train.indexer_training instead",
+            "model.overrides.indexer_training=frozen: train.indexer_training=kl picks it",
         ),
         (
             ["model=mla_tiny", "+model.overrides.indexer_types=[full,full]"],
