@@ -544,13 +544,14 @@ def _validate_model(cfg: DictConfig) -> None:
     from recipes.parallel import model_config
 
     model = cfg.model
-    if "indexer_training" in model.overrides:
+    chosen = str(cfg.train.indexer_training)
+    if str(model.overrides.get("indexer_training", chosen)) != chosen:
         raise _fail(
             "model.overrides.indexer_training",
             model.overrides.indexer_training,
-            "set train.indexer_training instead (kl or frozen)",
+            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
         )
-    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig) if f.name != "indexer_training")
+    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
     for key in model.overrides:
         if key not in allowed:
             raise _fail(

@@ -160,7 +160,7 @@ def test_compose_rejects(override, expected):
         ),
         (
             ["+model.overrides.indexer_training=frozen"],
-            "model.overrides.indexer_training=frozen: set train.indexer_training instead",
+            "model.overrides.indexer_training=frozen: train.indexer_training=kl picks it",
         ),
         (
             ["model=mla_tiny", "+model.overrides.indexer_types=[full,full]"],
