@@ -47,7 +47,8 @@ def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
     return StrEnum(name, {v: v for v in values}, module=__name__)
 
 
-ModelPreset = _choices("ModelPreset", PRESET_NAMES)
+# `hf`: the model of a transformers directory (model.path), not a preset of models.glm
+ModelPreset = _choices("ModelPreset", (*PRESET_NAMES, "hf"))
 
 
 class OptimName(StrEnum):
@@ -101,6 +102,11 @@ class TokenDtype(StrEnum):
     uint32 = "uint32"
 
 
+class IndexerTraining(StrEnum):
+    kl = "kl"
+    frozen = "frozen"
+
+
 class HFDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -143,7 +149,10 @@ class MeshConfig:
 
 @dataclass
 class ModelConfig:
-    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name")
+    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name; hf: from model.path")
+    path: str | None = _f(
+        None, "model=hf: a transformers glm4_moe / glm_moe_dsa directory (its config.json)"
+    )
     overrides: dict[str, Any] = _f(dict, "GLMConfig fields replacing the preset's", True)
 
 
@@ -216,7 +225,9 @@ class DataConfig:
     source: DataSource = _f(DataSource.stdlib, "stdlib: this Python's .py files as bytes")
     path: str | None = _f(None, "tokens: the token file; stdlib: the source dir (None: own)")
     dtype: TokenDtype = _f(TokenDtype.uint8, "element type of the token file")
-    vocab_size: int = _f(256, "vocabulary size; the model's vocab is set to it")
+    vocab_size: int = _f(
+        256, "vocabulary size; the model's vocab is set to it (model=hf: at most its)"
+    )
     cache_dir: str = _f(
         "~/.cache/moe_muon_recipes", "where built token files are kept", same_run=True
     )
@@ -235,6 +246,14 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "max total grad norm of the clipped groups; 0 disables")
     clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
     router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
+    mtp_loss_weight: float = _f(
+        0.3, "weight of the MTP loss (mean over depths) in the objective; 0: MTP layers idle"
+    )
+    indexer_training: IndexerTraining = _f(
+        IndexerTraining.kl,
+        "DSA indexer: kl (DeepSeek-V3.2 KL toward the attention; pretraining) or frozen "
+        "(no gradient, not in the optimizer; fine-tuning a released checkpoint)",
+    )
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
     param_dtype: TrainDtype = _f(
         TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
@@ -280,7 +299,7 @@ class CheckpointConfig:
         HFDtype.float32, "dtype of the exported matrices (router stays fp32)", same_run=True
     )
     hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB", same_run=True)
-    init_from: str | None = _f(None, "a transformers Glm4Moe directory to start from")
+    init_from: str | None = _f(None, "a transformers GLM directory to start from")
 
 
 @dataclass
@@ -384,9 +403,20 @@ def slurm_tasks(what: str, world_size: int, nodes: int) -> int:
     raise ValueError(f"slurm_tasks: unknown field {what!r} (tasks_per_node, cpus_per_task)")
 
 
+RUN_ID_MAX = 200  # bytes of a run-dir leaf (file systems allow 255 per name)
+
+
 def run_id(override_dirname: str) -> str:
-    """The run-dir leaf for a set of overrides: stable for the same command, never empty."""
-    return override_dirname.replace("/", "_") or "base"
+    """The run-dir leaf for a set of overrides: stable for the same command, never empty. A
+    longer one (paths in `model.path` / `checkpoint.init_from`) keeps its start and ends in a
+    hash of the whole, so the same command still finds its run directory."""
+    import hashlib
+
+    leaf = override_dirname.replace("/", "_") or "base"
+    if len(leaf.encode()) <= RUN_ID_MAX:
+        return leaf
+    digest = hashlib.sha1(leaf.encode()).hexdigest()[:16]
+    return leaf.encode()[: RUN_ID_MAX - 17].decode(errors="ignore") + "-" + digest
 
 
 def describe(node: type = None, prefix: str = "") -> list[str]:
@@ -465,7 +495,7 @@ def validate(
     _positive(cfg, "optim.weight_decay", allow_zero=True)
     _validate_optim_option(cfg)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
-    _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
         _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh
@@ -555,10 +585,18 @@ def _validate_data_path(data: DictConfig) -> None:
 
 def _validate_model(cfg: DictConfig) -> None:
     """The model the ranks would build, and its layout on the mesh, without building it."""
-    from models.glm import GLMConfig, get_preset
+    from models.glm import GLMConfig
     from models.glm.parallelize import check_layout
+    from recipes.parallel import model_config
 
     model = cfg.model
+    chosen = str(cfg.train.indexer_training)
+    if str(model.overrides.get("indexer_training", chosen)) != chosen:
+        raise _fail(
+            "model.overrides.indexer_training",
+            model.overrides.indexer_training,
+            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
+        )
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
     for key in model.overrides:
         if key not in allowed:
@@ -567,11 +605,22 @@ def _validate_model(cfg: DictConfig) -> None:
                 model.overrides[key],
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
             )
-    overrides = {**model.overrides, "vocab_size": cfg.data.vocab_size}
+    from_hf = str(model.preset) == ModelPreset.hf
+    if from_hf:
+        _validate_model_path(model.path)
+    elif model.path is not None:
+        raise _fail("model.path", model.path, "is read by model=hf only; drop it or use model=hf")
     try:
-        config = get_preset(str(model.preset), **overrides)
+        config = model_config(cfg)
     except (TypeError, ValueError) as err:
         raise _model_error(cfg, str(err)) from None
+    if from_hf and cfg.data.vocab_size > config.vocab_size:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"token ids must fit the vocabulary of {model.path}/config.json "
+            f"(vocab_size {config.vocab_size}): <= {config.vocab_size}",
+        )
     try:
         check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
     except ValueError as err:
@@ -626,14 +675,25 @@ def _token_count(data: DictConfig) -> int | None:
     return size // itemsize
 
 
+def _validate_model_path(path: str | None) -> None:
+    if path is None:
+        raise _fail("model.path", None, "model=hf needs a transformers directory")
+    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("model.path", path, "not a transformers directory (no config.json)")
+
+
 def _model_error(cfg: DictConfig, message: str) -> ConfigError:
     """Name the key the user set that the model's message mentions first (else the preset)."""
     keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
-    keys["data.vocab_size"] = "vocab_size"
+    from_hf = str(cfg.model.preset) == ModelPreset.hf
+    if not from_hf:  # model=hf takes the vocabulary of its config.json
+        keys["data.vocab_size"] = "vocab_size"
     found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
     if found:
         key = min(found)[1]
         return _fail(key, OmegaConf.select(cfg, key), message)
+    if from_hf:
+        return _fail("model.path", cfg.model.path, message)
     return _fail("model.preset", cfg.model.preset.value, message)
 
 
@@ -655,13 +715,20 @@ def _finite(node: Any, prefix: str = "") -> None:
 
 def _validate_checkpoint(cfg: DictConfig) -> None:
     _positive(cfg, "checkpoint.hf_max_shard_gib")
+    from models.glm.hf_config import config_to_hf
+    from recipes.parallel import model_config
+
+    if cfg.checkpoint.export_hf:
+        try:  # the final export needs a transformers layout of the model
+            config_to_hf(model_config(cfg))
+        except ValueError as err:
+            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
     path = cfg.checkpoint.init_from
     if path is None:
         return
     if not (Path(os.path.expanduser(path)) / "config.json").is_file():
         raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
     from recipes.hf import check_init_from
-    from recipes.parallel import model_config
 
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
         check_init_from(os.path.expanduser(path), model_config(cfg))

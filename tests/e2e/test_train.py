@@ -189,7 +189,7 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     _assert_same(*(checkpoint.read_model_state(c) for c in final))
     _assert_same(*(_optim_state(c) for c in final))
     # The transformers-layout export of the final model holds the same weights.
-    from models.glm.hf_adapter import import_hf
+    from models.glm.hf_import import import_hf
 
     _, exported = import_hf(str(res / "hf"))
     weights = checkpoint.read_model_state(final[1])
@@ -279,3 +279,26 @@ def test_torchrun_world_checkpoints_and_stops_on_sigterm(cache, tmp_path):
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
     assert not (run_dir / "hf").exists()  # exported only when the run completes
     assert OmegaConf.load(run_dir / "config.yaml").optim.router == "muon"
+
+
+@pytest.mark.slow
+def test_mla_dsa_mtp_run_logs_each_loss(cache, tmp_path):
+    """`model=mla_tiny` (seq_len 32 > index_topk 16) on 2 ranks, swept over
+    train.mtp_loss_weight=0,0.3: `loss` is the next-token loss (the same at step 1, before
+    any update, whatever the weight), `mtp_loss` is logged and summarized only when the MTP
+    layer runs, `indexer_kl` always (the default indexer_training=kl)."""
+    args = ["-m", "model=mla_tiny", "train.mtp_loss_weight=0,0.3", "mesh.world_size=2"]
+    args += ["mesh.ep=1", "train.steps=3", "checkpoint.export_hf=false", "logger=none"]
+    out = _finish(_train_py([*args, *_small(cache)], tmp_path))
+    assert out.count("[summary]") == 2
+    runs = sorted((tmp_path / "default").glob("*mtp_loss_weight=*"))
+    weights = [r.name.split("mtp_loss_weight=")[1].split(",")[0] for r in runs]
+    assert weights == ["0", "0.3"], runs
+    off, on = (_metrics(r) for r in runs)
+    assert all("mtp_loss" not in m and m["indexer_kl"] > 0 for m in off)
+    assert all(m["mtp_loss"] > 0 and m["indexer_kl"] > 0 for m in on)
+    assert off[0]["loss"] == on[0]["loss"]
+    assert off[-1]["loss"] != on[-1]["loss"]  # the MTP gradient reaches the shared trunk
+    summaries = [line for line in out.splitlines() if "[summary]" in line]
+    assert sum("; mtp_loss " in s for s in summaries) == 1, summaries
+    assert all("; indexer_kl " in s for s in summaries), summaries

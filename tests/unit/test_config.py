@@ -40,6 +40,13 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
         token_file = tmp_path / "tokens.bin"
         token_file.write_bytes(bytes(2 * 513))  # one sample of conf/data/tokens.yaml: 512 + 1
         overrides = [*overrides, f"data.path={token_file}"]
+    if overrides == ["model=hf"]:  # the model of a transformers directory: the tiny preset's
+        from models.glm import GLMForCausalLM, get_preset
+        from models.glm.hf_adapter import export_hf
+
+        tiny = GLMForCausalLM(get_preset("tiny"))
+        export_hf(tiny, tiny.config, tmp_path / "hf")
+        overrides = [*overrides, f"model.path={tmp_path / 'hf'}"]
     cfg = _compose(overrides)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
@@ -55,8 +62,9 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
 def test_model_group_matches_presets():
     from models.glm.config import PRESET_NAMES
 
-    assert _options("model") == sorted(PRESET_NAMES)
-    assert sorted(p.value for p in schema.ModelPreset) == sorted(PRESET_NAMES)
+    # `model=hf` builds the model of a transformers directory (model.path) instead of a preset.
+    assert _options("model") == sorted([*PRESET_NAMES, "hf"])
+    assert sorted(p.value for p in schema.ModelPreset) == sorted([*PRESET_NAMES, "hf"])
 
 
 def test_embedded_default():
@@ -105,6 +113,7 @@ def test_user_keys_override():
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
+        ("train.indexer_training=train", ["train.indexer_training", "kl, frozen"]),
         # one schema per optimizer: Muon keys do not exist under optim=adamw
         ("optim=adamw optim.remainder_strategy=agrs", ["remainder_strategy", "AdamWOptimConfig"]),
     ],
@@ -139,6 +148,29 @@ def test_compose_rejects(override, expected):
         (["+model.overrides.num_experts_per_tok=9"], "model.overrides.num_experts_per_tok=9: "),
         (["mesh.world_size=6", "mesh.ep=3"], "mesh.ep=3: n_routed_experts (8) must be"),
         (["data.seq_len=131073"], "data.seq_len=131073: exceeds the model's max_position_emb"),
+        (["train.mtp_loss_weight=-0.1"], "train.mtp_loss_weight=-0.1: must be >= 0"),
+        (
+            [
+                "model=mla_tiny",
+                "+model.overrides.index_topk=null",
+                "+model.overrides.index_n_heads=null",
+                "+model.overrides.index_head_dim=null",
+                "+model.overrides.indexer_types=null",
+            ],
+            "checkpoint.export_hf=True: GLMConfig.index_topk is None",
+        ),
+        (
+            ["+model.overrides.indexer_training=frozen"],
+            "model.overrides.indexer_training=frozen: train.indexer_training=kl picks it",
+        ),
+        (
+            ["model=mla_tiny", "+model.overrides.indexer_types=[full,full]"],
+            "model.overrides.indexer_types=['full', 'full']: GLMConfig.indexer_types has 2",
+        ),
+        (
+            ["+model.overrides.kv_lora_rank=8"],
+            "model.overrides.kv_lora_rank=8: GLMConfig.kv_lora_rank is a multi-head latent",
+        ),
     ],
 )
 def test_validate_rejects(overrides, expected):
@@ -168,6 +200,28 @@ def test_validate_checks_the_token_file_sizes(tmp_path):
     (tmp_path / "src" / "a.py").write_bytes(b"x" * 10)
     with pytest.raises(schema.ConfigError, match=r"data.seq_len=10: .* holds 10"):
         schema.validate(_compose([f"data.path={tmp_path / 'src'}", "data.seq_len=10"]))
+
+
+def test_training_objective_knobs_reach_the_model():
+    """train.indexer_training picks the model's indexer mode; train.mtp_loss_weight defaults
+    to DeepSeek-V3's 0.3; MLA fields and lists pass through model.overrides."""
+    from recipes.parallel import model_config
+
+    cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen", "checkpoint.export_hf=0"])
+    schema.validate(cfg)
+    assert model_config(cfg).indexer_training == "frozen"
+    assert cfg.train.mtp_loss_weight == 0.3
+    cfg = _compose(
+        [
+            "model=mla_tiny",
+            "+model.overrides.indexer_types=[full,full,shared]",
+            "checkpoint.export_hf=false",
+        ]
+    )
+    schema.validate(cfg)
+    config = model_config(cfg)
+    assert config.indexer_training == "kl" and config.indexer_types == ["full", "full", "shared"]
+    assert type(config.indexer_types) is list
 
 
 def test_validate_checks_the_launcher_world():
@@ -241,6 +295,12 @@ def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
 
 def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
+    # Paths in the overrides can pass the file system's 255-byte name limit: a long leaf keeps
+    # its start and a hash of the whole (stable, distinct per command).
+    long = ",".join(f"model.path=/{'d' * 150}/{k}" for k in "ab")
+    leaf = schema.run_id(long)
+    assert len(leaf.encode()) <= schema.RUN_ID_MAX and leaf.startswith("model.path=_ddd")
+    assert leaf == schema.run_id(long) != schema.run_id(long.replace("/b", "/c"))
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
 
 
@@ -259,7 +319,7 @@ def test_choice_lists_are_the_libraries_own():
         (schema.NsAlgorithm, NS_ALGORITHMS),
         (schema.RouterOptim, ROUTER_CHOICES),
         (schema.AdjustLr, ADJUST_LR),
-        (schema.ModelPreset, PRESET_NAMES),
+        (schema.ModelPreset, (*PRESET_NAMES, "hf")),  # hf: a transformers directory
     ]
     for enum, values in pairs:
         assert tuple(e.value for e in enum) == tuple(values), enum.__name__
