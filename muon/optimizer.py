@@ -47,13 +47,13 @@ from muon.stats import StepStats
 
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 ALGORITHMS = ("muon", "adamw")
-_DTYPES = ("bfloat16", "float32", "float16")
+NS_DTYPES = ("bfloat16", "float32", "float16")
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"ns_dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    if name not in NS_DTYPES:
+        raise ValueError(f"ns_dtype: expected one of {sorted(NS_DTYPES)}, got {dtype!r}")
     return name
 
 

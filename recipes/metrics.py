@@ -62,11 +62,15 @@ def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
     }
 
 
+#: the auxiliary training losses a step may log next to `loss` (the next-token loss)
+AUX_LOSSES = ("mtp_loss", "indexer_kl")
+
+
 def summary_rule(key: str) -> str | None:
-    """How a W&B run summarizes a metric: `min` for the training and validation losses, `max`
-    for memory and times (so run tables and bar charts show peaks), None (W&B's default: the
-    last value) otherwise."""
-    if key in ("loss", "val/loss", "val/bpb"):
+    """How a W&B run summarizes a metric: `min` for the training, auxiliary and validation
+    losses, `max` for memory and times (so run tables and bar charts show peaks), None (W&B's
+    default: the last value) otherwise."""
+    if key in ("loss", "val/loss", "val/bpb") or key in AUX_LOSSES:
         return "min"
     if key.startswith("memory/"):
         return "max"
@@ -213,6 +217,7 @@ class Summary:
     def __init__(self) -> None:
         self.losses: list[tuple[int, float]] = []
         self.val: list[tuple[int, float, float | None]] = []  # step, val/loss, val/bpb
+        self.aux: dict[str, list[float]] = {}  # mtp_loss, indexer_kl: first and last logged
         self.step_s: list[float] = []
         self.optim_s: list[float] = []
         self.tokens_per_s: list[float] = []
@@ -224,6 +229,9 @@ class Summary:
         self.losses.append((step, m["loss"]))
         if "val/loss" in m:
             self.val.append((step, m["val/loss"], m.get("val/bpb")))
+        for key in AUX_LOSSES:
+            if key in m:
+                self.aux.setdefault(key, []).append(m[key])
         self.skipped = int(m["skipped_steps"])
         timing = (m["step_s"], m["optim_s"], m["tokens_per_s"])
         if measured:  # profiled steps are slower: used only when no other step was logged
@@ -261,6 +269,8 @@ class Summary:
             out["val_loss_min"] = min(v[1] for v in self.val)
             if self.val[-1][2] is not None:
                 out["val_bpb"] = self.val[-1][2]
+        for key, values in self.aux.items():
+            out[f"{key}_first"], out[f"{key}_last"] = values[0], values[-1]
         return out
 
     def text(self) -> str:
@@ -270,12 +280,13 @@ class Summary:
         share = f"{100 * s['optim_share']:.0f}%" if s["optim_share"] is not None else "n/a"
         speed = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] is not None else "n/a"
         peaks = ", ".join(f"r{r}={v:.1f}" for r, v in enumerate(s["peak_mib_per_rank"]))
+        aux = "".join(f"; {k} {s[k + '_first']:.4f} -> {s[k + '_last']:.4f}" for k in self.aux)
         val = ""
         if self.val:
             bpb = f", {s['val_bpb']:.4f} bits/byte" if "val_bpb" in s else ""
             val = f"; val/loss {s['val_loss']:.4f}{bpb} (step {s['val_step']})"
         return (
             f"loss {s['loss_first']:.4f} (step {s['first_step']}) -> {s['loss_last']:.4f} "
-            f"(step {s['last_step']}){val}; {speed} tokens/s; optimizer {share} of step time; "
+            f"(step {s['last_step']}){aux}{val}; {speed} tokens/s; optimizer {share} of step time; "
             f"skipped steps {s['skipped_steps']}; peak MiB per rank: {peaks or 'not sampled'}"
         )

@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from muon.plan import REMAINDER_STRATEGIES  # noqa: E402
 from recipes.runs import (  # noqa: E402, F401
     Run,
     add_source_arguments,
@@ -50,7 +51,7 @@ from recipes.runs import (  # noqa: E402, F401
 from recipes.runs import fmt as _fmt  # noqa: E402
 
 DEFAULT_KEY = "optim.remainder_strategy"
-STRATEGY_ORDER = ("agrs", "pad_all2all", "ragged_all_to_all")
+STRATEGY_ORDER = REMAINDER_STRATEGIES
 MiB = 1 << 20
 
 #: (column, help) of the per-strategy table, in order
