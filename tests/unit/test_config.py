@@ -206,7 +206,7 @@ def test_prepared_directory_gives_vocab_and_dtype(tmp_path):
         (["data.dtype=uint32"], "data.dtype=uint32: contradicts"),
     ]
     token_file = tmp_path / "flat.bin"
-    token_file.write_bytes(bytes(64))
+    token_file.write_bytes(bytes(1024))  # as uint8: 1024 tokens, a sample of 512 + 1
     cases += [
         ([f"data.path={token_file}"], "eval.every=50: data.path="),
         ([f"data.path={token_file}", "eval.every=0"], "data.vocab_size=None: needed"),
@@ -225,7 +225,8 @@ def test_validate_checks_the_token_file_sizes(tmp_path):
     from recipes.data import write_tokens
 
     path = write_tokens(tmp_path / "tok.bin", np.arange(100, dtype=np.uint16))
-    args = ["data=tokens", f"data.path={path}", "data.vocab_size=256"]
+    args = ["data=tokens", f"data.path={path}", "data.vocab_size=256", "eval.every=0"]
+    args += ["data.dtype=uint16"]  # one token file: its keys are given, not read from meta.json
     schema.validate(_compose([*args, "data.seq_len=99"]))  # 99 + 1 tokens: one sample
     with pytest.raises(schema.ConfigError, match=r"data.seq_len=100: .* holds 100"):
         schema.validate(_compose([*args, "data.seq_len=100"]))
@@ -234,7 +235,7 @@ def test_validate_checks_the_token_file_sizes(tmp_path):
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\0" * 9)
     with pytest.raises(schema.ConfigError, match=r"data.dtype=uint16: .*9 bytes, not whole 2-byte"):
-        schema.validate(_compose(["data=tokens", f"data.path={odd}", "data.seq_len=2"]))
+        schema.validate(_compose([*args, f"data.path={odd}", "data.seq_len=2"]))
     (tmp_path / "src").mkdir()
     with pytest.raises(schema.ConfigError, match=r"data.path=.*src: no .py files"):
         schema.validate(_compose([f"data.path={tmp_path / 'src'}"]))
