@@ -9,7 +9,8 @@ a sliding window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
-    O = NS(U) per block;  p <- p * (1 - lr * wd) - adjusted_lr * O
+    O = NS(U) per block (NorMuon, `normuon=True`: O <- normalize(O, v), `muon.normuon`)
+    p <- p * (1 - lr * wd) - adjusted_lr * O
 with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols)),
 "match_rms_adamw" lr * 0.2 * sqrt(max(rows, cols)), "none" lr.
 
@@ -35,11 +36,12 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from muon.cost import LinkModel
 from muon.grads import grad_census
 from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
+from muon.normuon import normalize, state_len, sync_owned
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
@@ -107,6 +109,10 @@ class Muon(torch.optim.Optimizer):
         ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 128 rows
             and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
+        normuon: normalize each orthogonalized block by a running second moment per row (per
+            column for wide blocks) with a Frobenius rescale (NorMuon, `muon.normuon`); the
+            moments are state `normuon_v`, float32 `[num_blocks, rows or cols]` per parameter.
+        normuon_beta2: the second moment's EMA coefficient, in [0, 1).
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
     in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
@@ -134,6 +140,8 @@ class Muon(torch.optim.Optimizer):
         memory_budget: int | None = None,
         link: LinkModel | tuple | None = None,
         ns_algorithm: str = "auto",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
     ) -> None:
         if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
@@ -167,6 +175,8 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             adjust_lr=adjust_lr,
             num_blocks=1,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
         )
         self.remainder_strategy = remainder_strategy
         self.enable_all2all = enable_all2all
@@ -185,6 +195,8 @@ class Muon(torch.optim.Optimizer):
 
     def _plan(self) -> None:
         """(Re)build the step plan from the current groups (collective, see `muon.planner`)."""
+        if hasattr(self, "plan"):  # owners may move: every copy of NorMuon's moments current
+            self._sync_normuon()
         self.plan = build_step_plan(
             self.param_groups,
             remainder_strategy=self.remainder_strategy,
@@ -193,6 +205,67 @@ class Muon(torch.optim.Optimizer):
             memory_budget=self.memory_budget,
             link=self._link,
         )
+        self._init_normuon_state()
+
+    def _init_normuon_state(self) -> None:
+        """NorMuon's second moments: `[num_blocks, L]` float32 per parameter (L the rows or the
+        columns of a block, `muon.normuon.state_len`), replicated over the FSDP group and sharded
+        on the experts' EP dim, so that DCP saves one copy and reshards it onto any mesh."""
+        for mp, batches in self.plan.plans:
+            for b in batches:
+                for i in b.param_indices:
+                    p, gi = self.plan.params[i]
+                    g = self.param_groups[gi]
+                    if not g.get("normuon"):
+                        continue
+                    blocks = g["num_blocks"]
+                    length = state_len(p.shape[0] // blocks, math.prod(p.shape[1:]))
+                    if not isinstance(p, DTensor):
+                        v = torch.zeros(blocks, length, device=p.device)
+                    else:
+                        placements = [
+                            Shard(0) if d == mp.ep_mesh_dim else Replicate()
+                            for d in range(p.device_mesh.ndim)
+                        ]
+                        local = torch.zeros(
+                            blocks // mp.non_fsdp_shard_factor, length, device=p.to_local().device
+                        )
+                        v = DTensor.from_local(
+                            local,
+                            p.device_mesh,
+                            placements,
+                            run_check=False,
+                            shape=(blocks, length),
+                            stride=(length, 1),
+                        )
+                    self.state[p].setdefault("normuon_v", v)
+
+    def _sync_normuon(self) -> None:
+        """Give every rank the owners' NorMuon moments (collective over each FSDP group): a
+        rank updates only the blocks it orthogonalizes, so the copies differ between steps."""
+        for mp, batches in self.plan.plans:
+            if not mp.sharded:
+                continue
+            tensors, owned = [], []
+            for b in batches:
+                for j, i in enumerate(b.param_indices):
+                    p, gi = self.plan.params[i]
+                    if not self.param_groups[gi].get("normuon"):
+                        continue
+                    v = _local(self.state[p]["normuon_v"])
+                    mask = torch.zeros(v.size(0), dtype=torch.bool, device=v.device)
+                    for unit, first, count in b.exchange.units(b, mp.fsdp_rank):
+                        if unit == j:
+                            mask[first : first + count] = True
+                    tensors.append(v)
+                    owned.append(mask)
+            sync_owned(tensors, owned, self.plan.groups[(mp, 0)])
+
+    def state_dict(self) -> dict:
+        """The state dict, with NorMuon's moments made equal on every rank first (collective
+        when NorMuon is on: call it on every rank, as DCP's `get_state_dict` does)."""
+        self._sync_normuon()
+        return super().state_dict()
 
     @property
     def plans(self) -> list[tuple[MeshCommPlan, list[BatchPlan]]]:
@@ -230,6 +303,10 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
         if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
             raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
+        if not isinstance(g["normuon"], bool):
+            raise ValueError(f"normuon: must be a bool, got {g['normuon']!r}")
+        if not 0 <= g["normuon_beta2"] < 1:
+            raise ValueError(f"normuon_beta2: must be in [0, 1), got {g['normuon_beta2']}")
         if g["adjust_lr"] not in ADJUST_LR:
             raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
         resolve_coefficients(g["ns_coefficients"])
@@ -324,17 +401,18 @@ class Muon(torch.optim.Optimizer):
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
             algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
+            post=self._normuon_post(params, b),
         )
         stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
-            for p, g in params:
+            first, count = b.exchange.unit_blocks(b, mp.fsdp_rank)
+            for j, (p, g) in enumerate(params):
                 if id(p) in self._gradless:
                     continue
                 shard = self._momentum_step(p, g, mp.shard_tensor_dim)
                 if shard.numel():
-                    shard = stats.orthogonalize(
-                        ortho, shard, "local", shard.size(0) // b.block_rows
-                    )
+                    units = [(j, first, count)]
+                    shard = stats.orthogonalize(ortho, shard, units, "local", count)
                 self._apply(p, g, shard, b)
             return
         path = b.exchange
@@ -354,6 +432,27 @@ class Muon(torch.optim.Optimizer):
         for (p, g), o in zip(params, results, strict=True):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
                 self._apply(p, g, o, b)
+
+    def _normuon_post(self, params: list, b: BatchPlan):
+        """NorMuon for the units of batch `b` this rank orthogonalizes, or None when no
+        parameter of the batch has it on: `post(O_BRC, units)` normalizes the blocks of each
+        unit (`muon.normuon.normalize`) and updates its moments in this rank's copy."""
+        if not any(g.get("normuon") for _, g in params):
+            return None
+
+        def post(o_BRC: torch.Tensor, units) -> torch.Tensor:
+            start = 0
+            for j, first, count in units:
+                p, g = params[j]
+                if g.get("normuon") and id(p) not in self._gradless:
+                    v = _local(self.state[p]["normuon_v"])[first : first + count]
+                    o_BRC[start : start + count] = normalize(
+                        o_BRC[start : start + count], v, g["normuon_beta2"]
+                    )
+                start += count
+            return o_BRC
+
+        return post
 
     @staticmethod
     def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
@@ -422,25 +521,26 @@ def _orthogonalize(
     moved_shape=(),
     dim=0,
     algorithm="",
+    units=(),
+    post=None,
 ) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
+    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0,
+    then `post(O_BRC, units)` on the blocks when given (NorMuon).
 
     With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
     """
-    if dim == 0:
-        return orthogonalize_blocks(
-            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:
+        o = orthogonalize_blocks(
+            x, x.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
         )
+        if post is None:
+            return o
+        return post(o.reshape(-1, block_rows, o.size(1)), units).reshape(o.shape)
+
+    if dim == 0:
+        return blocks(m)
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
-    o = orthogonalize_blocks(
-        x.reshape(shape[0], -1),
-        shape[0] // block_rows,
-        steps,
-        coefficients,
-        dtype,
-        eps,
-        algorithm=algorithm,
-    )
-    return o.view(shape).movedim(dim, 0).reshape(m.shape)
+    return blocks(x.reshape(shape[0], -1)).view(shape).movedim(dim, 0).reshape(m.shape)

@@ -31,10 +31,11 @@ class StepStats:
         self.wait_s += time.perf_counter() - t0
 
     def orthogonalize(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, path: str, blocks: int
+        self, fn: Callable, x: torch.Tensor, units: list, path: str, blocks: int
     ) -> torch.Tensor:
+        """`fn(x, units=units)`, timed, counting `blocks` orthogonalized on `path`."""
         t0 = time.perf_counter()
-        out = fn(x)
+        out = fn(x, units=units)
         self.ns_s += time.perf_counter() - t0
         self.matrices[path] += blocks
         return out

@@ -192,6 +192,10 @@ class MuonOptimConfig(OptimConfig):
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
+    normuon: bool = _f(
+        False, "NorMuon: per-row (wide blocks: per-column) second-moment normalization after NS"
+    )
+    normuon_beta2: float = _f(0.95, "NorMuon second-moment EMA coefficient, in [0, 1)")
 
 
 @dataclass
@@ -487,8 +491,9 @@ def _validate_optim_option(cfg: DictConfig) -> None:
         return
     _positive(cfg, "optim.adamw_lr", "optim.ns_steps", "optim.max_inflight")
     _positive(cfg, "optim.adamw_weight_decay", allow_zero=True)
-    if not 0.0 <= optim.momentum < 1.0:
-        raise _fail("optim.momentum", optim.momentum, "must be in [0, 1)")
+    for key in ("momentum", "normuon_beta2"):
+        if not 0.0 <= optim[key] < 1.0:
+            raise _fail(f"optim.{key}", optim[key], "must be in [0, 1)")
 
 
 def _validate_data_path(data: DictConfig) -> None:

@@ -97,6 +97,8 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         remainder_strategy=str(o.remainder_strategy),
         enable_all2all=o.enable_all2all,
         max_inflight=o.max_inflight,
+        normuon=o.normuon,
+        normuon_beta2=o.normuon_beta2,
         memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
     )
 

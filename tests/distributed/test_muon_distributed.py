@@ -77,6 +77,7 @@ def _groups(params, specs):
 # The Newton-Schulz variants beside the default: Polar Express coefficients through Gram
 # Newton-Schulz (rectangular blocks; square ones fall back to the standard iteration).
 VARIANT = dict(ns_coefficients="polar_express", ns_algorithm="gram")
+NORMUON = dict(normuon=True, normuon_beta2=0.9)
 
 
 def _wide_blocks(specs):
@@ -126,13 +127,14 @@ def _run_case(specs, shard_fn, strategy, all2all, seed=0, expert_aware=True, ns=
     err = 0.0
     for p, rp in zip(params, ref_params, strict=True):
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        buf = opt.state[p]["momentum_buffer"]
-        buf = buf.full_tensor() if isinstance(buf, DTensor) else buf
-        err = max(
-            err,
-            (full - rp).abs().max().item(),
-            (buf - ref.state[rp]["momentum_buffer"]).abs().max().item(),
-        )
+        opt.state_dict()  # makes NorMuon's moments equal on every rank (collective)
+        for key in ("momentum_buffer", "normuon_v"):
+            if key not in ref.state[rp]:
+                continue
+            buf = opt.state[p][key]
+            buf = buf.full_tensor() if isinstance(buf, DTensor) else buf
+            err = max(err, (buf - ref.state[rp][key]).abs().max().item())
+        err = max(err, (full - rp).abs().max().item())
     return err, opt
 
 
@@ -193,6 +195,9 @@ def _world_cases(world: int):
         err, opt = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a)
         results.append((f"flat W={world} {strategy} a2a={a2a}", err))
         results.append((f"paths W={world} {strategy} a2a={a2a}", _paths(opt)))
+    for strategy, a2a in CONFIGS:  # NorMuon: each owner normalizes whole blocks
+        err, _ = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a, ns=NORMUON)
+        results.append((f"flat W={world} {strategy} a2a={a2a} normuon", err))
     for strategy, a2a in CONFIGS[1:3]:
         specs = _wide_blocks(_flat_specs(world))
         err, opt = _run_case(specs, _flat_shard(flat), strategy, a2a, ns=VARIANT)
@@ -210,6 +215,16 @@ def _world_cases(world: int):
         specs = _wide_blocks(_ep_specs(ep, efsdp))
         err, _ = _run_case(specs, _ep_shard(mesh), "pad_all2all", True, ns=VARIANT)
         results.append((f"ep={ep} efsdp={efsdp} pad_all2all a2a=True aware=True variant", err))
+        for aware in (True, False):
+            err, _ = _run_case(
+                _ep_specs(ep, efsdp),
+                _ep_shard(mesh),
+                "pad_all2all",
+                True,
+                expert_aware=aware,
+                ns=NORMUON,
+            )
+            results.append((f"ep={ep} efsdp={efsdp} pad_all2all aware={aware} normuon", err))
     return results
 
 

@@ -129,6 +129,7 @@ def test_compose_rejects(override, expected):
         (["train.inject_nan_at_step=99", "train.steps=5"], "must be in [1, 5]"),
         (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
         (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
+        (["optim.normuon_beta2=1.0"], "optim.normuon_beta2=1.0: must be in [0, 1)"),
         (["data.vocab_size=300"], "does not fit data.dtype=uint8"),
         (["optim.name=adamw"], "optim.name=adamw: the optimizer is chosen with the config group"),
         (["data.vocab_size=100"], "data.vocab_size=100: data.source=stdlib has byte tokens"),
@@ -257,11 +258,15 @@ def test_newton_schulz_knobs_reach_the_optimizer():
     from recipes.parallel import build_optimizer
 
     cfg = _compose(["optim.ns_coefficients=fixed", "optim.ns_algorithm=standard"])
+    cfg.optim.normuon, cfg.optim.normuon_beta2 = True, 0.9
     opt = build_optimizer(cfg, GLMForCausalLM(get_preset("tiny")))
     muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     assert muon and all(
-        (g["ns_coefficients"], g["ns_algorithm"]) == ("fixed", "standard") for g in muon
+        (g["ns_coefficients"], g["ns_algorithm"], g["normuon"], g["normuon_beta2"])
+        == ("fixed", "standard", True, 0.9)
+        for g in muon
     )
+    assert all("normuon_v" in opt.state[p] for g in muon for p in g["params"])
     default = build_optimizer(_compose([]), GLMForCausalLM(get_preset("tiny")))
     assert {
         (g["ns_coefficients"], g["ns_algorithm"])
