@@ -40,23 +40,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from muon.cost import LinkModel
 from muon.grads import grad_census
-from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
+from muon.newton_schulz import orthogonalize_blocks
 from muon.normuon import normalize, state_len, sync_owned
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
-
-ADJUST_LR = ("match_rms_adamw", "original", "none")
-ALGORITHMS = ("muon", "adamw")
-_DTYPES = ("bfloat16", "float32", "float16")
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"ns_dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-    return name
+from muon.validate import (
+    MUON_ONLY_KEYS,
+    check_group_keys,
+    dtype_name,
+    group_algorithm,
+    validate_group,
+)
 
 
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
@@ -170,7 +166,7 @@ class Muon(torch.optim.Optimizer):
             weight_decay=weight_decay,
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
-            ns_dtype=_dtype_name(ns_dtype),
+            ns_dtype=dtype_name(ns_dtype),
             ns_algorithm=ns_algorithm,
             eps=eps,
             adjust_lr=adjust_lr,
@@ -274,58 +270,21 @@ class Muon(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- groups and validation
     def add_param_group(self, param_group: dict) -> None:
-        algorithm = param_group.setdefault("algorithm", "muon")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
+        """Add a group (see the class docstring for its keys); unknown keys are an error."""
+        check_group_keys(param_group, f"param group {len(self.param_groups)}")
+        algorithm = param_group.setdefault("algorithm", group_algorithm(param_group))
         if algorithm == "adamw":
             for key, value in self._adamw_defaults.items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._validate_group(group)
+        if algorithm == "adamw":  # torch filled in Muon's defaults too; they mean nothing here
+            for key in MUON_ONLY_KEYS:
+                group.pop(key, None)
+        validate_group(group)
         if hasattr(self, "plan"):  # after construction: state and plans for the new group
             self._init_state()
             self._plan()
-
-    def _validate_group(self, g: dict) -> None:
-        if not g["lr"] > 0:
-            raise ValueError(f"lr: must be > 0, got {g['lr']}")
-        if g["weight_decay"] < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
-        if g["algorithm"] == "adamw":
-            b1, b2 = g["betas"]
-            if not (0 <= b1 < 1 and 0 <= b2 < 1):
-                raise ValueError(f"betas: each must be in [0, 1), got {g['betas']}")
-            if not g["eps"] > 0:
-                raise ValueError(f"eps: must be > 0, got {g['eps']}")
-            return
-        if not 0 <= g["momentum"] < 1:
-            raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
-        if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
-            raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
-        if not isinstance(g["normuon"], bool):
-            raise ValueError(f"normuon: must be a bool, got {g['normuon']!r}")
-        if not 0 <= g["normuon_beta2"] < 1:
-            raise ValueError(f"normuon_beta2: must be in [0, 1), got {g['normuon_beta2']}")
-        if g["adjust_lr"] not in ADJUST_LR:
-            raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
-        resolve_coefficients(g["ns_coefficients"])
-        check_algorithm(g["ns_algorithm"])
-        g["ns_dtype"] = _dtype_name(g["ns_dtype"])
-        blocks = g["num_blocks"]
-        names = g.get("param_names") or [None] * len(g["params"])
-        for p, name in zip(g["params"], names, strict=True):
-            label = name or f"shape {tuple(p.shape)}"
-            if p.ndim < 2:
-                raise ValueError(
-                    f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
-                    "put vectors in an algorithm='adamw' group"
-                )
-            if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
-                raise ValueError(
-                    f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
-                    f"of {label}"
-                )
 
     def _init_state(self) -> None:
         """Create every parameter's state now, so all ranks have the same checkpoint keys."""

@@ -1,0 +1,157 @@
+"""What a Muon / AdamW parameter group may hold, and the checks its values must pass.
+
+Every key of every group is checked against one constant per algorithm (`GROUP_KEYS`): a key
+that is not listed is an error naming it and the accepted ones, never silently ignored. Keys
+that torch's learning-rate schedulers write into groups (`SCHEDULER_KEYS`) are accepted too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from muon.newton_schulz import check_algorithm, resolve_coefficients
+
+ADJUST_LR = ("match_rms_adamw", "original", "none")
+ALGORITHMS = ("muon", "adamw")
+NS_DTYPES = ("bfloat16", "float32", "float16")
+
+#: keys of an algorithm="muon" group (extend here, in one place, when a group learns a key)
+MUON_GROUP_KEYS: tuple[str, ...] = (
+    "params",
+    "param_names",
+    "algorithm",
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_dtype",
+    "ns_algorithm",
+    "eps",
+    "adjust_lr",
+    "num_blocks",
+    "normuon",
+    "normuon_beta2",
+)
+#: keys of an algorithm="adamw" group
+ADAMW_GROUP_KEYS: tuple[str, ...] = (
+    "params",
+    "param_names",
+    "algorithm",
+    "lr",
+    "weight_decay",
+    "betas",
+    "eps",
+)
+#: Muon keys that torch's `add_param_group` copies from the defaults into every group; removed
+#: again from AdamW groups, which do not use them
+MUON_ONLY_KEYS: tuple[str, ...] = tuple(k for k in MUON_GROUP_KEYS if k not in ADAMW_GROUP_KEYS)
+GROUP_KEYS: dict[str, tuple[str, ...]] = {"muon": MUON_GROUP_KEYS, "adamw": ADAMW_GROUP_KEYS}
+#: written into groups by torch.optim.lr_scheduler (LambdaLR, OneCycleLR, CyclicLR, ...)
+SCHEDULER_KEYS: tuple[str, ...] = (
+    "initial_lr",
+    "max_lr",
+    "min_lr",
+    "base_momentum",
+    "max_momentum",
+)
+#: former names of group keys -> their current name
+RENAMED_KEYS: dict[str, str] = {"num_experts": "num_blocks"}
+
+
+def group_algorithm(group: dict) -> str:
+    """The group's `algorithm` ("muon" when absent), validated."""
+    algorithm = group.get("algorithm", "muon")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
+    return algorithm
+
+
+def check_group_keys(group: dict, where: str = "param group") -> None:
+    """Raise a ValueError naming the first key of `group` its algorithm does not accept."""
+    algorithm = group_algorithm(group)
+    accepted = GROUP_KEYS[algorithm]
+    for key in group:
+        if key in accepted or key in SCHEDULER_KEYS:
+            continue
+        if key in RENAMED_KEYS:
+            hint = f"; it was renamed to {RENAMED_KEYS[key]!r}"
+        elif key in MUON_GROUP_KEYS:
+            hint = "; it is a Muon key, unused by algorithm='adamw' groups"
+        elif key in ADAMW_GROUP_KEYS:
+            hint = "; it is an AdamW key, unused by algorithm='muon' groups"
+        else:
+            hint = ""
+        raise ValueError(
+            f"{where}: unknown key {key!r} for an algorithm={algorithm!r} group{hint}; "
+            f"accepted keys: {', '.join(accepted)}"
+        )
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """`ns_dtype` as a name ("bfloat16", ...), validated."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in NS_DTYPES:
+        raise ValueError(f"ns_dtype: expected one of {sorted(NS_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _number(g: dict, key: str) -> float:
+    value = g[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{key}: expected a number, got {value!r}")
+    return value
+
+
+def validate_group(g: dict) -> None:
+    """Check the values of a group whose defaults are filled in; raises ValueError naming the key.
+
+    Normalizes `ns_dtype` to its name (the only change it makes)."""
+    if not _number(g, "lr") > 0:
+        raise ValueError(f"lr: must be > 0, got {g['lr']}")
+    if _number(g, "weight_decay") < 0:
+        raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
+    names = g.get("param_names")
+    if names is not None and len(names) != len(g["params"]):
+        raise ValueError(
+            f"param_names: {len(names)} names for {len(g['params'])} parameters in one group"
+        )
+    if g["algorithm"] == "adamw":
+        b1, b2 = g["betas"]
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas: each must be in [0, 1), got {g['betas']}")
+        if not _number(g, "eps") > 0:
+            raise ValueError(f"eps: must be > 0, got {g['eps']}")
+        return
+    if not 0 <= _number(g, "momentum") < 1:
+        raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
+    if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
+        raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
+    if g["adjust_lr"] not in ADJUST_LR:
+        raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
+    if not isinstance(g["normuon"], bool):
+        raise ValueError(f"normuon: must be a bool, got {g['normuon']!r}")
+    if not 0 <= _number(g, "normuon_beta2") < 1:
+        raise ValueError(f"normuon_beta2: must be in [0, 1), got {g['normuon_beta2']}")
+    if not _number(g, "eps") > 0:
+        raise ValueError(f"eps: must be > 0, got {g['eps']}")
+    resolve_coefficients(g["ns_coefficients"])
+    check_algorithm(g["ns_algorithm"])
+    g["ns_dtype"] = dtype_name(g["ns_dtype"])
+    blocks = g["num_blocks"]
+    names = names or [None] * len(g["params"])
+    for p, name in zip(g["params"], names, strict=True):
+        label = name or f"shape {tuple(p.shape)}"
+        if p.ndim < 2:
+            raise ValueError(
+                f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
+                "put vectors in an algorithm='adamw' group"
+            )
+        if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
+            raise ValueError(
+                f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
+                f"of {label}"
+            )
