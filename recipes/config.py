@@ -157,6 +157,10 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "decoupled weight decay of the Muon groups (all for adamw)")
     betas: list[float] = _f(lambda: [0.9, 0.95], "AdamW betas", True)
     eps: float = _f(1e-8, "AdamW epsilon")
+    qk_clip_tau: float | None = _f(
+        None, "QK-clip: rescale W_q/W_k of heads whose max attention logit exceeds it; null: off"
+    )
+    qk_clip_alpha: float = _f(0.5, "QK-clip: W_q takes eta^alpha, W_k eta^(1-alpha), in [0, 1]")
 
 
 @dataclass
@@ -254,6 +258,9 @@ class MetricsConfig:
     log_every: int = _f(1, "write metrics every N steps")
     memory_every: int = _f(25, "measure per-rank memory every N steps (profiling is costly)")
     progress: bool = _f(True, "tqdm progress bar on rank 0 (when attached to a terminal)")
+    attn_max_logit: bool = _f(
+        True, "log attn/max_logit (an extra no-grad Q K^T per layer); on with optim.qk_clip_tau"
+    )
 
 
 @dataclass
@@ -487,6 +494,10 @@ def _validate_optim_option(cfg: DictConfig) -> None:
             f"optim.name={name} (this config composed optim={composed}); "
             f"allowed: {', '.join(OPTIM_SCHEMAS)}",
         )
+    if optim.qk_clip_tau is not None:
+        _positive(cfg, "optim.qk_clip_tau")
+    if not 0.0 <= optim.qk_clip_alpha <= 1.0:
+        raise _fail("optim.qk_clip_alpha", optim.qk_clip_alpha, "must be in [0, 1]")
     if name != OptimName.muon:
         return
     _positive(cfg, "optim.adamw_lr", "optim.ns_steps", "optim.max_inflight")

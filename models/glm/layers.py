@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
+from models.glm.qk_clip import head_max_logits
+from models.glm.recompute import is_recomputing
 
 
 class RMSNorm(nn.Module):
@@ -54,7 +56,12 @@ def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with partial RoPE and optional per-head QK RMSNorm."""
+    """Causal grouped-query attention with partial RoPE and optional per-head QK RMSNorm.
+
+    With `record_max_logits` on, training forwards keep each head's largest pre-softmax logit in
+    `max_logits_N` (`models.glm.qk_clip`; `GLMForCausalLM.take_max_logits` collects them)."""
+
+    record_max_logits = False
 
     def __init__(self, config: GLMConfig) -> None:
         super().__init__()
@@ -74,6 +81,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(K, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.max_logits_N: torch.Tensor | None = None  # not a buffer: never checkpointed
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):
         B, T, _ = x_BTD.shape
@@ -88,10 +96,22 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         k_BTNK = k_BTMK.repeat_interleave(rep, dim=2)
         v_BTNK = v_BTMK.repeat_interleave(rep, dim=2)
+        q_BNTK, k_BNTK = q_BTNK.transpose(1, 2), k_BTNK.transpose(1, 2)
+        if self.record_max_logits:
+            self._record(q_BNTK, k_BNTK)
         o_BNTK = F.scaled_dot_product_attention(
-            q_BTNK.transpose(1, 2), k_BTNK.transpose(1, 2), v_BTNK.transpose(1, 2), is_causal=True
+            q_BNTK, k_BNTK, v_BTNK.transpose(1, 2), is_causal=True
         )
         return self.o_proj(o_BNTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    @torch.compiler.disable
+    def _record(self, q_BNTK: torch.Tensor, k_BNTK: torch.Tensor) -> None:
+        # eager, as the router's load counts: the recomputation flag must not be traced
+        if not torch.is_grad_enabled() or is_recomputing():
+            return
+        best = head_max_logits(q_BNTK.detach(), k_BNTK.detach(), self.head_dim**-0.5)
+        prev = self.max_logits_N
+        self.max_logits_N = best if prev is None else torch.maximum(prev, best)
 
 
 class MLP(nn.Module):

@@ -154,6 +154,7 @@ def _glm_snapshot(trainer) -> dict[str, np.ndarray]:
         if n.endswith("e_score_correction_bias"):
             out[n] = b.numpy().copy()
     names = {id(p): n for n, p in trainer.model.named_parameters()}
+    trainer.opt.state_dict()  # collective: NorMuon's moments current on every rank
     for p, st in trainer.opt.state.items():
         for k, v in st.items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -190,16 +191,22 @@ def _glm_resume_step(config_yaml: str, run_dir: str, cache: str):
 
 
 @pytest.mark.slow
-def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("optim.normuon=true",)], ids=["muon", "normuon"])
+def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path, extra):
     """The real model and Muon: what 4 ranks at ep=2 saved loads exactly on 2 ranks at ep=1
-    (parameters, router bias, Muon momentum, AdamW moments), and the next step matches."""
+    (parameters, router bias, Muon momentum, NorMuon's moments, AdamW moments), and the next
+    step matches."""
     cache = str(tmp_path / "cache")
-    saved, after = run_world(_glm_train_save, 4, _glm_config(4, 2), str(tmp_path), cache)[0]
-    step, loaded, resumed = run_world(_glm_resume_step, 2, _glm_config(2, 1), str(tmp_path), cache)[
-        0
-    ]
+    saved, after = run_world(_glm_train_save, 4, _glm_config(4, 2, *extra), str(tmp_path), cache)[0]
+    step, loaded, resumed = run_world(
+        _glm_resume_step, 2, _glm_config(2, 1, *extra), str(tmp_path), cache
+    )[0]
     assert step == 3 and loaded.keys() == saved.keys()
     assert any(k.endswith(":momentum_buffer") for k in saved)
+    if extra:  # every Muon matrix has moments, and they moved (nonzero after two steps)
+        moments = [v for k, v in saved.items() if k.endswith(":normuon_v")]
+        assert len(moments) == sum(k.endswith(":momentum_buffer") for k in saved)
+        assert all(np.abs(v).max() > 0 for v in moments)
     biases = [v for k, v in saved.items() if k.endswith("e_score_correction_bias")]
     assert biases and all(np.abs(b).max() > 0 for b in biases)  # router bias updates ran
     for key, value in saved.items():

@@ -45,8 +45,11 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     plain = schema.to_plain(cfg)
     if plain["optim"]["name"] == "muon":
         assert plain["optim"]["remainder_strategy"] in ("agrs", "pad_all2all", "ragged_all_to_all")
-    else:  # one schema per optimizer: an AdamW run carries no Muon key
-        assert plain["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
+    else:  # one schema per optimizer: an AdamW run carries no Muon key (QK-clip is shared)
+        assert plain["optim"].keys() == {
+            *("name", "lr", "weight_decay", "betas", "eps"),
+            *("qk_clip_tau", "qk_clip_alpha"),
+        }
     # What the workers receive round-trips into the typed schema.
     again = schema.from_yaml(OmegaConf.to_yaml(cfg, resolve=True))
     assert schema.to_plain(again) == plain
@@ -130,6 +133,8 @@ def test_compose_rejects(override, expected):
         (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
         (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
         (["optim.normuon_beta2=1.0"], "optim.normuon_beta2=1.0: must be in [0, 1)"),
+        (["optim.qk_clip_tau=0.0"], "optim.qk_clip_tau=0.0: must be > 0"),
+        (["optim=adamw", "optim.qk_clip_alpha=1.5"], "optim.qk_clip_alpha=1.5: must be in [0, 1]"),
         (["data.vocab_size=300"], "does not fit data.dtype=uint8"),
         (["optim.name=adamw"], "optim.name=adamw: the optimizer is chosen with the config group"),
         (["data.vocab_size=100"], "data.vocab_size=100: data.source=stdlib has byte tokens"),
@@ -188,7 +193,8 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     optim = {
         line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
     }
-    assert optim == {f"optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")}
+    shared = ("name", "lr", "weight_decay", "betas", "eps", "qk_clip_tau", "qk_clip_alpha")
+    assert optim == {f"optim.{k}" for k in shared}
     assert "optim.lr = 0.003  # " in adamw.stdout
     assert not list(tmp_path.iterdir())  # nothing written
 

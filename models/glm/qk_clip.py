@@ -1,0 +1,87 @@
+"""QK-clip (Kimi K2's MuonClip): watch each head's largest attention logit, rescale W_q / W_k.
+
+Recording: an attention with `record_max_logits` on keeps, per query head, the largest
+pre-softmax logit q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its
+training forwards saw since the last `take_max_logits`: every micro-batch of a step, but not the
+activation-checkpoint recomputation (`models.glm.recompute`), and not forwards without grad
+(evaluation). It costs one more Q K^T per layer, without grad, computed in query chunks.
+
+Clipping (after the optimizer step, with the maximum over the ranks that saw different data):
+eta = min(1, tau / S) per KV group, S the largest logit of the group's query heads (Megatron-LM's
+GQA rule): the group's W_q rows (and q biases) scale by eta^alpha, its W_k rows (and k biases) by
+eta^(1 - alpha), so each of its logits scales by eta and the largest lands on tau. V and o_proj
+are untouched. With QK-norm the projections' scale cancels in the norm, so the norm weights,
+shared by every head of the layer, take it instead: q_norm.weight by eta^alpha and k_norm.weight
+by eta^(1 - alpha) with the layer's smallest eta (every head of the layer shrinks by it).
+Sharded weights (FSDP2 / EP DTensors) scale their local rows; nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+#: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
+#: float32 logits (with B * N = 64 and T = 4096: 128 MiB)
+QUERY_CHUNK = 128
+
+
+@torch.no_grad()
+def head_max_logits(q_BNTK: torch.Tensor, k_BNTK: torch.Tensor, scale: float) -> torch.Tensor:
+    """The largest causal pre-softmax logit of each head, `[N]` float32 (keys j <= query i)."""
+    T = q_BNTK.size(2)
+    k = k_BNTK.float()
+    best = torch.full((q_BNTK.size(1),), -torch.inf, device=q_BNTK.device)
+    keys = torch.arange(T, device=q_BNTK.device)
+    for start in range(0, T, QUERY_CHUNK):
+        q = q_BNTK[:, :, start : start + QUERY_CHUNK].float()
+        s_BNQT = torch.matmul(q, k.transpose(-1, -2)) * scale
+        future = keys[None, :] > keys[start : start + q.size(2), None]  # the causal mask
+        s_BNQT.masked_fill_(future, -torch.inf)
+        best = torch.maximum(best, s_BNQT.amax(dim=(0, 2, 3)))
+    return best
+
+
+def clip_factors(max_logit_N: torch.Tensor, n_kv_heads: int, tau: float) -> torch.Tensor:
+    """eta per KV group, `[M]`: min(1, tau / S) with S the group's largest logit; 1 where S is not
+    finite (a skipped, non-finite step must not zero a weight)."""
+    s_M = max_logit_N.view(n_kv_heads, -1).amax(dim=1)
+    over = torch.isfinite(s_M) & (s_M > tau)
+    return torch.where(over, tau / s_M, torch.ones_like(s_M))
+
+
+def scale_rows_(p: torch.Tensor, scale_rows: torch.Tensor) -> None:
+    """p[i] *= scale_rows[i] along dim 0, in place; a DTensor scales its local rows only (the
+    replicated factors are cut to the parameter's layout locally, without communication)."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        full = DTensor.from_local(
+            scale_rows.to(p.to_local().device), mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
+        factors, local = full.redistribute(mesh, p.placements).to_local(), p.to_local()
+    else:
+        factors, local = scale_rows.to(p.device), p.data
+    local.mul_(factors.view(-1, *[1] * (local.ndim - 1)).to(local.dtype))
+
+
+@torch.no_grad()
+def clip_attention_(attn, max_logit_N: torch.Tensor, tau: float, alpha: float) -> int:
+    """Rescale one GQA attention's query/key projections (see the module docstring); returns the
+    number of KV groups clipped. Nothing is written when no group exceeds tau."""
+    eta_M = clip_factors(max_logit_N, attn.n_kv_heads, tau)
+    clipped = int((eta_M < 1).sum())
+    if not clipped:
+        return 0
+    if attn.q_norm is not None:
+        eta = float(eta_M.min())
+        attn.q_norm.weight.mul_(eta**alpha)
+        attn.k_norm.weight.mul_(eta ** (1 - alpha))
+        return clipped
+    K, rep = attn.head_dim, attn.n_heads // attn.n_kv_heads
+    q_rows = (eta_M**alpha).repeat_interleave(rep * K)  # query head h is in group h // rep
+    k_rows = (eta_M ** (1 - alpha)).repeat_interleave(K)
+    for proj, rows in ((attn.q_proj, q_rows), (attn.k_proj, k_rows)):
+        scale_rows_(proj.weight, rows)
+        if proj.bias is not None:
+            scale_rows_(proj.bias, rows)
+    return clipped
