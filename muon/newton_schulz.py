@@ -355,6 +355,20 @@ def _checked_gram(X, schedule, steps, symmetric, restarts) -> torch.Tensor:
     return out
 
 
+def _normalized(G: torch.Tensor, dtype: torch.dtype, eps: float) -> torch.Tensor:
+    """Each block divided by its Frobenius norm (at least `eps`), in `dtype`.
+
+    float16 flushes magnitudes below ~6e-8 to zero and overflows above 65504, so a float16
+    iteration on a wider input normalizes in the input's dtype first and casts the normalized
+    block (entries <= 1). Other dtypes cast first, as torch.optim.Muon does (bf16 has float32's
+    range), so their rounding matches it."""
+    norm_dims = dict(dim=(-2, -1), keepdim=True)
+    if dtype == torch.float16 and G.dtype != torch.float16:
+        return (G / torch.linalg.vector_norm(G, **norm_dims).clamp(min=eps)).to(dtype)
+    X = G.to(dtype)
+    return X / torch.linalg.vector_norm(X, **norm_dims).clamp(min=eps)
+
+
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
@@ -383,12 +397,11 @@ def newton_schulz(
     schedule = resolve_coefficients(coefficients)
     check_algorithm(algorithm)
     lead = G.shape[:-2]
-    X = G.to(dtype)
+    X = _normalized(G, dtype, eps)
     X = X.reshape(-1, *G.shape[-2:]) if G.ndim > 3 else X
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
-    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     rows, cols = G.shape[-2:]
     if (
         effective_algorithm(rows, cols, steps, algorithm, symmetric=symmetric, restarts=restarts)

@@ -88,7 +88,9 @@ class Muon(torch.optim.Optimizer):
             than the parameter (the result is the same, since Newton-Schulz casts first).
         eps: floor of the Frobenius norm Newton-Schulz divides by.
         adjust_lr: "match_rms_adamw", "original" or "none" (see `adjusted_lr`).
-        betas, adamw_eps: defaults of AdamW groups.
+        betas, adamw_eps, adamw_lr: defaults of AdamW groups. An AdamW group without its own
+            `lr` takes `adamw_lr` (3e-3, `muon.param_groups`' default), never Muon's `lr`: the
+            two work on different scales (Muon's update has unit singular values).
         remainder_strategy: how a batch smaller than its FSDP group is exchanged: "agrs",
             "pad_all2all", "ragged_all_to_all", or "auto" (per batch, the lowest modelled time
             whose planned per-rank peak fits `memory_budget`; see `muon.plan.choose_remainder`).
@@ -129,6 +131,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: str = "match_rms_adamw",
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        adamw_lr: float = 3e-3,
         remainder_strategy: str = "pad_all2all",
         enable_all2all: bool = True,
         max_inflight: int = 3,
@@ -157,7 +160,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
         if memory_budget is not None and not memory_budget > 0:
             raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
-        self._adamw_defaults = {"betas": tuple(betas), "eps": adamw_eps}
+        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(betas), "eps": adamw_eps}
         defaults = dict(
             lr=lr,
             algorithm="muon",
@@ -270,21 +273,35 @@ class Muon(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- groups and validation
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group (see the class docstring for its keys); unknown keys are an error."""
+        """Add a group (see the class docstring for its keys). Everything is checked before the
+        optimizer changes: a rejected group leaves groups, state and plan as they were."""
         check_group_keys(param_group, f"param group {len(self.param_groups)}")
-        algorithm = param_group.setdefault("algorithm", group_algorithm(param_group))
-        if algorithm == "adamw":
-            for key, value in self._adamw_defaults.items():
-                param_group.setdefault(key, value)
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if algorithm == "adamw":  # torch filled in Muon's defaults too; they mean nothing here
+        algorithm = group_algorithm(param_group)
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params: a set has no order (ranks would plan differently); use a list")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        extra = self._adamw_defaults if algorithm == "adamw" else {}
+        group = {**self.defaults, **extra, **param_group, "params": params, "algorithm": algorithm}
+        if algorithm == "adamw":  # Muon's defaults mean nothing to an AdamW group
             for key in MUON_ONLY_KEYS:
                 group.pop(key, None)
         validate_group(group)
-        if hasattr(self, "plan"):  # after construction: state and plans for the new group
-            self._init_state()
-            self._plan()
+        planned = hasattr(self, "plan")
+        n_groups, known = len(self.param_groups), set(self.state)
+        super().add_param_group(group)  # its own checks (duplicates, leaves) append nothing
+        if algorithm == "adamw":  # torch filled Muon's defaults in again
+            for key in MUON_ONLY_KEYS:
+                self.param_groups[-1].pop(key, None)
+        if planned:  # after construction: state and plans for the new group
+            try:
+                self._init_state()
+                self._plan()
+            except Exception:
+                del self.param_groups[n_groups:]
+                for p in [p for p in self.state if p not in known]:
+                    del self.state[p]
+                raise
 
     def _init_state(self) -> None:
         """Create every parameter's state now, so all ranks have the same checkpoint keys."""

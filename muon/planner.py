@@ -48,7 +48,11 @@ class StepPlan:
 
 
 def wire_dtype(param_dtype: torch.dtype, ns_dtype: torch.dtype) -> torch.dtype:
-    """The dtype matrices travel in: the Newton-Schulz dtype when it is not wider."""
+    """The dtype matrices travel in: the Newton-Schulz dtype when it is not wider, except float16
+    for a wider parameter, whose range would flush or overflow the unnormalized momentum
+    (Newton-Schulz normalizes before casting to float16, `muon.newton_schulz`)."""
+    if ns_dtype == torch.float16 and param_dtype != torch.float16:
+        return param_dtype
     return ns_dtype if ns_dtype.itemsize <= param_dtype.itemsize else param_dtype
 
 

@@ -63,3 +63,53 @@ def test_accepted_keys_and_scheduler_keys_pass():
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # writes "initial_lr"
     opt.add_param_group({"params": [_w(8, 8)], "initial_lr": 0.1})
     assert set(opt.param_groups[1]) <= set(ADAMW_GROUP_KEYS) | {"initial_lr"}
+
+
+# ----------------------------------------------------------------------------- add_param_group
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda w: {"params": [_w(30, 16)], "num_blocks": 4},  # 4 does not divide 30 rows
+        lambda w: {"params": [_w(32, 16)], "lr": -1.0},
+        lambda w: {"params": [nn.Parameter(torch.zeros(8))]},  # a vector in a Muon group
+        lambda w: {"params": [w]},  # already in the optimizer
+    ],
+    ids=["num_blocks", "lr", "vector", "duplicate"],
+)
+def test_rejected_param_group_leaves_optimizer_unchanged(bad):
+    """A rejected group is not kept: groups, state and plan are as before, and the same
+    parameters can be added again in a valid group."""
+    w = _w(16, 8)
+    opt = Muon([w], ns_dtype="float32")
+    before = (len(opt.param_groups), len(opt.state), opt.plan.fingerprint)
+    group = bad(w)
+    with pytest.raises(ValueError):
+        opt.add_param_group(group)
+    assert (len(opt.param_groups), len(opt.state), opt.plan.fingerprint) == before
+    if group["params"][0] is not w:  # its parameter can still be added, and is then trained
+        new = group["params"][0]
+        algorithm = "adamw" if new.ndim == 1 else "muon"
+        opt.add_param_group({"params": [new], "algorithm": algorithm})
+        new.grad = torch.ones_like(new)
+        w.grad = torch.ones_like(w)
+        start = new.detach().clone()
+        opt.step()
+        assert not torch.equal(new, start)
+
+
+# ----------------------------------------------------------------------------- AdamW lr
+
+
+def test_adamw_group_without_lr_takes_adamw_default_not_muon_lr():
+    """An AdamW group without its own lr uses `adamw_lr` (default 3e-3, the same as
+    muon.param_groups), not Muon's lr."""
+    b = nn.Parameter(torch.zeros(4))
+    opt = Muon([{"params": [_w(8, 8)]}, {"params": [b], "algorithm": "adamw"}], lr=0.02)
+    assert opt.param_groups[1]["lr"] == 3e-3
+    opt = Muon([{"params": [b], "algorithm": "adamw"}], lr=0.02, adamw_lr=1e-4)
+    assert opt.param_groups[0]["lr"] == 1e-4
+    b.grad = torch.ones_like(b)
+    opt.step()  # the first AdamW step moves each entry by lr (bias-corrected m / sqrt(v) = 1)
+    torch.testing.assert_close(b.detach(), torch.full((4,), -1e-4), rtol=1e-4, atol=0)
