@@ -36,6 +36,7 @@ class ModelPreset(StrEnum):
     small = "small"
     glm45_air = "glm45_air"
     glm52 = "glm52"
+    mla_tiny = "mla_tiny"
 
 
 class OptimName(StrEnum):
@@ -104,6 +105,11 @@ class TokenDtype(StrEnum):
     uint8 = "uint8"
     uint16 = "uint16"
     uint32 = "uint32"
+
+
+class IndexerTraining(StrEnum):
+    kl = "kl"
+    frozen = "frozen"
 
 
 class HFDtype(StrEnum):
@@ -240,6 +246,14 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "max total grad norm of the clipped groups; 0 disables")
     clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
     router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
+    mtp_loss_weight: float = _f(
+        0.3, "weight of the MTP loss (mean over depths) in the objective; 0: MTP layers idle"
+    )
+    indexer_training: IndexerTraining = _f(
+        IndexerTraining.kl,
+        "DSA indexer: kl (DeepSeek-V3.2 KL toward the attention; pretraining) or frozen "
+        "(no gradient, not in the optimizer; fine-tuning a released checkpoint)",
+    )
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
     param_dtype: TrainDtype = _f(
         TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
@@ -429,7 +443,7 @@ def validate(
     _positive(cfg, "optim.weight_decay", allow_zero=True)
     _validate_optim_option(cfg)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
-    _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
         _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh
@@ -528,7 +542,13 @@ def _validate_model(cfg: DictConfig) -> None:
     from models.glm.parallelize import check_layout
 
     model = cfg.model
-    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
+    if "indexer_training" in model.overrides:
+        raise _fail(
+            "model.overrides.indexer_training",
+            model.overrides.indexer_training,
+            "set train.indexer_training instead (kl or frozen)",
+        )
+    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig) if f.name != "indexer_training")
     for key in model.overrides:
         if key not in allowed:
             raise _fail(
@@ -537,6 +557,7 @@ def _validate_model(cfg: DictConfig) -> None:
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
             )
     overrides = {**model.overrides, "vocab_size": cfg.data.vocab_size}
+    overrides["indexer_training"] = str(cfg.train.indexer_training)
     try:
         config = get_preset(str(model.preset), **overrides)
     except (TypeError, ValueError) as err:

@@ -6,13 +6,15 @@ training forwards saw since the last `take_max_logits`: every micro-batch of a s
 activation-checkpoint recomputation (`models.glm.recompute`), and not forwards without grad
 (evaluation). It costs one more Q K^T per layer, without grad, computed in query chunks.
 
-Clipping (after the optimizer step, with the maximum over the ranks that saw different data):
+Clipping (after the optimizer step, with the maximum over the ranks that saw different data), GQA:
 eta = min(1, tau / S) per KV group, S the largest logit of the group's query heads (Megatron-LM's
 GQA rule): the group's W_q rows (and q biases) scale by eta^alpha, its W_k rows (and k biases) by
 eta^(1 - alpha), so each of its logits scales by eta and the largest lands on tau. V and o_proj
 are untouched. With QK-norm the projections' scale cancels in the norm, so the norm weights,
 shared by every head of the layer, take it instead: q_norm.weight by eta^alpha and k_norm.weight
 by eta^(1 - alpha) with the layer's smallest eta (every head of the layer shrinks by it).
+MLA (`_clip_mla_`): eta per head, q_nope rows by eta^alpha, q_rope rows by eta, k_nope rows by
+eta^(1 - alpha), the shared rotary key untouched (Kimi K2's MuonClip).
 Sharded weights (FSDP2 / EP DTensors) scale their local rows; nothing is gathered.
 """
 
@@ -21,14 +23,22 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from models.glm.recompute import is_recomputing
+
 #: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
 #: float32 logits (with B * N = 64 and T = 4096: 128 MiB)
 QUERY_CHUNK = 128
 
 
 @torch.no_grad()
-def head_max_logits(q_BNTK: torch.Tensor, k_BNTK: torch.Tensor, scale: float) -> torch.Tensor:
-    """The largest causal pre-softmax logit of each head, `[N]` float32 (keys j <= query i)."""
+def head_max_logits(
+    q_BNTK: torch.Tensor,
+    k_BNTK: torch.Tensor,
+    scale: float,
+    keep_B1TS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest pre-softmax logit of each head, `[N]` float32, over the keys each query may
+    attend: `keep_B1TS` (True = attended, DSA's sparse mask) or, when None, the causal ones."""
     T = q_BNTK.size(2)
     k = k_BNTK.float()
     best = torch.full((q_BNTK.size(1),), -torch.inf, device=q_BNTK.device)
@@ -36,10 +46,30 @@ def head_max_logits(q_BNTK: torch.Tensor, k_BNTK: torch.Tensor, scale: float) ->
     for start in range(0, T, QUERY_CHUNK):
         q = q_BNTK[:, :, start : start + QUERY_CHUNK].float()
         s_BNQT = torch.matmul(q, k.transpose(-1, -2)) * scale
-        future = keys[None, :] > keys[start : start + q.size(2), None]  # the causal mask
-        s_BNQT.masked_fill_(future, -torch.inf)
+        if keep_B1TS is None:
+            masked = keys[None, :] > keys[start : start + q.size(2), None]  # the future
+        else:
+            masked = ~keep_B1TS[:, :, start : start + q.size(2)]
+        s_BNQT.masked_fill_(masked, -torch.inf)
         best = torch.maximum(best, s_BNQT.amax(dim=(0, 2, 3)))
     return best
+
+
+class MaxLogitRecorder:
+    """Mixin of the attention modules: `record(q, k, scale, keep)` keeps the per-head maximum of
+    training forwards in `max_logits_N` while `record_max_logits` is on."""
+
+    record_max_logits = False
+    max_logits_N: torch.Tensor | None = None  # per instance once set; never a checkpointed buffer
+
+    @torch.compiler.disable
+    def record(self, q_BNTK, k_BNTK, scale: float, keep_B1TS=None) -> None:
+        """Eager, as the router's load counts: the recomputation flag must not be traced."""
+        if not self.record_max_logits or not torch.is_grad_enabled() or is_recomputing():
+            return
+        best = head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS)
+        prev = self.max_logits_N
+        self.max_logits_N = best if prev is None else torch.maximum(prev, best)
 
 
 def clip_factors(max_logit_N: torch.Tensor, n_kv_heads: int, tau: float) -> torch.Tensor:
@@ -66,8 +96,10 @@ def scale_rows_(p: torch.Tensor, scale_rows: torch.Tensor) -> None:
 
 @torch.no_grad()
 def clip_attention_(attn, max_logit_N: torch.Tensor, tau: float, alpha: float) -> int:
-    """Rescale one GQA attention's query/key projections (see the module docstring); returns the
-    number of KV groups clipped. Nothing is written when no group exceeds tau."""
+    """Rescale one attention's query/key projections (see the module docstring); returns the
+    number of KV groups (MLA: heads) clipped. Nothing is written when none exceeds tau."""
+    if hasattr(attn, "kv_b_proj"):
+        return _clip_mla_(attn, max_logit_N, tau, alpha)
     eta_M = clip_factors(max_logit_N, attn.n_kv_heads, tau)
     clipped = int((eta_M < 1).sum())
     if not clipped:
@@ -84,4 +116,23 @@ def clip_attention_(attn, max_logit_N: torch.Tensor, tau: float, alpha: float) -
         scale_rows_(proj.weight, rows)
         if proj.bias is not None:
             scale_rows_(proj.bias, rows)
+    return clipped
+
+
+def _clip_mla_(attn, max_logit_N: torch.Tensor, tau: float, alpha: float) -> int:
+    """MLA, per head: q_nope rows by eta^alpha, q_rope rows by eta, k_nope rows (in kv_b_proj) by
+    eta^(1 - alpha); the rotary key (kv_a_proj_with_mqa) serves every head and is not touched,
+    nor are v's rows. Each term of the head's logit, q_nope.k_nope + q_rope.k_rope, scales by
+    eta."""
+    eta_N = clip_factors(max_logit_N, attn.n_heads, tau)
+    clipped = int((eta_N < 1).sum())
+    if not clipped:
+        return 0
+    P, R, V = attn.nope, attn.rope, attn.v_dim
+    ones = torch.ones_like(eta_N)
+    q_rows = torch.stack([eta_N**alpha] * P + [eta_N] * R, dim=1).reshape(-1)
+    kv_rows = torch.stack([eta_N ** (1 - alpha)] * P + [ones] * V, dim=1).reshape(-1)
+    q = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
+    scale_rows_(q.weight, q_rows)
+    scale_rows_(attn.kv_b_proj.weight, kv_rows)
     return clipped

@@ -185,26 +185,37 @@ def test_activation_checkpointing_and_compile_keep_the_loss_curve(tmp_path):
     assert curves["plain"][-1] < curves["plain"][0]
 
 
-def _loss_grads_loads(checkpointing: bool, compiled: bool):
+#: the GQA model, and MLA + DSA (32 tokens > index_topk 16, a shared layer, the KL-trained
+#: indexer); both with an MTP layer, trained by the objective
+_PRESETS = {
+    "tiny": dict(num_hidden_layers=2, num_mtp_layers=1),
+    "mla_tiny": dict(num_hidden_layers=2, indexer_types=["full", "shared"]),
+}
+
+
+def _loss_grads_loads(preset: str, checkpointing: bool, compiled: bool):
     from models.glm import GLMForCausalLM, get_preset
 
-    model = GLMForCausalLM(get_preset("tiny", num_hidden_layers=2))
+    model = GLMForCausalLM(get_preset(preset, **_PRESETS[preset]))
     model.init_weights(0)
-    for layer in model.model.layers:
+    for layer in [*model.model.layers, *model.model.mtp_layers]:
         layer.checkpoint_activations = checkpointing
         if compiled:
             layer.compile_block()
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    loss = model.loss(ids[:, :-1], ids[:, 1:])
+    terms = model(ids[:, :-1], ids[:, 1:])
+    assert "mtp_loss" in terms and ("indexer_kl" in terms) == (preset == "mla_tiny")
+    loss = terms["loss"] + 0.3 * terms["mtp_loss"] + terms.get("indexer_kl", 0.0)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads, [r.expert_load.clone() for r in model.routers()]
 
 
+@pytest.mark.parametrize("preset", list(_PRESETS))
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_checkpointed_layers_give_the_same_gradients_and_count_loads_once(compiled):
-    loss, grads, loads = _loss_grads_loads(checkpointing=False, compiled=False)
-    loss2, grads2, loads2 = _loss_grads_loads(checkpointing=True, compiled=compiled)
+def test_checkpointed_layers_give_the_same_gradients_and_count_loads_once(compiled, preset):
+    loss, grads, loads = _loss_grads_loads(preset, checkpointing=False, compiled=False)
+    loss2, grads2, loads2 = _loss_grads_loads(preset, checkpointing=True, compiled=compiled)
     # The recomputation must not count the routed tokens a second time.
     assert all(torch.equal(a, b) for a, b in zip(loads, loads2, strict=True))
     assert grads.keys() == grads2.keys()

@@ -287,7 +287,13 @@ def test_glm52_preset_shapes_and_count():
     # Dominated by 76 layers x 256 experts x 3 x 6144 x 2048.
     assert 76 * 256 * 3 * 6144 * 2048 < n < 7.8e11
     assert 6.5e11 < n < 8e11
-    assert cfg.expected_num_parameters() == n == 749_033_455_360
+    # 743_911_199_232 without the MTP layer: the count of transformers'
+    # GlmMoeDsaForCausalLM(GlmMoeDsaConfig()) (the public GLM-5 shapes) built on meta.
+    assert cfg.expected_num_parameters() == n == 753_864_119_552
+    attn = model.model.layers[0].self_attn
+    assert attn.q_b_proj.weight.shape == (64 * 256, 2048)
+    assert attn.kv_b_proj.weight.shape == (64 * 448, 512)
+    assert attn.indexer.wq_b.weight.shape == (32 * 128, 2048)
 
 
 def test_max_position_embeddings_enforced():

@@ -110,7 +110,7 @@ def test_recording_spans_micro_batches_and_skips_eval_and_recompute(monkeypatch)
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr("models.glm.layers.head_max_logits", spy)
+    monkeypatch.setattr("models.glm.qk_clip.head_max_logits", spy)
     halves = IDS[:1], IDS[1:]
     for half in halves:  # two micro-batches: the max over both
         model.loss(half[:, :-1], half[:, 1:]).backward()
@@ -179,3 +179,51 @@ def test_below_tau_nothing_changes_bit_for_bit():
 def test_non_finite_logits_never_clip():
     logits = torch.tensor([float("nan"), float("inf"), 5.0, -float("inf")])
     assert torch.equal(qk.clip_factors(logits, 4, tau=1.0), torch.tensor([1.0, 1.0, 0.2, 1.0]))
+
+
+def _mla_model(num_hidden_layers: int = 1) -> GLMForCausalLM:
+    from models.glm import get_preset
+
+    torch.manual_seed(0)
+    config = get_preset(
+        "mla_tiny",
+        num_hidden_layers=num_hidden_layers,
+        n_dense_layers=1,
+        index_topk=4,
+        indexer_types=["full"] * num_hidden_layers,
+    )
+    model = GLMForCausalLM(config)
+    model.init_weights(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        attn = model.attentions()[0]
+        attn.q_b_proj.weight[:24] *= 4.0  # head 0: q_nope and q_rope rows
+        attn.kv_b_proj.weight[:16] *= 2.0  # head 0: k_nope rows
+    return model
+
+
+def test_mla_clip_puts_the_head_on_tau_and_leaves_the_rotary_key():
+    """MLA with DSA (index_topk 4 < T: the sparse mask is the one recorded under)."""
+    model = _mla_model()
+    before = _max_logits(model)
+    tau = float(before[0, 0]) * 0.5
+    assert before[0, 1:].max() < tau
+    snap = _snapshot(model)
+    assert model.qk_clip_(before, tau, alpha=0.5) == 1
+    after = _max_logits(model)
+    # q_nope.k_nope by eta^a * eta^(1-a), q_rope.k_rope by eta * 1: the head's logits by eta
+    torch.testing.assert_close(after[0, 0], torch.tensor(tau), rtol=1e-5, atol=0)
+    assert torch.equal(after[0, 1:], before[0, 1:])
+    now = _snapshot(model)
+    prefix = "model.layers.0.self_attn."
+    changed = {n for n in snap if not torch.equal(snap[n], now[n])}
+    assert changed == {prefix + "q_b_proj.weight", prefix + "kv_b_proj.weight"}
+    eta = tau / float(before[0, 0])
+    q, kv = prefix + "q_b_proj.weight", prefix + "kv_b_proj.weight"
+    torch.testing.assert_close(now[q][:16], snap[q][:16] * eta**0.5)  # q_nope of head 0
+    torch.testing.assert_close(now[q][16:24], snap[q][16:24] * eta)  # q_rope of head 0
+    assert torch.equal(now[q][24:], snap[q][24:])
+    torch.testing.assert_close(now[kv][:16], snap[kv][:16] * eta**0.5)  # k_nope of head 0
+    assert torch.equal(now[kv][16:], snap[kv][16:])  # v of head 0 and the other heads
