@@ -70,12 +70,15 @@ class Local:
         """(first block, block count) of this rank's shard of each parameter."""
         if b.fsdp_size == 1:
             return 0, b.num_blocks
-        return sum(b.shard_sizes[:r]) // b.block_rows, b.shard_sizes[r] // b.block_rows
+        start = sum(b.shard_sizes[:r])
+        if b.split_sizes:  # the plan made shard edges block edges
+            edges = [sum(b.split_sizes[:i]) for i in range(b.num_blocks + 1)]
+            first = edges.index(start)
+            return first, edges.index(start + b.shard_sizes[r]) - first
+        return start // b.block_rows, b.shard_sizes[r] // b.block_rows
 
     def blocks_on(self, b, r: int) -> int:
-        if b.fsdp_size == 1:
-            return b.size * b.num_blocks
-        return b.size * (b.shard_sizes[r] // b.block_rows)
+        return b.size * self.unit_blocks(b, r)[1]
 
     def bytes_sent(self, b, r: int) -> int:
         return 0

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from muon.cost import LinkModel
 from muon.grads import grad_census
-from muon.newton_schulz import orthogonalize_blocks
+from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 from muon.normuon import normalize, state_len, sync_owned
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
@@ -174,6 +174,7 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             adjust_lr=adjust_lr,
             num_blocks=1,
+            split_sizes=None,
             normuon=normuon,
             normuon_beta2=normuon_beta2,
         )
@@ -217,8 +218,9 @@ class Muon(torch.optim.Optimizer):
                     g = self.param_groups[gi]
                     if not g.get("normuon"):
                         continue
-                    blocks = g["num_blocks"]
-                    length = state_len(p.shape[0] // blocks, math.prod(p.shape[1:]))
+                    blocks, cols = g["num_blocks"], math.prod(p.shape[1:])
+                    heights = g.get("split_sizes") or (p.shape[0] // blocks,)
+                    length = max(state_len(h, cols) for h in heights)
                     if not isinstance(p, DTensor):
                         v = torch.zeros(blocks, length, device=p.device)
                     else:
@@ -378,6 +380,7 @@ class Muon(torch.optim.Optimizer):
             eps=g0["eps"],
             algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
             post=self._normuon_post(params, b),
+            heights=b.split_sizes,
         )
         stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
@@ -389,7 +392,7 @@ class Muon(torch.optim.Optimizer):
                 if shard.numel():
                     units = [(j, first, count)]
                     shard = stats.orthogonalize(ortho, shard, units, "local", count)
-                self._apply(p, g, shard, b)
+                self._apply(p, g, shard, b, mp.fsdp_rank)
             return
         path = b.exchange
         like = _local(self.state[params[0][0]]["momentum_buffer"])
@@ -407,38 +410,59 @@ class Muon(torch.optim.Optimizer):
         # 3. apply the orthogonalized shards
         for (p, g), o in zip(params, results, strict=True):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
-                self._apply(p, g, o, b)
+                self._apply(p, g, o, b, mp.fsdp_rank)
 
     def _normuon_post(self, params: list, b: BatchPlan):
-        """NorMuon for the units of batch `b` this rank orthogonalizes, or None when no
-        parameter of the batch has it on: `post(O_BRC, units)` normalizes the blocks of each
-        unit (`muon.normuon.normalize`) and updates its moments in this rank's copy."""
+        """NorMuon for the blocks of batch `b` this rank orthogonalizes, or None when no
+        parameter of the batch has it on: `post(O_BRC, blocks)`, `blocks[i]` = (parameter j,
+        block index) of `O_BRC[i]`, normalizes them (`muon.normuon.normalize`) and updates their
+        moments in this rank's copy."""
         if not any(g.get("normuon") for _, g in params):
             return None
 
-        def post(o_BRC: torch.Tensor, units) -> torch.Tensor:
-            start = 0
-            for j, first, count in units:
+        def post(o_BRC: torch.Tensor, blocks) -> torch.Tensor:
+            rows, cols = o_BRC.shape[1:]
+            by_param: dict[int, tuple[list, list]] = {}
+            for pos, (j, i) in enumerate(blocks):
+                by_param.setdefault(j, ([], []))[0].append(pos)
+                by_param[j][1].append(i)
+            for j, (pos, idx) in by_param.items():
                 p, g = params[j]
-                if g.get("normuon") and id(p) not in self._gradless:
-                    v = _local(self.state[p]["normuon_v"])[first : first + count]
-                    o_BRC[start : start + count] = normalize(
-                        o_BRC[start : start + count], v, g["normuon_beta2"]
-                    )
-                start += count
+                if not g.get("normuon") or id(p) in self._gradless:
+                    continue
+                v_all = _local(self.state[p]["normuon_v"])
+                length = state_len(rows, cols)  # blocks of unequal heights: a prefix of the row
+                pos_t = torch.tensor(pos, device=o_BRC.device)
+                idx_t = torch.tensor(idx, device=v_all.device)
+                v = v_all[idx_t, :length]
+                o_BRC[pos_t] = normalize(o_BRC[pos_t], v, g["normuon_beta2"])
+                v_all[idx_t, :length] = v
             return o_BRC
 
         return post
 
     @staticmethod
-    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
+    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
-        rows = b.global_shape[0] // g["num_blocks"]
-        cols = math.prod(b.global_shape) // b.global_shape[0]
-        lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
+        cols = b.block_cols
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        x.add_(_from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
+        update = _from_rows(o, x, b.shard_tensor_dim)
+        if not b.split_sizes:
+            lr = adjusted_lr(g["lr"], g["adjust_lr"], b.global_shape[0] // g["num_blocks"], cols)
+            x.add_(update, alpha=-lr)
+            return
+        # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
+        heights = torch.tensor(b.split_sizes)
+        row_height = heights.repeat_interleave(heights)
+        if b.shard_tensor_dim == 0 and b.fsdp_size > 1:
+            start = sum(b.shard_sizes[:fsdp_rank])
+            row_height = row_height[start : start + x.shape[0]]
+        for h in sorted(set(b.split_sizes)):
+            rows = (row_height == h).nonzero().view(-1).to(x.device)
+            if rows.numel():
+                lr = adjusted_lr(g["lr"], g["adjust_lr"], h, cols)
+                x.index_add_(0, rows, update.index_select(0, rows), alpha=-lr)
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
@@ -499,6 +523,7 @@ def _orthogonalize(
     algorithm="",
     units=(),
     post=None,
+    heights=(),
 ) -> torch.Tensor:
     """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0,
     then `post(O_BRC, units)` on the blocks when given (NorMuon).
@@ -508,15 +533,42 @@ def _orthogonalize(
     """
 
     def blocks(x: torch.Tensor) -> torch.Tensor:
+        if heights:
+            ids = [(j, i) for j, first, count in units for i in range(first, first + count)]
+            ns = dict(steps=steps, coefficients=coefficients, dtype=dtype, eps=eps)
+            return _orthogonalize_split(x, [heights[i] for _, i in ids], ids, ns, algorithm, post)
         o = orthogonalize_blocks(
             x, x.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
         )
         if post is None:
             return o
-        return post(o.reshape(-1, block_rows, o.size(1)), units).reshape(o.shape)
+        ids = [(j, i) for j, first, count in units for i in range(first, first + count)]
+        return post(o.reshape(-1, block_rows, o.size(1)), ids).reshape(o.shape)
 
     if dim == 0:
         return blocks(m)
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
     return blocks(x.reshape(shape[0], -1)).view(shape).movedim(dim, 0).reshape(m.shape)
+
+
+def _orthogonalize_split(x, heights, ids, ns: dict, algorithm: str, post) -> torch.Tensor:
+    """Newton-Schulz of the blocks of unequal `heights` stacked along dim 0 of `x`, each on its
+    own: blocks of one height go through one batched call (`ids[i]`, the (parameter, block) of
+    block i, tells NorMuon's `post` whose moments they use)."""
+    starts = [0]
+    for h in heights[:-1]:
+        starts.append(starts[-1] + h)
+    out = torch.empty_like(x)
+    by_height: dict[int, list[int]] = {}
+    for i, h in enumerate(heights):
+        by_height.setdefault(h, []).append(i)
+    for h, members in by_height.items():
+        rows = torch.cat([torch.arange(starts[i], starts[i] + h) for i in members]).to(x.device)
+        o = newton_schulz(
+            x.index_select(0, rows).view(len(members), h, -1), algorithm=algorithm, **ns
+        )
+        if post is not None:
+            o = post(o, [ids[i] for i in members])
+        out.index_copy_(0, rows, o.reshape(-1, x.size(1)))
+    return out

@@ -111,6 +111,7 @@ def build_step_plan(
                     index=len(params),
                     global_shape=tuple(p.shape),
                     num_blocks=g["num_blocks"],
+                    split_sizes=g.get("split_sizes") or (),
                     dtype=str(p.dtype).removeprefix("torch."),
                     itemsize=p.element_size(),
                     wire_dtype=str(wire_dtype(p.dtype, ns_dtype)).removeprefix("torch."),

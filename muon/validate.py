@@ -33,6 +33,7 @@ MUON_GROUP_KEYS: tuple[str, ...] = (
     "eps",
     "adjust_lr",
     "num_blocks",
+    "split_sizes",
     "normuon",
     "normuon_beta2",
 )
@@ -141,6 +142,7 @@ def validate_group(g: dict) -> None:
     resolve_coefficients(g["ns_coefficients"])
     check_algorithm(g["ns_algorithm"])
     g["ns_dtype"] = dtype_name(g["ns_dtype"])
+    _normalize_splits(g)
     blocks = g["num_blocks"]
     names = names or [None] * len(g["params"])
     for p, name in zip(g["params"], names, strict=True):
@@ -150,8 +152,39 @@ def validate_group(g: dict) -> None:
                 f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
                 "put vectors in an algorithm='adamw' group"
             )
-        if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
+        splits = g["split_sizes"]
+        if splits is not None and sum(splits) != p.shape[0]:
+            raise ValueError(
+                f"split_sizes: {len(splits)} blocks of {sum(splits)} rows in all; {label} has "
+                f"{p.shape[0]} rows (dim 0)"
+            )
+        if splits is None and not (
+            isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0
+        ):
             raise ValueError(
                 f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
                 f"of {label}"
             )
+
+
+def _normalize_splits(g: dict) -> None:
+    """`split_sizes` (row counts of blocks of unequal heights along dim 0) as a tuple, or None;
+    equal sizes become `num_blocks`, their special case. `num_blocks` then counts the blocks."""
+    splits = g.get("split_sizes")
+    if splits is None:
+        g["split_sizes"] = None
+        return
+    if isinstance(splits, (str, bytes)) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in splits
+    ):
+        raise ValueError(f"split_sizes: expected a sequence of positive ints, got {splits!r}")
+    splits = tuple(splits)
+    if g["num_blocks"] not in (1, len(splits)):
+        raise ValueError(
+            f"num_blocks: {g['num_blocks']} disagrees with split_sizes ({len(splits)} blocks); "
+            "give one of them"
+        )
+    if len(set(splits)) == 1:  # equal blocks: the num_blocks path (local, sub-group, ...)
+        g["split_sizes"], g["num_blocks"] = None, len(splits)
+    else:
+        g["split_sizes"], g["num_blocks"] = splits, len(splits)
