@@ -68,10 +68,16 @@ def _rows_of(local: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 def _groups(params, specs):
-    by_blocks: dict[int, list] = {}
+    """One group per block count, or per `split_sizes` tuple (blocks of unequal heights)."""
+    by_blocks: dict = {}
     for p, (_, blocks) in zip(params, specs, strict=True):
         by_blocks.setdefault(blocks, []).append(p)
-    return [{"params": ps, "num_blocks": b} for b, ps in by_blocks.items()]
+    return [
+        {"params": ps, "split_sizes": b}
+        if isinstance(b, tuple)
+        else {"params": ps, "num_blocks": b}
+        for b, ps in by_blocks.items()
+    ]
 
 
 # The Newton-Schulz variants beside the default: Polar Express coefficients through Gram
@@ -226,6 +232,31 @@ def _world_cases(world: int):
             )
             results.append((f"ep={ep} efsdp={efsdp} pad_all2all aware={aware} normuon", err))
     return results
+
+
+def _split_specs(world: int):
+    """Muon Split on a flat FSDP mesh: blocks that shards cut (exchanged whole: a full batch and
+    a remainder) and shards of whole blocks (chunks of 4 rows, blocks of 3 and 1: local)."""
+    return [((20, 6), (12, 8))] * (world + 1) + [((4 * world, 5), (3, 1) * world)] * 2
+
+
+def _split_world(world: int):
+    flat = init_mesh((world,), ("fsdp",))
+    results = []
+    for strategy, a2a, ns in (("pad_all2all", True, None), ("ragged_all_to_all", True, NORMUON)):
+        err, opt = _run_case(_split_specs(world), _flat_shard(flat), strategy, a2a, ns=ns)
+        results.append((f"split W={world} {strategy} normuon={bool(ns)}", err, _paths(opt)))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 5])
+def test_split_parity_with_single_process(world):
+    """Odd worlds: ceil chunking gives uneven shards (20 rows: 7, 7, 6 or 4 x 5)."""
+    for label, err, paths in run_world(_split_world, world, world, timeout_s=600)[0]:
+        strategy = label.split()[2]
+        assert paths == {"local", "full", strategy}, (label, paths)
+        assert err < 2e-5, f"{label}: max |distributed - reference| = {err:.3g}"  # as below
 
 
 @pytest.mark.slow
