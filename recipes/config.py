@@ -74,6 +74,12 @@ class RouterOptim(StrEnum):
     muon = "muon"
 
 
+class MuonSplit(StrEnum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
 class AdjustLr(StrEnum):
     original = "original"
     match_rms_adamw = "match_rms_adamw"
@@ -206,6 +212,11 @@ class MuonOptimConfig(OptimConfig):
         False, "NorMuon: per-row (wide blocks: per-column) second-moment normalization after NS"
     )
     normuon_beta2: float = _f(0.95, "NorMuon second-moment EMA coefficient, in [0, 1)")
+    muon_split: MuonSplit = _f(
+        MuonSplit.auto,
+        "Muon Split: orthogonalize attention projections per head block; auto: on for MLA "
+        "(as GLM-5), off for GQA",
+    )
 
 
 @dataclass

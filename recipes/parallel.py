@@ -82,6 +82,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         adamw_weight_decay=o.adamw_weight_decay,
         adamw_betas=tuple(o.betas),
         adamw_eps=o.eps,
+        muon_split=muon_split_on(str(o.muon_split), model),
     )
     return Muon(
         groups,
@@ -103,6 +104,14 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         normuon_beta2=o.normuon_beta2,
         memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
     )
+
+
+def muon_split_on(choice: str, model: torch.nn.Module) -> bool:
+    """`optim.muon_split`: on, off, or auto = on for MLA attention (GLM-5 trains it so) and off
+    for GQA (docs/attention_muon.md has the measurement behind that default)."""
+    if choice == "auto":
+        return getattr(getattr(model, "config", None), "attention", "gqa") == "mla"
+    return choice == "on"
 
 
 def lr_lambda(cfg: DictConfig):

@@ -129,6 +129,10 @@ class Attention(MaxLogitRecorder, nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv_heads * K, bias=bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * K, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * K, D, bias=False)
+        # Muon Split (optim.muon_split): each head's rows of q, k and v a block of their own
+        self.q_proj.orthogonal_splits = {"weight": (K,) * self.n_heads}
+        self.k_proj.orthogonal_splits = {"weight": (K,) * self.n_kv_heads}
+        self.v_proj.orthogonal_splits = {"weight": (K,) * self.n_kv_heads}
         if config.use_qk_norm:
             self.q_norm = RMSNorm(K, config.rms_norm_eps)
             self.k_norm = RMSNorm(K, config.rms_norm_eps)

@@ -65,6 +65,11 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_rank, N * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(N * self.v_dim, D, bias=bias)
+        # Muon Split (optim.muon_split, GLM-5): the row blocks orthogonalized on their own
+        q = self.q_proj if config.q_lora_rank is None else self.q_b_proj
+        q.orthogonal_splits = {"weight": (self.nope, self.rope) * N}
+        self.kv_a_proj_with_mqa.orthogonal_splits = {"weight": (self.kv_rank, self.rope)}
+        self.kv_b_proj.orthogonal_splits = {"weight": (self.nope, self.v_dim) * N}
         self.scale = softmax_scale(config)
         self.sparse = config.uses_dsa
         self.topk = config.index_topk
