@@ -87,11 +87,13 @@ def build_model(model_name: str, world_size: int, ep: int, dtype: torch.dtype):
     return model, config, meshes
 
 
-def build_optimizer(model, strategy: str, expert_aware: bool, router: str, ns_dtype, **kw):
+def build_optimizer(
+    model, strategy: str, expert_aware: bool, router: str, ns_dtype, muon_split=False, **kw
+):
     """`muon.Muon` over `muon.param_groups(model)`, exactly as the recipe builds it."""
     import muon
 
-    groups = muon.param_groups(model, router=router)
+    groups = muon.param_groups(model, router=router, muon_split=muon_split)
     return muon.Muon(
         groups,
         remainder_strategy=strategy,
@@ -156,7 +158,7 @@ class ShapeGroup:
     @property
     def key(self) -> tuple:
         b = self.batches[0]
-        return (self.mesh_index, b.global_shape, b.num_blocks, b.itemsize)
+        return (self.mesh_index, b.global_shape, b.num_blocks, b.split_sizes, b.itemsize)
 
     @property
     def params(self) -> int:
@@ -179,7 +181,7 @@ def shape_groups(plans: list[tuple[MeshCommPlan, list[BatchPlan]]]) -> list[Shap
     out: list[ShapeGroup] = []
     for i, (mp, batches) in enumerate(plans):
         for b in batches:
-            key = (i, b.global_shape, b.num_blocks, b.itemsize)
+            key = (i, b.global_shape, b.num_blocks, b.split_sizes, b.itemsize)
             if out and out[-1].key == key:
                 out[-1].batches.append(b)
             else:
@@ -231,6 +233,7 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
             "non_fsdp_shard_factor": base.mesh.non_fsdp_shard_factor,
             "shape": list(b0.global_shape),
             "num_blocks": b0.num_blocks,
+            "split_sizes": list(b0.split_sizes),
             "fsdp_visible_rows": b0.fsdp_visible_rows,
             "itemsize": b0.itemsize,
             "params": base.params,
@@ -325,6 +328,13 @@ def _render(header: list[str], rows: list[list[str]], left: set[int]) -> list[st
     return [line(header), "-" * len(line(header)), *map(line, rows)]
 
 
+def _blocks(g: dict) -> str:
+    """The group's block count; blocks of unequal heights (Muon Split) as count + distinct rows."""
+    if not g.get("split_sizes"):
+        return str(g["num_blocks"])
+    return f"{g['num_blocks']} ({'/'.join(map(str, sorted(set(g['split_sizes']))))} rows)"
+
+
 def _merge(batches: list) -> str:
     """[[full, 64], [agrs, 12]] -> "full:64 agrs:12"; runs of one path: "subgroup:64+12"."""
     out: list[tuple[str, list[int]]] = []
@@ -378,7 +388,7 @@ def format_report(report: dict) -> str:
                     [
                         str(i) if first else "",
                         "x".join(map(str, g["shape"])) if first else "",
-                        str(g["num_blocks"]) if first else "",
+                        _blocks(g) if first else "",
                         str(g["params"]) if first else "",
                         _merge(st["batches"]),
                         str(st["remainder"]),
@@ -491,6 +501,8 @@ def plan(
     budget_gib: float | None = None,
     strategies: tuple[str, ...] = REMAINDER_CHOICES,
     tokens_per_step: int = TOKENS_PER_STEP,
+    muon_split: bool = False,
+    normuon: bool = False,
 ) -> dict:
     """Build the optimizer plans in a fake world and return the report as plain data."""
     if not 0 <= rank < world_size:
@@ -509,6 +521,8 @@ def plan(
                 expert_aware,
                 router,
                 DTYPES[ns_dtype],
+                muon_split=muon_split,
+                normuon=normuon,
                 nesterov=nesterov,
                 max_inflight=max_inflight,
                 ns_algorithm=ns_algorithm,
@@ -541,6 +555,8 @@ def plan(
         build_s=build_s,
         tokens_per_step=tokens_per_step,
         active_parameters=active,
+        muon_split=muon_split,
+        normuon=normuon,
     )
     report["over_budget"] = over_budget(report, budget)
     return report
@@ -587,6 +603,12 @@ def main(argv: list[str] | None = None) -> int:
         default=TOKENS_PER_STEP,
         help="tokens per training step, for the NS share of a step (default 4M)",
     )
+    ap.add_argument(
+        "--muon-split",
+        action="store_true",
+        help="Muon Split: attention projections per head block (optim.muon_split=on)",
+    )
+    ap.add_argument("--normuon", action="store_true", help="NorMuon on (its moments as state)")
     ap.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
     ap.add_argument(
         "--step", action="store_true", help="also the whole-step per-rank memory estimate"
@@ -609,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         budget_gib=args.budget_gib,
         strategies=tuple(args.strategy or REMAINDER_CHOICES),
         tokens_per_step=args.tokens_per_step,
+        muon_split=args.muon_split,
+        normuon=args.normuon,
     )
     print(format_report(report))
     if args.json:
