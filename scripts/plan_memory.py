@@ -294,6 +294,34 @@ def ns_figures(opt, fwd_bwd: float) -> dict:
     return fig
 
 
+def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: float) -> dict:
+    """This rank's cost of the attention knobs: NorMuon's moments (bytes of `normuon_v` state),
+    QK-clip's recording (one more causal Q K^T per layer and sequence, no backward)
+    and its one MAX all-reduce of [layers, heads] float32 per step."""
+    state = sum(
+        st["normuon_v"].to_local().numel() * 4
+        if hasattr(st["normuon_v"], "to_local")
+        else st["normuon_v"].numel() * 4
+        for st in opt.state.values()
+        if "normuon_v" in st
+    )
+    if config.attention == "mla":
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    else:
+        qk = config.head_dim_resolved
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    from models.glm.qk_clip import recording_flops
+
+    record = layers * tokens_per_rank / seq_len * recording_flops(seq_len, heads, qk)
+    return {
+        "normuon_state_bytes": state,
+        "qk_clip_record_flops": record,
+        "qk_clip_record_share": record / fwd_bwd if fwd_bwd else None,
+        "qk_clip_allreduce_bytes": layers * heads * 4,
+        "seq_len": seq_len,
+    }
+
+
 def active_parameters(model, config) -> int:
     """Parameters one token passes through: all, less the routed experts it is not sent to."""
     routed = sum(
@@ -453,6 +481,17 @@ def format_report(report: dict) -> str:
         lines.append(
             f"  comm group g (per-rank lists in --json): ranks {g[:4]}... ({len(g)} ranks)"
         )
+    att = report.get("attention")
+    if att:
+        share = att["qk_clip_record_share"]
+        lines += [
+            "",
+            f"attention knobs, rank {meta['rank']}: NorMuon moments "
+            f"{fmt_bytes(att['normuon_state_bytes'])} (with --normuon); QK-clip / attn/max_logit "
+            f"recording {att['qk_clip_record_flops'] / 1e12:.2f} TFLOP per step at sequences of "
+            f"{att['seq_len']} ({share:.2%} of forward+backward), one MAX all-reduce of "
+            f"{fmt_bytes(att['qk_clip_allreduce_bytes'])}",
+        ]
     if budget is not None:
         over = report["over_budget"]
         lines.append(f"over budget ({fmt_bytes(budget)}): {len(over)}")
@@ -503,6 +542,7 @@ def plan(
     tokens_per_step: int = TOKENS_PER_STEP,
     muon_split: bool = False,
     normuon: bool = False,
+    seq_len: int = 4096,
 ) -> dict:
     """Build the optimizer plans in a fake world and return the report as plain data."""
     if not 0 <= rank < world_size:
@@ -533,6 +573,9 @@ def plan(
         build_s = time.perf_counter() - t0
         ns_itemsize = DTYPES[ns_dtype].itemsize
         report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
+        report["attention"] = attention_figures(
+            next(iter(opts.values())), config, tokens_per_step // world_size, seq_len, fwd_bwd
+        )
         efsdp = meshes.efsdp
     finally:
         if created:
@@ -633,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_step=args.tokens_per_step,
         muon_split=args.muon_split,
         normuon=args.normuon,
+        seq_len=args.seq_len,
     )
     print(format_report(report))
     if args.json:

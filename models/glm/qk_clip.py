@@ -4,7 +4,8 @@ Recording: an attention with `record_max_logits` on keeps, per query head, the l
 pre-softmax logit q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its
 training forwards saw since the last `take_max_logits`: every micro-batch of a step, but not the
 activation-checkpoint recomputation (`models.glm.recompute`), and not forwards without grad
-(evaluation). It costs one more Q K^T per layer, without grad, computed in query chunks.
+(evaluation). It costs one more (causal) Q K^T per layer, without grad, in query chunks
+(`recording_flops`).
 
 Clipping (after the optimizer step, with the maximum over the ranks that saw different data), GQA:
 eta = min(1, tau / S) per KV group, S the largest logit of the group's query heads (Megatron-LM's
@@ -26,7 +27,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from models.glm.recompute import is_recomputing
 
 #: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
-#: float32 logits (with B * N = 64 and T = 4096: 128 MiB)
+#: float32 logits (with B * N = 64 and T = 4096: 128 MiB); a chunk reads only the keys up to its
+#: last query, so the recording computes about half of the T x T logits
 QUERY_CHUNK = 128
 
 
@@ -45,11 +47,12 @@ def head_max_logits(
     keys = torch.arange(T, device=q_BNTK.device)
     for start in range(0, T, QUERY_CHUNK):
         q = q_BNTK[:, :, start : start + QUERY_CHUNK].float()
-        s_BNQT = torch.matmul(q, k.transpose(-1, -2)) * scale
+        end = start + q.size(2)  # keys past the chunk's last query are masked either way
+        s_BNQT = torch.matmul(q, k[:, :, :end].transpose(-1, -2)) * scale
         if keep_B1TS is None:
-            masked = keys[None, :] > keys[start : start + q.size(2), None]  # the future
-        else:
-            masked = ~keep_B1TS[:, :, start : start + q.size(2)]
+            masked = keys[None, :end] > keys[start:end, None]  # the future
+        else:  # DSA keeps causal keys only
+            masked = ~keep_B1TS[:, :, start:end, :end]
         s_BNQT.masked_fill_(masked, -torch.inf)
         best = torch.maximum(best, s_BNQT.amax(dim=(0, 2, 3)))
     return best
@@ -70,6 +73,13 @@ class MaxLogitRecorder:
         best = head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS)
         prev = self.max_logits_N
         self.max_logits_N = best if prev is None else torch.maximum(prev, best)
+
+
+def recording_flops(seq_len: int, heads: int, qk_dim: int) -> int:
+    """FLOPs of one sequence's recording in one layer (the chunked causal Q K^T)."""
+    rows = [min(QUERY_CHUNK, seq_len - s) for s in range(0, seq_len, QUERY_CHUNK)]
+    keys = sum(r * (s + r) for s, r in zip(range(0, seq_len, QUERY_CHUNK), rows, strict=True))
+    return 2 * heads * qk_dim * keys
 
 
 def clip_factors(max_logit_N: torch.Tensor, n_kv_heads: int, tau: float) -> torch.Tensor:
