@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from muon.cost import LinkModel
 from muon.grads import grad_census
-from muon.newton_schulz import orthogonalize_blocks
+from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
@@ -297,6 +297,7 @@ class Muon(torch.optim.Optimizer):
         ortho = partial(
             _orthogonalize,
             block_rows=b.block_rows,
+            block_shape=b.block_shape,
             moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
             dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
@@ -338,8 +339,11 @@ class Muon(torch.optim.Optimizer):
     @staticmethod
     def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
-        rows = b.global_shape[0] // g["num_blocks"]
-        cols = math.prod(b.global_shape) // b.global_shape[0]
+        if len(b.global_shape) > 2:  # each dim-0 slice is a block
+            rows, cols = b.block_shape
+        else:
+            rows = b.global_shape[0] // g["num_blocks"]
+            cols = math.prod(b.global_shape) // b.global_shape[0]
         lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
@@ -399,28 +403,29 @@ def _orthogonalize(
     coefficients,
     dtype,
     eps,
+    block_shape=(),
     moved_shape=(),
     dim=0,
     algorithm="",
 ) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
+    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0,
+    each orthogonalized as a `block_shape` matrix.
 
     With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
     """
+    kw = dict(algorithm=algorithm)
     if dim == 0:
+        if block_shape[0] != block_rows:  # a >2-D parameter: one [d1, d2 * ...] block per row
+            x = m.reshape(-1, *block_shape)
+            return newton_schulz(x, steps, coefficients, dtype, eps, **kw).reshape(m.shape)
         return orthogonalize_blocks(
-            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
+            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, **kw
         )
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
-    o = orthogonalize_blocks(
-        x.reshape(shape[0], -1),
-        shape[0] // block_rows,
-        steps,
-        coefficients,
-        dtype,
-        eps,
-        algorithm=algorithm,
-    )
+    if len(shape) > 2:
+        o = newton_schulz(x.reshape(-1, *block_shape), steps, coefficients, dtype, eps, **kw)
+    else:
+        o = orthogonalize_blocks(x, shape[0] // block_rows, steps, coefficients, dtype, eps, **kw)
     return o.view(shape).movedim(dim, 0).reshape(m.shape)

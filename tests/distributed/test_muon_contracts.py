@@ -2,7 +2,8 @@
 
 Each case either matches a single-process run of the same optimizer on the same parameters or
 raises a clear error on every rank:
-- fused experts (and 3-D matrices) sharded on a tensor dim other than 0;
+- fused experts (and 3-D expert weights) sharded on a tensor dim other than 0;
+- `[E, out, in]` expert weights under FSDP2 (dim 0 sharded), each slice a block;
 - a hand-built (Shard(0), Shard(0)) expert mesh: the inner (last) split is the comm group;
 - `add_param_group` after construction, for a Muon and an AdamW group;
 - a parameter whose grad is None on every rank stays untouched, state included; ranks that
@@ -108,10 +109,40 @@ def _parity(shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.flo
 
 # --------------------------------------------------------------------------------- cases
 def _shard1_cases(flat):
-    """Fused experts and a 3-D matrix sharded on tensor dim 1 over 4 ranks (2 experts each)."""
+    """Fused experts and a 3-D expert weight (8 blocks of [6, 4]) sharded on tensor dim 1 over
+    4 ranks."""
     shapes = [(16, 12)] * 5 + [(8, 6, 4)] * 2  # a full batch + R=1; dim 1 of 6 -> 2,2,2,0
-    spec = [({BLOCKS: 2}, range(7))]
+    spec = [({BLOCKS: 2}, range(5)), ({}, range(5, 7))]
     return {f"shard1 {s}": _parity(shapes, spec, flat, [Shard(1)], s) for s in STRATEGIES}
+
+
+def _expert3d_cases(flat):
+    """[E, out, in] expert weights under FSDP2 (which shards dim 0, the experts): 8 experts
+    (2 whole slices per rank: local), 3 experts (shards of 1, 1, 1, 0), and the same exchanged
+    as whole matrices (expert_aware=False); each slice is a block."""
+    from torch.distributed.fsdp import fully_shard
+
+    shapes = [(8, 6, 10)] * 2 + [(3, 6, 10)] * 3
+    spec = [({BLOCKS: 8}, range(2)), ({}, range(2, 5))]
+    out = {}
+    for aware in (True, False):
+        init = _tensors(shapes, 11)
+        holder = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
+        fully_shard(holder, mesh=flat)
+        params, ref_params = list(holder), _dist_params(init, None, None)
+        kw = dict(KW, expert_aware=aware)
+        opt = Muon(_groups(params, spec), **kw)
+        ref = Muon(_groups(ref_params, spec), **kw)
+        for step in range(STEPS):
+            grads = _tensors(shapes, 600 + step)
+            _set_grads(params, grads)
+            _set_grads(ref_params, grads)
+            opt.step()
+            ref.step()
+        out[f"expert3d aware={aware}"] = _max_err(opt, params, ref, ref_params)
+        blocks = {b.num_blocks for _, bs in opt.plans for b in bs}
+        out[f"expert3d blocks aware={aware}"] = 0.0 if blocks == {8, 3} else f"blocks {blocks}"
+    return out
 
 
 def _shard00_cases(_flat):
@@ -247,7 +278,8 @@ def _contracts_world():
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        for case in (_shard1_cases, _shard00_cases, _add_group_case, _grad_none_cases, _dtype_case):
+        cases = (_shard1_cases, _expert3d_cases, _shard00_cases, _add_group_case)
+        for case in (*cases, _grad_none_cases, _dtype_case):
             try:  # the errors of every case are reported, not only the first
                 out.update(case(flat))
             except Exception as e:  # noqa: BLE001 - reported by the test with its traceback
