@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon import Muon
@@ -90,12 +91,20 @@ def _groups(params, spec):
     return [dict(kw, params=[params[i] for i in idx]) for kw, idx in spec]
 
 
-def _parity(shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.float32, scale=None):
-    """STEPS steps distributed and single-process on the same groups; returns the max error."""
+def _parity(
+    shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.float32, scale=None, **kw
+):
+    """STEPS steps distributed and single-process on the same groups; returns the max error
+    and the distributed optimizer. `placements=None`: FSDP2's `fully_shard` over `mesh`."""
     init = _tensors(shapes, seed, dtype, scale)
-    params = _dist_params(init, mesh, placements)
+    if placements is None:
+        holder = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
+        fully_shard(holder, mesh=mesh)
+        params = list(holder)
+    else:
+        params = _dist_params(init, mesh, placements)
     ref_params = _dist_params(init, None, None)
-    kw = dict(KW, remainder_strategy=strategy)
+    kw = dict(KW, remainder_strategy=strategy, **kw)
     opt = Muon(_groups(params, spec), **kw)
     ref = Muon(_groups(ref_params, spec), **kw)
     for step in range(STEPS):
@@ -104,7 +113,7 @@ def _parity(shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.flo
         _set_grads(ref_params, grads)
         opt.step()
         ref.step()
-    return _max_err(opt, params, ref, ref_params)
+    return _max_err(opt, params, ref, ref_params), opt
 
 
 # --------------------------------------------------------------------------------- cases
@@ -113,33 +122,19 @@ def _shard1_cases(flat):
     4 ranks."""
     shapes = [(16, 12)] * 5 + [(8, 6, 4)] * 2  # a full batch + R=1; dim 1 of 6 -> 2,2,2,0
     spec = [({BLOCKS: 2}, range(5)), ({}, range(5, 7))]
-    return {f"shard1 {s}": _parity(shapes, spec, flat, [Shard(1)], s) for s in STRATEGIES}
+    return {f"shard1 {s}": _parity(shapes, spec, flat, [Shard(1)], s)[0] for s in STRATEGIES}
 
 
 def _expert3d_cases(flat):
     """[E, out, in] expert weights under FSDP2 (which shards dim 0, the experts): 8 experts
     (2 whole slices per rank: local), 3 experts (shards of 1, 1, 1, 0), and the same exchanged
     as whole matrices (expert_aware=False); each slice is a block."""
-    from torch.distributed.fsdp import fully_shard
-
     shapes = [(8, 6, 10)] * 2 + [(3, 6, 10)] * 3
     spec = [({BLOCKS: 8}, range(2)), ({}, range(2, 5))]
     out = {}
     for aware in (True, False):
-        init = _tensors(shapes, 11)
-        holder = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
-        fully_shard(holder, mesh=flat)
-        params, ref_params = list(holder), _dist_params(init, None, None)
-        kw = dict(KW, expert_aware=aware)
-        opt = Muon(_groups(params, spec), **kw)
-        ref = Muon(_groups(ref_params, spec), **kw)
-        for step in range(STEPS):
-            grads = _tensors(shapes, 600 + step)
-            _set_grads(params, grads)
-            _set_grads(ref_params, grads)
-            opt.step()
-            ref.step()
-        out[f"expert3d aware={aware}"] = _max_err(opt, params, ref, ref_params)
+        err, opt = _parity(shapes, spec, flat, None, "pad_all2all", seed=11, expert_aware=aware)
+        out[f"expert3d aware={aware}"] = err
         blocks = {b.num_blocks for _, bs in opt.plans for b in bs}
         out[f"expert3d blocks aware={aware}"] = 0.0 if blocks == {8, 3} else f"blocks {blocks}"
     return out
@@ -154,7 +149,7 @@ def _shard00_cases(_flat):
     spec = [({BLOCKS: 2}, range(6)), ({BLOCKS: 4}, range(6, 8))]
     out = {}
     for s in STRATEGIES:
-        out[f"shard00 {s}"] = _parity(shapes, spec, mesh, [Shard(0), Shard(0)], s)
+        out[f"shard00 {s}"] = _parity(shapes, spec, mesh, [Shard(0), Shard(0)], s)[0]
     return out
 
 
