@@ -220,6 +220,8 @@ class Muon(torch.optim.Optimizer):
                         continue
                     blocks, cols = g["num_blocks"], math.prod(p.shape[1:])
                     heights = g.get("split_sizes") or (p.shape[0] // blocks,)
+                    if p.ndim > 2:  # one [d1, d2 * ...] block per dim-0 slice
+                        blocks, heights, cols = p.shape[0], (p.shape[1],), math.prod(p.shape[2:])
                     length = max(state_len(h, cols) for h in heights)
                     if not isinstance(p, DTensor):
                         v = torch.zeros(blocks, length, device=p.device)
@@ -372,6 +374,7 @@ class Muon(torch.optim.Optimizer):
         ortho = partial(
             _orthogonalize,
             block_rows=b.block_rows,
+            block_shape=b.block_shape,
             moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
             dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
@@ -444,13 +447,15 @@ class Muon(torch.optim.Optimizer):
     @staticmethod
     def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
-        cols = b.block_cols
+        if len(b.global_shape) > 2:  # each dim-0 slice is a block
+            rows, cols = b.block_shape
+        else:
+            rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
         update = _from_rows(o, x, b.shard_tensor_dim)
         if not b.split_sizes:
-            lr = adjusted_lr(g["lr"], g["adjust_lr"], b.global_shape[0] // g["num_blocks"], cols)
-            x.add_(update, alpha=-lr)
+            x.add_(update, alpha=-adjusted_lr(g["lr"], g["adjust_lr"], rows, cols))
             return
         # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
         heights = torch.tensor(b.split_sizes)
@@ -518,6 +523,7 @@ def _orthogonalize(
     coefficients,
     dtype,
     eps,
+    block_shape=(),
     moved_shape=(),
     dim=0,
     algorithm="",
@@ -525,31 +531,39 @@ def _orthogonalize(
     post=None,
     heights=(),
 ) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0,
-    then `post(O_BRC, units)` on the blocks when given (NorMuon).
+    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0
+    (`heights` rows each when they are unequal), each orthogonalized as a `block_shape` matrix,
+    then `post(O_BRC, blocks)` on them when given (NorMuon; `units` say whose blocks they are).
 
     With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
     """
+    kw = dict(algorithm=algorithm)
+    ids = [(j, i) for j, first, count in units for i in range(first, first + count)]
 
-    def blocks(x: torch.Tensor) -> torch.Tensor:
+    def finish(o_BRC: torch.Tensor) -> torch.Tensor:
+        return o_BRC if post is None else post(o_BRC, ids)
+
+    def slices(x: torch.Tensor) -> torch.Tensor:  # a >2-D parameter: one block per dim-0 slice
+        return finish(
+            newton_schulz(x.reshape(-1, *block_shape), steps, coefficients, dtype, eps, **kw)
+        )
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # `[rows, C]` in the Muon layout
         if heights:
-            ids = [(j, i) for j, first, count in units for i in range(first, first + count)]
             ns = dict(steps=steps, coefficients=coefficients, dtype=dtype, eps=eps)
             return _orthogonalize_split(x, [heights[i] for _, i in ids], ids, ns, algorithm, post)
-        o = orthogonalize_blocks(
-            x, x.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
-        )
-        if post is None:
-            return o
-        ids = [(j, i) for j, first, count in units for i in range(first, first + count)]
-        return post(o.reshape(-1, block_rows, o.size(1)), ids).reshape(o.shape)
+        o = orthogonalize_blocks(x, x.size(0) // block_rows, steps, coefficients, dtype, eps, **kw)
+        return o if post is None else finish(o.reshape(-1, block_rows, o.size(1))).reshape(o.shape)
 
     if dim == 0:
-        return blocks(m)
+        if block_shape and block_shape[0] != block_rows:
+            return slices(m).reshape(m.shape)
+        return rows(m)
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
-    return blocks(x.reshape(shape[0], -1)).view(shape).movedim(dim, 0).reshape(m.shape)
+    o = slices(x) if len(shape) > 2 else rows(x.reshape(shape[0], -1))
+    return o.reshape(shape).movedim(dim, 0).reshape(m.shape)
 
 
 def _orthogonalize_split(x, heights, ids, ns: dict, algorithm: str, post) -> torch.Tensor:

@@ -29,6 +29,7 @@ from muon.plan import (
     plan_batches,
     resolve_mesh_comm_plan,
 )
+from muon.validate import param_blocks
 
 
 @dataclass
@@ -110,7 +111,7 @@ def build_step_plan(
                 ParamMeta(
                     index=len(params),
                     global_shape=tuple(p.shape),
-                    num_blocks=g["num_blocks"],
+                    num_blocks=param_blocks(tuple(p.shape), g["num_blocks"], name or ""),
                     split_sizes=g.get("split_sizes") or (),
                     dtype=str(p.dtype).removeprefix("torch."),
                     itemsize=p.element_size(),

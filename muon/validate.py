@@ -153,18 +153,41 @@ def validate_group(g: dict) -> None:
                 "put vectors in an algorithm='adamw' group"
             )
         splits = g["split_sizes"]
-        if splits is not None and sum(splits) != p.shape[0]:
+        if splits is not None:
+            if p.ndim != 2 or sum(splits) != p.shape[0]:
+                raise ValueError(
+                    f"split_sizes: {len(splits)} blocks of {sum(splits)} rows in all; {label} "
+                    f"has {p.shape[0]} rows (dim 0) and must be 2-D"
+                )
+            continue
+        param_blocks(tuple(p.shape), blocks, label)
+
+
+def param_blocks(shape: tuple[int, ...], num_blocks, label: str) -> int:
+    """The number of independent blocks of a Muon parameter, validated.
+
+    2-D `[rows, cols]`: `num_blocks` runs of rows (fused experts), which must divide the rows.
+    More dims, `[E, out, in, ...]` (the transformers v5 / torchtitan expert layout): each slice
+    along dim 0 is one block, a `[out, in * ...]` matrix, so the parameter has E blocks;
+    `num_blocks` must be 1 (the group's default) or E."""
+    if not (isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and num_blocks >= 1):
+        raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r} ({label})")
+    if len(shape) == 2:
+        if shape[0] % num_blocks:
             raise ValueError(
-                f"split_sizes: {len(splits)} blocks of {sum(splits)} rows in all; {label} has "
-                f"{p.shape[0]} rows (dim 0)"
-            )
-        if splits is None and not (
-            isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0
-        ):
-            raise ValueError(
-                f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
+                f"num_blocks: {num_blocks} must be a positive divisor of the {shape[0]} rows "
                 f"of {label}"
             )
+        return num_blocks
+    slice_shape = f"[{shape[1]}, {math.prod(shape[2:])}]"
+    if num_blocks not in (1, shape[0]):
+        raise ValueError(
+            f"num_blocks: {num_blocks} for the {len(shape)}-D parameter {label}: each "
+            f"{slice_shape} slice along dim 0 is one block, {shape[0]} blocks; leave num_blocks "
+            f"at 1 or set it to {shape[0]}, or declare other blocks on a 2-D "
+            f"[{shape[0] * shape[1]}, {math.prod(shape[2:])}] view of the weight"
+        )
+    return shape[0]
 
 
 def _normalize_splits(g: dict) -> None:

@@ -18,6 +18,7 @@ def test_bench_writes_tables_and_plots(tmp_path):
     argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--train-seeds", "2"]
     argv += ["--train-lrs", "0.02", "--step-world", "2"]
     argv += ["--step-shape", "32x96", "--step-count", "2", "--step-repeats", "1"]
+    argv += ["--cond-scale", "4"]  # 128x384 and 256x768: still Gram under "auto"
     res = bench.main([*argv, "--out", str(tmp_path)])
     for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
         assert (tmp_path / name).stat().st_size > 0, name
@@ -30,6 +31,8 @@ def test_bench_writes_tables_and_plots(tmp_path):
     assert "Training, tiny GLM, lr 0.02, mean of 2 seeds: the default ends" in tables
     assert "the default (auto) runs standard" in tables  # the router block, 4 rows here
     assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
+    assert len(res["conditioning"]) == 2 * len(bench.CONDITIONING)
+    assert "Ill-conditioned bf16 blocks (5 cases" in tables
     timed = [r for r in res["shapes"] if "ms_per_block" in r]
     assert len(timed) == len(bench.GLM_SHAPES) * len(bench.VARIANTS)
     assert all(r["ms_per_block"] > 0 and r["gflop_per_block"] > 0 for r in timed)

@@ -116,3 +116,19 @@ def test_bad_knobs_are_rejected(kw, match):
     _, groups = _setup()
     with pytest.raises(ValueError, match=match):
         Muon(groups, **kw)
+
+
+def test_three_dim_parameter_equals_its_2d_view_with_e_blocks():
+    """[E, out, in] is E blocks of [out, in]: the same as the [E * out, in] view, num_blocks=E."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, 6, generator=gen)
+    p3, p2 = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.reshape(12, 6).clone())
+    opt3 = Muon([p3], **KW)
+    opt2 = Muon([dict(params=[p2], num_blocks=3)], **KW)
+    for _ in range(2):
+        g = torch.randn(3, 4, 6, generator=gen)
+        p3.grad, p2.grad = g.clone(), g.reshape(12, 6).clone()
+        opt3.step()
+        opt2.step()
+    torch.testing.assert_close(p3.detach().reshape(12, 6), p2.detach(), rtol=0, atol=1e-6)
+    assert torch.equal(opt3.state[p3]["normuon_v"], opt2.state[p2]["normuon_v"])
