@@ -36,12 +36,15 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from muon import normuon
+from muon.blocks import from_rows as _from_rows
+from muon.blocks import local as _local
+from muon.blocks import moved_shape as _moved_shape
+from muon.blocks import orthogonalize as _orthogonalize
+from muon.blocks import to_rows as _to_rows
 from muon.cost import LinkModel
 from muon.grads import grad_census
-from muon.newton_schulz import newton_schulz, orthogonalize_blocks
-from muon.normuon import normalize, state_len, sync_owned
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
@@ -62,10 +65,6 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
     if adjust_lr == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     return lr
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Muon(torch.optim.Optimizer):
@@ -196,7 +195,7 @@ class Muon(torch.optim.Optimizer):
     def _plan(self) -> None:
         """(Re)build the step plan from the current groups (collective, see `muon.planner`)."""
         if hasattr(self, "plan"):  # owners may move: every copy of NorMuon's moments current
-            self._sync_normuon()
+            normuon.sync(self)
         self.plan = build_step_plan(
             self.param_groups,
             remainder_strategy=self.remainder_strategy,
@@ -205,69 +204,12 @@ class Muon(torch.optim.Optimizer):
             memory_budget=self.memory_budget,
             link=self._link,
         )
-        self._init_normuon_state()
-
-    def _init_normuon_state(self) -> None:
-        """NorMuon's second moments: `[num_blocks, L]` float32 per parameter (L the rows or the
-        columns of a block, `muon.normuon.state_len`), replicated over the FSDP group and sharded
-        on the experts' EP dim, so that DCP saves one copy and reshards it onto any mesh."""
-        for mp, batches in self.plan.plans:
-            for b in batches:
-                for i in b.param_indices:
-                    p, gi = self.plan.params[i]
-                    g = self.param_groups[gi]
-                    if not g.get("normuon"):
-                        continue
-                    blocks, cols = g["num_blocks"], math.prod(p.shape[1:])
-                    heights = g.get("split_sizes") or (p.shape[0] // blocks,)
-                    if p.ndim > 2:  # one [d1, d2 * ...] block per dim-0 slice
-                        blocks, heights, cols = p.shape[0], (p.shape[1],), math.prod(p.shape[2:])
-                    length = max(state_len(h, cols) for h in heights)
-                    if not isinstance(p, DTensor):
-                        v = torch.zeros(blocks, length, device=p.device)
-                    else:
-                        placements = [
-                            Shard(0) if d == mp.ep_mesh_dim else Replicate()
-                            for d in range(p.device_mesh.ndim)
-                        ]
-                        local = torch.zeros(
-                            blocks // mp.non_fsdp_shard_factor, length, device=p.to_local().device
-                        )
-                        v = DTensor.from_local(
-                            local,
-                            p.device_mesh,
-                            placements,
-                            run_check=False,
-                            shape=(blocks, length),
-                            stride=(length, 1),
-                        )
-                    self.state[p].setdefault("normuon_v", v)
-
-    def _sync_normuon(self) -> None:
-        """Give every rank the owners' NorMuon moments (collective over each FSDP group): a
-        rank updates only the blocks it orthogonalizes, so the copies differ between steps."""
-        for mp, batches in self.plan.plans:
-            if not mp.sharded:
-                continue
-            tensors, owned = [], []
-            for b in batches:
-                for j, i in enumerate(b.param_indices):
-                    p, gi = self.plan.params[i]
-                    if not self.param_groups[gi].get("normuon"):
-                        continue
-                    v = _local(self.state[p]["normuon_v"])
-                    mask = torch.zeros(v.size(0), dtype=torch.bool, device=v.device)
-                    for unit, first, count in b.exchange.units(b, mp.fsdp_rank):
-                        if unit == j:
-                            mask[first : first + count] = True
-                    tensors.append(v)
-                    owned.append(mask)
-            sync_owned(tensors, owned, self.plan.groups[(mp, 0)])
+        normuon.init_state(self)
 
     def state_dict(self) -> dict:
         """The state dict, with NorMuon's moments made equal on every rank first (collective
         when NorMuon is on: call it on every rank, as DCP's `get_state_dict` does)."""
-        self._sync_normuon()
+        normuon.sync(self)
         return super().state_dict()
 
     @property
@@ -382,7 +324,7 @@ class Muon(torch.optim.Optimizer):
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
             algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
-            post=self._normuon_post(params, b),
+            post=normuon.post_for(self, params, b),
             heights=b.split_sizes,
         )
         stats.batches[b.path] += 1
@@ -414,35 +356,6 @@ class Muon(torch.optim.Optimizer):
         for (p, g), o in zip(params, results, strict=True):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
                 self._apply(p, g, o, b, mp.fsdp_rank)
-
-    def _normuon_post(self, params: list, b: BatchPlan):
-        """NorMuon for the blocks of batch `b` this rank orthogonalizes, or None when no
-        parameter of the batch has it on: `post(O_BRC, blocks)`, `blocks[i]` = (parameter j,
-        block index) of `O_BRC[i]`, normalizes them (`muon.normuon.normalize`) and updates their
-        moments in this rank's copy."""
-        if not any(g.get("normuon") for _, g in params):
-            return None
-
-        def post(o_BRC: torch.Tensor, blocks) -> torch.Tensor:
-            rows, cols = o_BRC.shape[1:]
-            by_param: dict[int, tuple[list, list]] = {}
-            for pos, (j, i) in enumerate(blocks):
-                by_param.setdefault(j, ([], []))[0].append(pos)
-                by_param[j][1].append(i)
-            for j, (pos, idx) in by_param.items():
-                p, g = params[j]
-                if not g.get("normuon") or id(p) in self._gradless:
-                    continue
-                v_all = _local(self.state[p]["normuon_v"])
-                length = state_len(rows, cols)  # blocks of unequal heights: a prefix of the row
-                pos_t = torch.tensor(pos, device=o_BRC.device)
-                idx_t = torch.tensor(idx, device=v_all.device)
-                v = v_all[idx_t, :length]
-                o_BRC[pos_t] = normalize(o_BRC[pos_t], v, g["normuon_beta2"])
-                v_all[idx_t, :length] = v
-            return o_BRC
-
-        return post
 
     @staticmethod
     def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
@@ -493,96 +406,3 @@ class Muon(torch.optim.Optimizer):
         else:  # a narrower wire dtype: round the way Newton-Schulz's own cast would
             target.copy_(grad.lerp(buf, mu))
         return out
-
-
-def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
-    if dim != 0:
-        t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
-
-
-def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_to_rows` for a tensor shaped like `like`."""
-    if dim == 0:
-        return rows.view(like.shape)
-    shape = list(like.shape)
-    moved = [shape[dim]] + shape[:dim] + shape[dim + 1 :]
-    return rows.view(moved).movedim(0, dim)
-
-
-def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    """`shape` with `dim` moved first: the layout `_to_rows` exchanges."""
-    return (shape[dim], *shape[:dim], *shape[dim + 1 :])
-
-
-def _orthogonalize(
-    m: torch.Tensor,
-    block_rows,
-    steps,
-    coefficients,
-    dtype,
-    eps,
-    block_shape=(),
-    moved_shape=(),
-    dim=0,
-    algorithm="",
-    units=(),
-    post=None,
-    heights=(),
-) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0
-    (`heights` rows each when they are unequal), each orthogonalized as a `block_shape` matrix,
-    then `post(O_BRC, blocks)` on them when given (NorMuon; `units` say whose blocks they are).
-
-    With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
-    Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
-    """
-    kw = dict(algorithm=algorithm)
-    ids = [(j, i) for j, first, count in units for i in range(first, first + count)]
-
-    def finish(o_BRC: torch.Tensor) -> torch.Tensor:
-        return o_BRC if post is None else post(o_BRC, ids)
-
-    def slices(x: torch.Tensor) -> torch.Tensor:  # a >2-D parameter: one block per dim-0 slice
-        return finish(
-            newton_schulz(x.reshape(-1, *block_shape), steps, coefficients, dtype, eps, **kw)
-        )
-
-    def rows(x: torch.Tensor) -> torch.Tensor:  # `[rows, C]` in the Muon layout
-        if heights:
-            ns = dict(steps=steps, coefficients=coefficients, dtype=dtype, eps=eps)
-            return _orthogonalize_split(x, [heights[i] for _, i in ids], ids, ns, algorithm, post)
-        o = orthogonalize_blocks(x, x.size(0) // block_rows, steps, coefficients, dtype, eps, **kw)
-        return o if post is None else finish(o.reshape(-1, block_rows, o.size(1))).reshape(o.shape)
-
-    if dim == 0:
-        if block_shape and block_shape[0] != block_rows:
-            return slices(m).reshape(m.shape)
-        return rows(m)
-    x = m.reshape(moved_shape).movedim(0, dim)
-    shape = x.shape
-    o = slices(x) if len(shape) > 2 else rows(x.reshape(shape[0], -1))
-    return o.reshape(shape).movedim(dim, 0).reshape(m.shape)
-
-
-def _orthogonalize_split(x, heights, ids, ns: dict, algorithm: str, post) -> torch.Tensor:
-    """Newton-Schulz of the blocks of unequal `heights` stacked along dim 0 of `x`, each on its
-    own: blocks of one height go through one batched call (`ids[i]`, the (parameter, block) of
-    block i, tells NorMuon's `post` whose moments they use)."""
-    starts = [0]
-    for h in heights[:-1]:
-        starts.append(starts[-1] + h)
-    out = torch.empty_like(x)
-    by_height: dict[int, list[int]] = {}
-    for i, h in enumerate(heights):
-        by_height.setdefault(h, []).append(i)
-    for h, members in by_height.items():
-        rows = torch.cat([torch.arange(starts[i], starts[i] + h) for i in members]).to(x.device)
-        o = newton_schulz(
-            x.index_select(0, rows).view(len(members), h, -1), algorithm=algorithm, **ns
-        )
-        if post is not None:
-            o = post(o, [ids[i] for i in members])
-        out.index_copy_(0, rows, o.reshape(-1, x.size(1)))
-    return out
