@@ -106,6 +106,12 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
     )
 
 
+def records_max_logits(cfg: DictConfig) -> bool:
+    """Whether training forwards record attention max logits: for `attn/max_logit`
+    (`metrics.attn_max_logit`) or because QK-clip needs them (`optim.qk_clip_tau` set)."""
+    return bool(cfg.metrics.attn_max_logit) or cfg.optim.qk_clip_tau is not None
+
+
 def muon_split_on(choice: str, model: torch.nn.Module) -> bool:
     """`optim.muon_split`: on, off, or auto = on for MLA attention (GLM-5 trains it so) and off
     for GQA (docs/attention_muon.md has the measurement behind that default)."""

@@ -40,7 +40,14 @@ from recipes.metrics import (
     memory_extremes,
     remainder_metrics,
 )
-from recipes.parallel import build_model, build_optimizer, describe_model, lr_lambda, model_config
+from recipes.parallel import (
+    build_model,
+    build_optimizer,
+    describe_model,
+    lr_lambda,
+    model_config,
+    records_max_logits,
+)
 
 log = logging.getLogger("recipes")
 
@@ -108,7 +115,7 @@ class Trainer:
         self.params = _groups_by_algorithm(self.opt)
         self.clipped = self.params["adamw"] + (self.params["muon"] if cfg.train.clip_muon else [])
         self.qk_clip_tau = cfg.optim.qk_clip_tau
-        self.max_logits = cfg.metrics.attn_max_logit or self.qk_clip_tau is not None
+        self.max_logits = records_max_logits(cfg)
         self.model.record_max_logits(self.max_logits)
         if self.rank == 0:
             path = token_file(cfg.data)  # builds the stdlib corpus once per machine

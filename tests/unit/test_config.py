@@ -279,3 +279,27 @@ def test_newton_schulz_knobs_reach_the_optimizer():
         for g in default.param_groups
         if g["algorithm"] == "muon"
     } == {("polar_express", "auto")}
+
+
+def test_attention_knobs_reach_the_model_and_optimizer():
+    """metrics.attn_max_logit / optim.qk_clip_tau decide the recording; optim.muon_split which
+    projections are split (auto: MLA only)."""
+    from models.glm import GLMForCausalLM, get_preset
+    from recipes.parallel import build_optimizer, muon_split_on, records_max_logits
+
+    assert records_max_logits(_compose([]))
+    assert not records_max_logits(_compose(["metrics.attn_max_logit=false"]))
+    assert records_max_logits(_compose(["metrics.attn_max_logit=false", "optim.qk_clip_tau=50"]))
+    gqa, mla = GLMForCausalLM(get_preset("tiny")), GLMForCausalLM(get_preset("mla_tiny"))
+    assert not muon_split_on("auto", gqa) and muon_split_on("auto", mla)
+    assert muon_split_on("on", gqa) and not muon_split_on("off", mla)
+    opt = build_optimizer(_compose(["optim.muon_split=on"]), gqa)
+    split = {n for g in opt.param_groups if g.get("num_blocks", 1) > 1 for n in g["param_names"]}
+    assert "model.layers.0.self_attn.q_proj.weight" in split
+    unsplit = build_optimizer(_compose([]), gqa)
+    assert not any(
+        "self_attn" in n
+        for g in unsplit.param_groups
+        if g.get("num_blocks", 1) > 1
+        for n in g["param_names"]
+    )
