@@ -380,7 +380,8 @@ class Muon(torch.optim.Optimizer):
             rows = (row_height == h).nonzero().view(-1).to(x.device)
             if rows.numel():
                 lr = adjusted_lr(g["lr"], g["adjust_lr"], h, cols)
-                x.index_add_(0, rows, update.index_select(0, rows), alpha=-lr)
+                # the update may arrive in a narrower wire dtype; add_ would promote it too
+                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lr)
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None

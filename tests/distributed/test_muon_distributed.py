@@ -111,8 +111,8 @@ def _run_case(specs, shard_fn, strategy, all2all, seed=0, expert_aware=True, ns=
         enable_all2all=all2all,
         max_inflight=2,
         expert_aware=expert_aware,
-        **(ns or {}),
     )
+    kw.update(ns or {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         opt = Muon(_groups(params, specs), **kw)
@@ -243,9 +243,14 @@ def _split_specs(world: int):
 def _split_world(world: int):
     flat = init_mesh((world,), ("fsdp",))
     results = []
-    for strategy, a2a, ns in (("pad_all2all", True, None), ("ragged_all_to_all", True, NORMUON)):
-        err, opt = _run_case(_split_specs(world), _flat_shard(flat), strategy, a2a, ns=ns)
-        results.append((f"split W={world} {strategy} normuon={bool(ns)}", err, _paths(opt)))
+    cases = (
+        ("pad_all2all", None),
+        ("ragged_all_to_all", NORMUON),
+        ("pad_all2all", {"ns_dtype": torch.bfloat16}),  # float32 params, bf16 on the wire
+    )
+    for strategy, ns in cases:
+        err, opt = _run_case(_split_specs(world), _flat_shard(flat), strategy, True, ns=ns)
+        results.append((f"split W={world} {strategy} {ns}", err, _paths(opt)))
     return results
 
 
@@ -256,7 +261,10 @@ def test_split_parity_with_single_process(world):
     for label, err, paths in run_world(_split_world, world, world, timeout_s=600)[0]:
         strategy = label.split()[2]
         assert paths == {"local", "full", strategy}, (label, paths)
-        assert err < 2e-5, f"{label}: max |distributed - reference| = {err:.3g}"  # as below
+        # float32: as below. bf16 Newton-Schulz of the same bf16 inputs, batched otherwise: a
+        # rounding of 2^-8 of an update of ~0.05 per element and step, over 3 steps: < 2e-3
+        bound = 2e-3 if "bfloat16" in label else 2e-5
+        assert err < bound, f"{label}: max |distributed - reference| = {err:.3g}"
 
 
 @pytest.mark.slow
