@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from muon.cost import LinkModel
 from muon.grads import grad_census
+from muon.layout import from_rows, moved_shape, to_rows
 from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
@@ -47,8 +48,10 @@ from muon.stats import StepStats
 from muon.validate import (
     MUON_ONLY_KEYS,
     check_group_keys,
+    check_loaded_groups,
     dtype_name,
     group_algorithm,
+    plan_keys,
     validate_group,
 )
 
@@ -192,6 +195,41 @@ class Muon(torch.optim.Optimizer):
             memory_budget=self.memory_budget,
             link=self._link,
         )
+        self._planned_params = [tuple(map(id, g["params"])) for g in self.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
+        would load; re-plans (collectively, as the constructor) when planning keys changed."""
+        check_loaded_groups(self.param_groups, state_dict)
+        before = plan_keys(self.param_groups)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                for key in MUON_ONLY_KEYS:
+                    g.pop(key, None)
+            else:
+                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        if plan_keys(self.param_groups) != before:
+            self._plan()
+
+    def _check_params_unchanged(self) -> None:
+        """Parameters appended to (or removed from) a group's list after planning would be
+        skipped silently: refuse to step instead."""
+        now = [tuple(map(id, g["params"])) for g in self.param_groups]
+        if now != self._planned_params:
+            changed = next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(now, self._planned_params, strict=False))
+                    if a != b
+                ),
+                min(len(now), len(self._planned_params)),
+            )
+            raise RuntimeError(
+                f"Muon: param_groups[{changed}]['params'] changed after the optimizer was "
+                "planned; add parameters with add_param_group (on every rank), which plans "
+                "them and creates their state"
+            )
 
     @property
     def plans(self) -> list[tuple[MeshCommPlan, list[BatchPlan]]]:
@@ -249,6 +287,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params_unchanged()
         finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
@@ -298,7 +337,7 @@ class Muon(torch.optim.Optimizer):
             _orthogonalize,
             block_rows=b.block_rows,
             block_shape=b.block_shape,
-            moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
+            moved_shape=moved_shape(b.global_shape, b.shard_tensor_dim),
             dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
             coefficients=g0["ns_coefficients"],
@@ -347,7 +386,7 @@ class Muon(torch.optim.Optimizer):
         lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        x.add_(_from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
+        x.add_(from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
@@ -364,8 +403,8 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         if out is None:
             update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-            return _to_rows(update, shard_dim)
-        target = _from_rows(out, buf, shard_dim)
+            return to_rows(update, shard_dim)
+        target = from_rows(out, buf, shard_dim)
         if not g["nesterov"]:
             target.copy_(buf)
         elif target.dtype == buf.dtype:
@@ -373,27 +412,6 @@ class Muon(torch.optim.Optimizer):
         else:  # a narrower wire dtype: round the way Newton-Schulz's own cast would
             target.copy_(grad.lerp(buf, mu))
         return out
-
-
-def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
-    if dim != 0:
-        t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
-
-
-def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_to_rows` for a tensor shaped like `like`."""
-    if dim == 0:
-        return rows.view(like.shape)
-    shape = list(like.shape)
-    moved = [shape[dim]] + shape[:dim] + shape[dim + 1 :]
-    return rows.view(moved).movedim(0, dim)
-
-
-def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    """`shape` with `dim` moved first: the layout `_to_rows` exchanges."""
-    return (shape[dim], *shape[:dim], *shape[dim + 1 :])
 
 
 def _orthogonalize(

@@ -172,3 +172,60 @@ def param_blocks(shape: tuple[int, ...], num_blocks, label: str) -> int:
             f"[{shape[0] * shape[1]}, {math.prod(shape[2:])}] view of the weight"
         )
     return shape[0]
+
+
+#: group keys the step plan is built from (`muon.planner.build_step_plan`)
+PLAN_KEYS: tuple[str, ...] = (
+    "algorithm",
+    "num_blocks",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_dtype",
+    "ns_algorithm",
+    "eps",
+    "param_names",
+)
+
+
+def plan_keys(groups: list[dict]) -> list[tuple]:
+    """The planning keys of every group, comparable before and after a change."""
+    return [tuple(repr(g.get(k)) for k in PLAN_KEYS) for g in groups]
+
+
+def check_loaded_groups(groups: list[dict], state_dict: dict) -> None:
+    """Validate a state dict against the optimizer's current `groups` before anything is loaded:
+    every saved group's keys and values (as if added with its current parameters), its
+    algorithm (a Muon and an AdamW parameter keep different state), and the shape of every
+    saved state tensor. Raises ValueError naming the group and key."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        n = len(saved) if isinstance(saved, list) else saved
+        raise ValueError(f"load_state_dict: {n} saved param groups for {len(groups)} groups")
+    state = state_dict.get("state", {})
+    for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
+        where = f"load_state_dict: param group {i}"
+        s = dict(s)
+        if group_algorithm(s) == "adamw":  # earlier versions stored Muon's defaults here too
+            for key in MUON_ONLY_KEYS:
+                s.pop(key, None)
+        check_group_keys(s, where)
+        if s.get("algorithm", "muon") != g["algorithm"]:
+            raise ValueError(
+                f"{where}: algorithm {s.get('algorithm')!r} differs from this optimizer's "
+                f"{g['algorithm']!r}; their states differ, so build the optimizer for it instead"
+            )
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(
+                f"{where}: {len(s['params'])} saved parameters for {len(g['params'])} here"
+            )
+        try:
+            validate_group({**s, "params": g["params"]})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        for j, (idx, p) in enumerate(zip(s["params"], g["params"], strict=True)):
+            for key, value in state.get(idx, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
+                    raise ValueError(
+                        f"{where} param {j}: state {key!r} has shape {tuple(value.shape)}, "
+                        f"the parameter {tuple(p.shape)}"
+                    )
