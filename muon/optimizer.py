@@ -110,7 +110,8 @@ class Muon(torch.optim.Optimizer):
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
-    in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
+    in Newton-Schulz and in waiting (on CUDA device time, from events: `muon.stats`);
+    `plan.ns_flops_per_rank` the planned NS work of every rank.
     """
 
     def __init__(
@@ -297,7 +298,7 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
-        stats = StepStats()
+        stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
