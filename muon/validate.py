@@ -219,7 +219,8 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> None:
                 f"{where}: {len(s['params'])} saved parameters for {len(g['params'])} here"
             )
         try:
-            validate_group({**s, "params": g["params"]})
+            # keys an older state dict lacks keep their current values (torch loads as saved)
+            validate_group({**g, **s, "params": g["params"]})
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
         for j, (idx, p) in enumerate(zip(s["params"], g["params"], strict=True)):
