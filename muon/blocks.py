@@ -1,14 +1,11 @@
-"""The layouts an exchanged matrix takes and its orthogonalization block by block.
+"""Orthogonalization of an assembled matrix block by block.
 
-A shard travels as `[rows, C]`: the sharded dim first, the other dims flattened (`to_rows`,
-`from_rows`); an owner orthogonalizes what it assembled in the parameter's Muon layout (blocks
-are runs of dim 0, of equal or of unequal heights, or the dim-0 slices of a >2-D parameter) and
-hands the blocks to NorMuon when it is on (`orthogonalize`'s `post`).
+A shard travels as `[rows, C]` (`muon.layout`); an owner orthogonalizes what it assembled in the
+parameter's Muon layout (blocks are runs of dim 0, of equal or of unequal heights, or the dim-0
+slices of a >2-D parameter) and hands the blocks to NorMuon when it is on (`post`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,27 +16,6 @@ from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's tensor of a DTensor (a plain tensor is its own)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
-    if dim != 0:
-        t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
-
-
-def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `to_rows` for a tensor shaped like `like`."""
-    if dim == 0:
-        return rows.view(like.shape)
-    shape = list(like.shape)
-    moved = [shape[dim]] + shape[:dim] + shape[dim + 1 :]
-    return rows.view(moved).movedim(0, dim)
-
-
-def moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    """`shape` with `dim` moved first: the layout `to_rows` exchanges."""
-    return (shape[dim], *shape[:dim], *shape[dim + 1 :])
 
 
 def orthogonalize(

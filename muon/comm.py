@@ -191,7 +191,7 @@ class OwnerAllToAll:
             # one owned unit arrives contiguous (source ranks in row order); several interleave
             units = recv.view(N, C) if m == 1 else torch.cat(pieces, dim=1).view(m * N, C)
             result = stats.orthogonalize(
-                ortho, units, self.units(b, fsdp_rank), self.label, m * b.blocks_per_unit
+                ortho, units, self.label, m * b.blocks_per_unit, units=self.units(b, fsdp_rank)
             )
             del units
             if m == 1:
@@ -278,7 +278,9 @@ class PadAllToAll:
         if fsdp_rank in b.owners:  # a padding slot holds zeros: nothing to orthogonalize
             matrix = full.view(-1, b.other_numel)[:N]  # rows past N arrived as padding
             owned = self.units(b, fsdp_rank)
-            matrix.copy_(stats.orthogonalize(ortho, matrix, owned, "pad_all2all", b.num_blocks))
+            matrix.copy_(
+                stats.orthogonalize(ortho, matrix, "pad_all2all", b.num_blocks, units=owned)
+            )
             del matrix
         work = _a2a(send, full, None, None, group)
         stats.moved("pad_all2all", sent=moved, recv=moved)
@@ -343,9 +345,9 @@ class Agrs:
             j: stats.orthogonalize(
                 ortho,
                 slab[:, j].reshape(W * c, C)[:N],
-                [(j, 0, b.num_blocks)],
                 "agrs",
                 b.num_blocks,
+                units=[(j, 0, b.num_blocks)],
             )
             for j in range(n)
             if b.owners[j] == fsdp_rank

@@ -38,13 +38,11 @@ from functools import partial
 import torch
 
 from muon import normuon
-from muon.blocks import from_rows as _from_rows
 from muon.blocks import local as _local
-from muon.blocks import moved_shape as _moved_shape
 from muon.blocks import orthogonalize as _orthogonalize
-from muon.blocks import to_rows as _to_rows
 from muon.cost import LinkModel
 from muon.grads import grad_census
+from muon.layout import from_rows, moved_shape, to_rows
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
@@ -52,8 +50,10 @@ from muon.stats import StepStats
 from muon.validate import (
     MUON_ONLY_KEYS,
     check_group_keys,
+    check_loaded_groups,
     dtype_name,
     group_algorithm,
+    plan_keys,
     validate_group,
 )
 
@@ -112,7 +112,8 @@ class Muon(torch.optim.Optimizer):
         normuon_beta2: the second moment's EMA coefficient, in [0, 1).
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
-    in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
+    in Newton-Schulz and in waiting (on CUDA device time, from events: `muon.stats`);
+    `plan.ns_flops_per_rank` the planned NS work of every rank.
     """
 
     def __init__(
@@ -204,6 +205,7 @@ class Muon(torch.optim.Optimizer):
             memory_budget=self.memory_budget,
             link=self._link,
         )
+        self._planned_params = [tuple(map(id, g["params"])) for g in self.param_groups]
         normuon.init_state(self)
 
     def state_dict(self) -> dict:
@@ -211,6 +213,40 @@ class Muon(torch.optim.Optimizer):
         when NorMuon is on: call it on every rank, as DCP's `get_state_dict` does)."""
         normuon.sync(self)
         return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
+        would load; re-plans (collectively, as the constructor) when planning keys changed."""
+        check_loaded_groups(self.param_groups, state_dict, self.state)
+        before = plan_keys(self.param_groups)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                for key in MUON_ONLY_KEYS:
+                    g.pop(key, None)
+            else:
+                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        if plan_keys(self.param_groups) != before:
+            self._plan()
+
+    def _check_params_unchanged(self) -> None:
+        """Parameters appended to (or removed from) a group's list after planning would be
+        skipped silently: refuse to step instead."""
+        now = [tuple(map(id, g["params"])) for g in self.param_groups]
+        if now != self._planned_params:
+            changed = next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(now, self._planned_params, strict=False))
+                    if a != b
+                ),
+                min(len(now), len(self._planned_params)),
+            )
+            raise RuntimeError(
+                f"Muon: param_groups[{changed}]['params'] changed after the optimizer was "
+                "planned; add parameters with add_param_group (on every rank), which plans "
+                "them and creates their state"
+            )
 
     @property
     def plans(self) -> list[tuple[MeshCommPlan, list[BatchPlan]]]:
@@ -268,6 +304,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params_unchanged()
         finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
@@ -277,7 +314,7 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
-        stats = StepStats()
+        stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
@@ -317,7 +354,7 @@ class Muon(torch.optim.Optimizer):
             _orthogonalize,
             block_rows=b.block_rows,
             block_shape=b.block_shape,
-            moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
+            moved_shape=moved_shape(b.global_shape, b.shard_tensor_dim),
             dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
             coefficients=g0["ns_coefficients"],
@@ -336,7 +373,7 @@ class Muon(torch.optim.Optimizer):
                 shard = self._momentum_step(p, g, mp.shard_tensor_dim)
                 if shard.numel():
                     units = [(j, first, count)]
-                    shard = stats.orthogonalize(ortho, shard, units, "local", count)
+                    shard = stats.orthogonalize(ortho, shard, "local", count, units=units)
                 self._apply(p, g, shard, b, mp.fsdp_rank)
             return
         path = b.exchange
@@ -366,7 +403,7 @@ class Muon(torch.optim.Optimizer):
             rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        update = _from_rows(o, x, b.shard_tensor_dim)
+        update = from_rows(o, x, b.shard_tensor_dim)
         if not b.split_sizes:
             x.add_(update, alpha=-adjusted_lr(g["lr"], g["adjust_lr"], rows, cols))
             return
@@ -398,8 +435,8 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         if out is None:
             update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-            return _to_rows(update, shard_dim)
-        target = _from_rows(out, buf, shard_dim)
+            return to_rows(update, shard_dim)
+        target = from_rows(out, buf, shard_dim)
         if not g["nesterov"]:
             target.copy_(buf)
         elif target.dtype == buf.dtype:

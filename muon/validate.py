@@ -211,3 +211,73 @@ def _normalize_splits(g: dict) -> None:
         g["split_sizes"], g["num_blocks"] = None, len(splits)
     else:
         g["split_sizes"], g["num_blocks"] = splits, len(splits)
+
+
+#: optimizer state kept per block rather than per element (`muon.normuon`)
+PER_BLOCK_STATE: tuple[str, ...] = ("normuon_v",)
+#: group keys the step plan is built from (`muon.planner.build_step_plan`)
+PLAN_KEYS: tuple[str, ...] = (
+    "algorithm",
+    "num_blocks",
+    "split_sizes",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_dtype",
+    "ns_algorithm",
+    "eps",
+    "param_names",
+)
+
+
+def plan_keys(groups: list[dict]) -> list[tuple]:
+    """The planning keys of every group, comparable before and after a change."""
+    return [tuple(repr(g.get(k)) for k in PLAN_KEYS) for g in groups]
+
+
+def check_loaded_groups(groups: list[dict], state_dict: dict, current: dict | None = None) -> None:
+    """Validate a state dict against the optimizer's current `groups` before anything is loaded:
+    every saved group's keys and values (as if added with its current parameters), its
+    algorithm (a Muon and an AdamW parameter keep different state), and the shape of every
+    saved state tensor (the parameter's, or for per-block state such as NorMuon's moments that of
+    the `current` optimizer state). Raises ValueError naming the group and key."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        n = len(saved) if isinstance(saved, list) else saved
+        raise ValueError(f"load_state_dict: {n} saved param groups for {len(groups)} groups")
+    state = state_dict.get("state", {})
+    for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
+        where = f"load_state_dict: param group {i}"
+        s = dict(s)
+        if group_algorithm(s) == "adamw":  # earlier versions stored Muon's defaults here too
+            for key in MUON_ONLY_KEYS:
+                s.pop(key, None)
+        check_group_keys(s, where)
+        if s.get("algorithm", "muon") != g["algorithm"]:
+            raise ValueError(
+                f"{where}: algorithm {s.get('algorithm')!r} differs from this optimizer's "
+                f"{g['algorithm']!r}; their states differ, so build the optimizer for it instead"
+            )
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(
+                f"{where}: {len(s['params'])} saved parameters for {len(g['params'])} here"
+            )
+        try:
+            # keys an older state dict lacks keep their current values (torch loads as saved)
+            validate_group({**g, **s, "params": g["params"]})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        for j, (idx, p) in enumerate(zip(s["params"], g["params"], strict=True)):
+            for key, value in state.get(idx, {}).items():
+                if key == "step" or not torch.is_tensor(value):
+                    continue
+                expected, what = p.shape, "the parameter"
+                if key in PER_BLOCK_STATE:  # one row per block, not the parameter's shape
+                    here = (current or {}).get(p, {}).get(key)
+                    if here is None:
+                        continue
+                    expected, what = here.shape, "this optimizer's"
+                if value.shape != expected:
+                    raise ValueError(
+                        f"{where} param {j}: state {key!r} has shape {tuple(value.shape)}, "
+                        f"{what} {tuple(expected)}"
+                    )

@@ -2,6 +2,9 @@
 
     python scripts/bench_newton_schulz.py --scale 8 --out bench_ns    # CPU: GLM-5.2 shapes / 8
     python scripts/bench_newton_schulz.py --device cuda --scale 1     # the real shapes on a GPU
+    python scripts/bench_newton_schulz.py --device cuda --shapes up=2048x6144x8,sq=8192x6144 \
+        --variants "polar_express,polar_express gram" --skip train,step,crossover,quality \
+        --peak-tflops 989    # chosen blocks only: time and TFLOP/s against the device's peak
 
 Sections (all in one run, so the ratios come from one machine state):
 1. Per GLM-5.2 block shape (scaled down by `--scale`) and variant: time per block of a batched
@@ -100,6 +103,40 @@ OPT_VARIANTS = {
 }
 DEFAULT = "polar_express auto"
 BULK = 1e-3
+SECTIONS = ("train", "step", "crossover", "quality", "conditioning")  # what --skip may name
+
+
+def _shapes(text: str) -> list[tuple[str, int, int, int]]:
+    """`--shapes`: "LABEL=ROWSxCOLS[xBATCH],..." as GLM_SHAPES-like rows (batch default 2)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        label, _, dims = item.rpartition("=")
+        parts = dims.split("x")
+        if not label or len(parts) not in (2, 3) or not all(p.isdigit() and int(p) for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"--shapes item {item!r}: expected LABEL=ROWSxCOLS or LABEL=ROWSxCOLSxBATCH "
+                "with positive integers, e.g. expert_up=2048x6144x8"
+            )
+        r, c, b = (int(p) for p in (parts + ["2"])[:3])
+        out.append((label, r, c, b))
+    if not out:
+        raise argparse.ArgumentTypeError("--shapes: give at least one LABEL=ROWSxCOLS[xBATCH]")
+    return out
+
+
+def _names(allowed, flag: str):
+    """An argparse type: a comma-separated subset of `allowed`, each name checked."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"{flag}: unknown {', '.join(map(repr, bad))}; allowed: {', '.join(allowed)}"
+            )
+        return names
+
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,7 +156,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--cond-scale", type=int, default=1, help="divide the ill-conditioned blocks' dims"
     )
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: train,step")
+    p.add_argument(
+        "--skip",
+        type=_names(SECTIONS, "--skip"),
+        default=[],
+        help=f"comma-separated sections to skip: {','.join(SECTIONS)} (quality: no SVD figures)",
+    )
+    p.add_argument(
+        "--shapes",
+        type=_shapes,
+        default=None,
+        help="blocks to time instead of GLM-5.2's: LABEL=ROWSxCOLS[xBATCH],... (/ --scale)",
+    )
+    p.add_argument(
+        "--variants",
+        type=_names(tuple(VARIANTS), "--variants"),
+        default=None,
+        help="comma-separated newton_schulz variants to time (default: all)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense peak TFLOP/s in the bench dtype: adds a share-of-peak column",
+    )
     p.add_argument("--out", default="bench_ns", help="output directory")
     return p.parse_args(argv)
 
@@ -158,21 +218,25 @@ def bench_shapes(args) -> list[dict]:
     scale = args.scale or (16 if args.device == "cpu" else 1)
     clock = _timer(args.device)
     gen = torch.Generator().manual_seed(0)
+    variants = {v: VARIANTS[v] for v in args.variants or VARIANTS}
     rows = []
-    for name, r, c, batch in GLM_SHAPES:
+    for name, r, c, batch in args.shapes or GLM_SHAPES:
         m, n = r // scale, c // scale
         G = torch.randn(batch, m, n, generator=gen).to(args.device)
-        fns = {v: (lambda kw=kw, G=G: newton_schulz(G, **kw)) for v, kw in VARIANTS.items()}
+        fns = {v: (lambda kw=kw, G=G: newton_schulz(G, **kw)) for v, kw in variants.items()}
         times = _interleaved(clock, fns, args.repeats, per_call=batch)
-        base = times["fixed"]
-        for v, kw in VARIANTS.items():
+        base = times.get("fixed")
+        for v, kw in variants.items():
             t = times[v]
             fkw = {k: kw[k] for k in ("symmetric", "restarts") if k in kw}
             asked = kw.get("algorithm", "standard")
             runs = effective_algorithm(m, n, 5, asked, **fkw)  # what newton_schulz runs
             algo = runs if runs == asked else f"{runs} (fallback)"
             flops = ns_flops(m, n, algorithm=runs, **fkw)
-            q = quality(G, newton_schulz(G, **kw))
+            q = {} if "quality" in args.skip else quality(G, newton_schulz(G, **kw))
+            extra = {} if base is None else {"time_vs_fixed": t / base}
+            if args.peak_tflops:
+                extra["peak_share"] = flops / t / 1e12 / args.peak_tflops
             rows.append(
                 dict(
                     shape=name,
@@ -182,8 +246,9 @@ def bench_shapes(args) -> list[dict]:
                     variant=v,
                     algorithm=algo,
                     ms_per_block=t * 1e3,
-                    time_vs_fixed=t / base,
                     gflop_per_block=flops / 1e9,
+                    tflop_per_s=flops / t / 1e12,
+                    **extra,
                     **{f"random_{k}": x for k, x in q.items()},
                 )
             )
@@ -191,7 +256,8 @@ def bench_shapes(args) -> list[dict]:
     for r in rows:  # Gram against the standard iteration with the same coefficients
         base_name = r["variant"].replace(" sym", "").replace(" r2", "")
         same = std.get((r["shape"], base_name.replace(" gram", "")))
-        r["time_vs_standard_same_coefs"] = r["ms_per_block"] / same["ms_per_block"]
+        if same is not None:
+            r["time_vs_standard_same_coefs"] = r["ms_per_block"] / same["ms_per_block"]
     return rows
 
 
@@ -515,18 +581,25 @@ def summary(res: dict) -> list[str]:
     shapes = list(dict.fromkeys(s for s, _ in by))
     lines = []
     for s in shapes:
+        if (s, "polar_express") not in by or (s, GRAM) not in by:
+            continue  # --variants left one of them out
         std, gram = by[(s, "polar_express")], by[(s, GRAM)]
         default = effective_algorithm(gram["rows"], gram["cols"], 5, "auto")
         if gram["algorithm"] != "gram":
             lines.append(f"- {s} {gram['dims']}: Gram needs no fewer FLOPs; the standard runs.")
             continue
-        better = gram["random_ortho_err"] <= std["random_ortho_err"]
+        quality = ""
+        if "random_ortho_err" in gram:
+            better = gram["random_ortho_err"] <= std["random_ortho_err"]
+            quality = (
+                f"; orthogonality error {gram['random_ortho_err']:.4f} vs "
+                f"{std['random_ortho_err']:.4f} ({'equal or better' if better else 'worse'})"
+            )
         lines.append(
             f"- {s} {gram['dims']}: Gram takes {gram['time_vs_standard_same_coefs']:.2f}x the "
             f"time of the standard iteration (same Polar Express coefficients) at "
-            f"{gram['gflop_per_block'] / std['gflop_per_block']:.2f}x the FLOPs; orthogonality "
-            f"error {gram['random_ortho_err']:.4f} vs {std['random_ortho_err']:.4f} "
-            f"({'equal or better' if better else 'worse'}); the default (auto) runs {default}."
+            f"{gram['gflop_per_block'] / std['gflop_per_block']:.2f}x the FLOPs{quality}; the "
+            f"default (auto) runs {default}."
         )
     faster = [r["dims"] for r in res.get("crossover", []) if r["ratio"] < 1]
     if faster:
@@ -534,15 +607,21 @@ def summary(res: dict) -> list[str]:
             f"- 1:3 blocks where Gram is faster than the standard iteration: {', '.join(faster)}"
             f' ("auto" runs Gram from {GRAM_MIN_ROWS} rows).'
         )
-    pe_better = [
+    compared = [
         s
         for s in shapes
+        if all("random_ortho_err" in by.get((s, v), {}) for v in ("polar_express", "fixed"))
+    ]
+    pe_better = [
+        s
+        for s in compared
         if by[(s, "polar_express")]["random_ortho_err"] < by[(s, "fixed")]["random_ortho_err"]
     ]
-    lines.append(
-        f"- Polar Express vs fixed, same 5 steps: lower orthogonality error on "
-        f"{len(pe_better)} of {len(shapes)} shapes."
-    )
+    if compared:
+        lines.append(
+            f"- Polar Express vs fixed, same 5 steps: lower orthogonality error on "
+            f"{len(pe_better)} of {len(compared)} shapes."
+        )
     if res.get("conditioning"):
         c = res["conditioning"]
         auto, std = (
@@ -599,6 +678,8 @@ def markdown(res: dict) -> str:
                 ("vs fixed", "time_vs_fixed", ".2f"),
                 ("vs std, same coefs", "time_vs_standard_same_coefs", ".2f"),
                 ("GFLOP/block", "gflop_per_block", ".3f"),
+                ("TFLOP/s", "tflop_per_s", ".1f"),
+                ("of peak", "peak_share", ".2f"),
                 ("bulk max abs(s-1)", "random_bulk_max_dev", ".3f"),
                 ("s_min", "random_sigma_min", ".3f"),
                 ("orth err", "random_ortho_err", ".4f"),
@@ -606,21 +687,23 @@ def markdown(res: dict) -> str:
             ],
         ),
     ]
-    parts += [
-        "",
-        "### Where Gram starts to pay: 1:3 blocks of growing size (Polar Express, bf16, batch 8)",
-        "",
-        _md_table(
-            res["crossover"],
-            [
-                ("block", "dims", ""),
-                ("standard ms/block", "standard_ms", ".3f"),
-                ("gram ms/block", "gram_ms", ".3f"),
-                ("gram / standard", "ratio", ".2f"),
-                ("auto runs", "auto", ""),
-            ],
-        ),
-    ]
+    if "crossover" in res:
+        parts += [
+            "",
+            "### Where Gram starts to pay: 1:3 blocks of growing size "
+            "(Polar Express, bf16, batch 8)",
+            "",
+            _md_table(
+                res["crossover"],
+                [
+                    ("block", "dims", ""),
+                    ("standard ms/block", "standard_ms", ".3f"),
+                    ("gram ms/block", "gram_ms", ".3f"),
+                    ("gram / standard", "ratio", ".2f"),
+                    ("auto runs", "auto", ""),
+                ],
+            ),
+        ]
     if res.get("conditioning"):
         parts += [
             "",
@@ -716,10 +799,13 @@ def plot(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in res["shapes"] if "ms_per_block" in r]
+    if not all("time_vs_fixed" in r and "random_polar_dist" in r for r in rows):
+        return  # --variants without fixed, or --skip quality: the tables hold what was timed
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(VARIANTS)
-    for i, v in enumerate(VARIANTS):
+    timed = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(timed)
+    for i, v in enumerate(timed):
         vr = {r["shape"]: r for r in rows if r["variant"] == v}
         xs = [j + i * width for j in range(len(shapes))]
         axes[0].bar(xs, [vr[s]["time_vs_fixed"] for s in shapes], width, label=v)
@@ -753,17 +839,19 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.device == "cpu":
         torch.set_num_threads(1)  # process time of one thread: unaffected by other load
-    skip = set(filter(None, args.skip.split(",")))
+    skip = set(args.skip)
     res: dict = dict(
         command="python scripts/bench_newton_schulz.py " + " ".join(argv or sys.argv[1:]),
         machine=f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{args.device}",
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}",
     )
     # timing first, in a fresh process: measured after the training runs, the Gram / standard
     # ratio of the first shape moved between 0.76 and 0.83 from run to run
     res["shapes"] = bench_shapes(args)
-    res["crossover"] = crossover(args)
-    res["conditioning"] = conditioning(args)
+    if "crossover" not in skip:
+        res["crossover"] = crossover(args)
+    if "conditioning" not in skip:
+        res["conditioning"] = conditioning(args)
     print("timing done", flush=True)
     if "train" not in skip:
         res["train"], momentum = train(args)

@@ -5,7 +5,8 @@ process group through a TCPStore hosted by the calling process (so there is no f
 runs the module-level `fn(*args)` on every rank and returns the ranks' return values in rank
 order. A rank's exception is re-raised in the test with the child's traceback; a world that does
 not finish within `timeout_s` is killed and reported naming the ranks still running, so a
-deadlocked collective fails the test instead of hanging it.
+deadlocked collective fails the test instead of hanging it. `backend="nccl"` joins the ranks
+into an NCCL group instead, rank k on cuda:k (the `gpu`-marked tests).
 """
 
 from __future__ import annotations
@@ -29,14 +30,25 @@ class WorldError(RuntimeError):
     """A rank of a spawned world raised, died or did not finish in time."""
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, backend: str
+) -> None:
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(
             _HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=60)
         )
+        device = None
+        if backend == "nccl":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=600)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=600),
+            device_id=device,
         )
         out = fn(*args)
         results.put((rank, "ok", out))
@@ -47,10 +59,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """Run module-level `fn(*args)` on `world_size` spawned gloo ranks; return results by rank."""
+def run_world(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run module-level `fn(*args)` on `world_size` spawned ranks of a `backend` ("gloo", or
+    "nccl" with one CUDA device per rank) process group; return results by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The calling process hosts the store; children count towards world_size + 1 clients.
@@ -67,7 +84,9 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.
     try:
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, store.port, fn, args, results), daemon=True
+                target=_worker,
+                args=(r, world_size, store.port, fn, args, results, backend),
+                daemon=True,
             )
             for r in range(world_size)
         ]

@@ -47,3 +47,39 @@ def test_bench_writes_tables_and_plots(tmp_path):
     for shape, *_ in bench.GLM_SHAPES:
         pe, fixed = by[(shape, "polar_express")], by[(shape, "fixed")]
         assert pe["random_ortho_err"] < fixed["random_ortho_err"], shape
+
+
+def test_chosen_shapes_and_variants_with_the_share_of_peak(tmp_path, capsys):
+    """What scripts/gpu_check.sh asks for: explicit blocks, two variants, no quality or other
+    sections, TFLOP/s against a given peak."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    bench = importlib.import_module("bench_newton_schulz")
+    argv = ["--scale", "1", "--repeats", "1", "--shapes", "up=64x192x2,sq=48x48"]
+    argv += ["--variants", "polar_express,polar_express gram", "--peak-tflops", "0.5"]
+    res = bench.main(
+        [*argv, "--skip", "train,step,crossover,quality,conditioning", "--out", str(tmp_path)]
+    )
+    rows = res["shapes"]
+    assert [(r["shape"], r["dims"], r["batch"], r["variant"]) for r in rows] == [
+        ("up", "64x192", 2, "polar_express"),
+        ("up", "64x192", 2, "polar_express gram"),
+        ("sq", "48x48", 2, "polar_express"),
+        ("sq", "48x48", 2, "polar_express gram"),
+    ]
+    for r in rows:
+        assert r["tflop_per_s"] == pytest.approx(r["gflop_per_block"] / r["ms_per_block"])
+        assert r["peak_share"] == pytest.approx(r["tflop_per_s"] / 0.5)
+        assert "random_ortho_err" not in r and "time_vs_fixed" not in r  # skipped / not timed
+    assert rows[1]["algorithm"] == "gram" and rows[3]["algorithm"] == "standard (fallback)"
+    assert "crossover" not in res and "train" not in res and "step" not in res
+    tables = (tmp_path / "tables.md").read_text()
+    assert "| TFLOP/s | of peak |" in tables and "Where Gram starts to pay" not in tables
+    assert tables.count("Gram takes") == 1  # the 1:3 block; the square one runs standard
+    for bad, flag in [
+        (["--shapes", "up=64"], "--shapes"),
+        (["--variants", "polar"], "--variants"),
+        (["--skip", "training"], "--skip"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        assert flag in capsys.readouterr().err

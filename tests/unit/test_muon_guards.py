@@ -1,6 +1,8 @@
 """Muon rejects what it cannot do: group keys, group edits, state dicts (muon/validate.py,
 muon/optimizer.py). Single process, CPU, fast."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -113,3 +115,73 @@ def test_adamw_group_without_lr_takes_adamw_default_not_muon_lr():
     b.grad = torch.ones_like(b)
     opt.step()  # the first AdamW step moves each entry by lr (bias-corrected m / sqrt(v) = 1)
     torch.testing.assert_close(b.detach(), torch.full((4,), -1e-4), rtol=1e-4, atol=0)
+
+
+# ----------------------------------------------------------------------------- load_state_dict
+
+
+def _pair(**kw):
+    """Two optimizers on equal copies of one [32, 16] matrix and a bias."""
+    made = []
+    for group_kw in ({}, kw):
+        w, b = _w(32, 16, seed=1), nn.Parameter(torch.zeros(16))
+        groups = [{"params": [w], **group_kw}, {"params": [b], "algorithm": "adamw"}]
+        made.append((Muon(groups, ns_dtype="float32"), w, b))
+    return made
+
+
+def _step(opt, w, b, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w.grad, b.grad = torch.randn(32, 16, generator=gen), torch.randn(16, generator=gen)
+    opt.step()
+
+
+def test_load_state_dict_replans_when_planning_keys_change():
+    """Loading groups with another num_blocks / ns_dtype re-plans: the next step equals that of
+    an optimizer built with the loaded groups (block rows and wire dtype included)."""
+    for kw in ({"num_blocks": 4}, {"ns_dtype": "bfloat16"}):
+        (a, wa, ba), (b, wb, bb) = _pair(**kw)
+        _step(b, wb, bb, seed=2)
+        with torch.no_grad():
+            wa.copy_(wb), ba.copy_(bb)
+        a.load_state_dict(copy.deepcopy(b.state_dict()))  # torch shares same-device tensors
+        (pa,), (pb,) = a.plans[0][1], b.plans[0][1]
+        assert (pa.num_blocks, pa.wire_dtype) == (pb.num_blocks, pb.wire_dtype), kw
+        _step(a, wa, ba, seed=3)
+        _step(b, wb, bb, seed=3)
+        assert torch.equal(wa, wb) and torch.equal(ba, bb), kw
+
+
+@pytest.mark.parametrize(
+    "edit, name",
+    [
+        (lambda sd: sd["param_groups"][0].update(num_blocks=3), "num_blocks"),  # 32 rows
+        (lambda sd: sd["param_groups"][0].update(lr=-1.0), "lr"),
+        (lambda sd: sd["param_groups"][1].update(betas=(1.5, 0.9)), "betas"),
+        (lambda sd: sd["param_groups"][0].update(num_experts=4), "num_experts"),
+        (lambda sd: sd["param_groups"][0].update(algorithm="adamw"), "algorithm"),
+        (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(16, 32)), "momentum_buffer"),
+    ],
+    ids=["num_blocks", "lr", "betas", "unknown-key", "algorithm", "state-shape"],
+)
+def test_load_state_dict_validates_before_loading(edit, name):
+    """A bad state dict is refused, naming the key, and nothing of it is loaded."""
+    (a, _, _), (b, _, _) = _pair()
+    sd = b.state_dict()
+    edit(sd)
+    before = (copy.deepcopy(a.param_groups[0]["lr"]), a.plan.fingerprint)
+    with pytest.raises(ValueError) as info:
+        a.load_state_dict(sd)
+    assert name in str(info.value), str(info.value)
+    assert (a.param_groups[0]["lr"], a.plan.fingerprint) == before
+
+
+def test_param_appended_in_place_is_an_error_at_the_next_step():
+    """A parameter appended to a group's list would be skipped silently (never planned, no
+    state): the next step refuses, naming the group and add_param_group."""
+    opt = Muon([_w(8, 8)])
+    extra = _w(8, 8, seed=1)
+    opt.param_groups[0]["params"].append(extra)
+    extra.grad = torch.ones_like(extra)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\].*add_param_group"):
+        opt.step()
