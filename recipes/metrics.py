@@ -62,10 +62,14 @@ def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
     }
 
 
+#: the auxiliary training losses a step may log next to `loss` (the next-token loss)
+AUX_LOSSES = ("mtp_loss", "indexer_kl")
+
+
 def summary_rule(key: str) -> str | None:
-    """How a W&B run summarizes a metric: `min` for the loss, `max` for memory and times (so
+    """How a W&B run summarizes a metric: `min` for the losses, `max` for memory and times (so
     run tables and bar charts show peaks), None (W&B's default: the last value) otherwise."""
-    if key == "loss":
+    if key == "loss" or key in AUX_LOSSES:
         return "min"
     if key.startswith("memory/"):
         return "max"
@@ -204,10 +208,6 @@ def memory_extremes(per_rank: list[dict[str, float]], keys: tuple[str, ...]) -> 
             out[f"memory/{key}/max"] = max(values)
             out[f"memory/{key}/min"] = min(values)
     return out
-
-
-#: the auxiliary training losses a step may log next to `loss` (the next-token loss)
-AUX_LOSSES = ("mtp_loss", "indexer_kl")
 
 
 class Summary:

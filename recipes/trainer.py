@@ -133,9 +133,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> None:
-        """Load the newest committed checkpoint of the run dir, if any (and allowed)."""
+        """Load the newest committed checkpoint of the run dir, if any; with
+        `checkpoint.resume=false` move the run found there aside instead (checkpoint.set_aside)."""
         found = checkpoint.latest(self.ckpt_root) if self.rank == 0 else None
-        found = _broadcast(str(found) if found and self.cfg.checkpoint.resume else None)
+        if found and not self.cfg.checkpoint.resume:  # a start over: the old run kept apart
+            aside = checkpoint.set_aside(self.run_dir)
+            log.warning("checkpoint.resume=false: the previous run moved to %s", aside)
+            found = None
+        found = _broadcast(str(found) if found else None)
         if found is None:
             self._init_from()
             return
@@ -159,9 +164,17 @@ class Trainer:
             return
         from recipes.hf import init_from
 
-        init_from(self.model, Path(path).expanduser())
+        initialized = init_from(self.model, Path(path).expanduser())
         if self.rank == 0:
             log.info("initialized from the transformers directory %s", path)
+            if initialized:
+                log.warning(
+                    "%s holds no MTP layer weights; these %d tensors keep their seeded "
+                    "initialization: %s",
+                    path,
+                    len(initialized),
+                    ", ".join(initialized),
+                )
 
     def save(self) -> Path:
         """Collective: checkpoint the current step (committed now, or at the next save / `wait`
@@ -328,7 +341,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if self.rank == 0 and self.step % report_every == 0:
-                extra = "".join(f" {k} {metrics[k]:.4f}" for k in AUX_LOSSES if k in metrics)
+                extra = "".join(f" {k} {metrics[k]:.4g}" for k in AUX_LOSSES if k in metrics)
                 line = (
                     f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f}{extra} "
                     f"lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tokens/s"

@@ -3,7 +3,8 @@
 Attention is grouped-query (GLM-4.5) or multi-head latent with optional DeepSeek Sparse Attention
 (GLM-5), per `GLMConfig.attention`. Multi-token prediction (DeepSeek-V3, depth k = 1..D): MTP
 layer k reads the hidden state h^{k-1} of the previous depth (h^0: the main model's final-normed
-output, what lm_head reads) and the embedding of the token k positions ahead,
+output, what lm_head reads; h^k: MTP layer k's output before its shared_head.norm, as vLLM
+chains its MTP steps) and the embedding of the token k positions ahead,
     h^k = Layer_k(eh_proj(cat(enorm(embed(t_{i+k})), hnorm(h^{k-1}))))
 (the embedding first, as vLLM's and SGLang's GLM / DeepSeek MTP modules and Megatron-LM read
 `eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. The MTP loss

@@ -11,21 +11,14 @@ import torch.distributed as dist
 
 from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.expert_parallel import all_to_all
-from models.glm.hf_adapter import export_hf, import_hf
+from models.glm.hf_adapter import export_hf
+from models.glm.hf_import import import_hf
 from models.glm.parallelize import build_meshes, parallelize
 from tests.harness import run_world
+from tests.models import tiny_glm
 
-CFG = GLMConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    n_dense_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+CFG = tiny_glm(
     head_dim=8,
-    n_routed_experts=8,
     num_experts_per_tok=2,
     n_group=2,
     topk_group=2,
@@ -300,5 +293,5 @@ def test_glm52_plans_on_512_fake_ranks():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
-    expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 749033455360"
+    expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 753864119552"
     assert line == expected

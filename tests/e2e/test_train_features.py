@@ -2,10 +2,7 @@
 through the config glue (recipes.parallel) in a gloo world, and through `python train.py`."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipes.config import Config
 from tests.harness import run_world
+from tests.train_cli import train_py
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.overrides.num_hidden_layers=2", "data.seq_len=32", "data.batch_size=2"]
 
 
@@ -108,15 +105,7 @@ def test_bf16_params_halve_the_all_gather_bytes_over_fp32_masters():
 
 
 def _train_py(args: list[str], root: Path) -> str:
-    env = dict(os.environ, WANDB_MODE="offline")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={root}", "logger=none"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = train_py([*args, "logger=none"], root, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 
@@ -225,6 +214,9 @@ def test_checkpointed_layers_give_the_same_gradients_and_count_loads_once(compil
         # dozen ops deep); 1e-5 of each gradient's scale catches a misaligned recomputation
         # (which gave errors of ~50% of the router's gradient).
         assert loss == pytest.approx(loss2, rel=1e-5)
+        # The indexer's KL gradient is a difference of two nearly equal distributions at init
+        # (attention and index scores both near uniform, KL ~1e-5): the cancellation turns the
+        # same rounding into ~100x more of its (tiny) scale, so it gets 1e-3 (measured 2e-5).
         for n in grads:
-            scale = grads[n].abs().max().item()
+            scale = grads[n].abs().max().item() * (100 if ".indexer." in n else 1)
             torch.testing.assert_close(grads2[n], grads[n], rtol=0, atol=1e-5 * scale)

@@ -9,22 +9,14 @@ import torch.nn.functional as F
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
 from models.glm.layers import apply_partial_rope, rope_cos_sin
+from tests.models import TINY_GLM
 
 CFG_KW = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    n_dense_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    TINY_GLM,
     head_dim=12,
     partial_rotary_factor=0.5,
-    n_routed_experts=8,
     num_experts_per_tok=3,
     n_shared_experts=2,
-    routed_scaling_factor=2.5,
     rms_norm_eps=1e-5,
 )
 

@@ -23,32 +23,15 @@ YARN = {
 
 
 def _ours(rope_scaling=None, index_topk=TOPK) -> GLMConfig:
-    return GLMConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        n_dense_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=None,
-        partial_rotary_factor=1.0,
-        attention="mla",
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
+    """mla_tiny (3 layers, the middle one shared) with 8 indexer heads, attention biases and
+    no MTP layer (transformers' model has none)."""
+    return get_preset(
+        "mla_tiny",
         index_n_heads=8,
-        index_head_dim=16,
         index_topk=index_topk,
-        indexer_types=["full", "shared", "full"],
         attention_bias=True,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        routed_scaling_factor=2.5,
         max_position_embeddings=64,
+        num_mtp_layers=0,
         rope_scaling=rope_scaling,
     )
 
