@@ -335,12 +335,12 @@ def test_indexer_training_flag_frozen_vs_kl():
 
 
 @pytest.mark.slow
-def test_glm52_muon_split_and_normuon(tmp_path):
+def test_glm52_muon_split_and_normuon(tmp_path, glm52_512):
     """Muon Split on GLM-5.2's MLA: q_b_proj / kv_b_proj / kv_a_proj_with_mqa plan as blocks
     of unequal heights, their Newton-Schulz work is below whole-matrix Muon's, and the
     attention knobs' costs are reported."""
     split = _run_planner(tmp_path, "--strategy", "pad_all2all", "--muon-split", "--normuon")
-    whole = _run_planner(tmp_path, "--strategy", "pad_all2all")
+    whole = glm52_512  # the default plan: whole matrices, no NorMuon
     groups = {tuple(g["shape"]): g for g in split["groups"]}
     assert groups[(64 * 256, 2048)]["split_sizes"][:2] == [192, 64]  # q_b_proj (nope, rope)
     assert groups[(512 + 64, 6144)]["split_sizes"] == [512, 64]  # kv_a_proj_with_mqa
