@@ -40,8 +40,9 @@ NS_ALGORITHMS = ("standard", "gram", "auto")
 #: "auto" runs Gram Newton-Schulz only on blocks whose Gram matrix has at least this many rows:
 #: smaller blocks are bound by the cost of each call, not by FLOPs, and Gram makes more calls
 #: (plus its output check). `scripts/bench_newton_schulz.py` measures where Gram starts to pay on
-#: 1:3 bf16 blocks (its "Where Gram starts to pay" table, docs/newton_schulz.md).
-GRAM_MIN_ROWS = 128
+#: 1:3 bf16 blocks (its "Where Gram starts to pay" table, docs/newton_schulz.md): since the
+#: restarts every two steps and the output check, from 256 rows.
+GRAM_MIN_ROWS = 256
 #: Gram Newton-Schulz restarts before these steps (segments of 1, 2 and 2 steps of 5): in bf16,
 #: with one restart (before step 2) the rounding of the R updates pushed 31-66 singular values
 #: of condition-100 blocks above the band; restarting every two steps keeps them in it

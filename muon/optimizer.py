@@ -105,7 +105,7 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
-        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 128 rows
+        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 256 rows
             and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
 
