@@ -3,7 +3,9 @@
 A module declares, as plain data:
   `orthogonal_blocks = {"gate_up_proj": 2 * E}`  independent matrices stacked along dim 0
   `param_roles = {"weight": "head"}`             "embedding" | "head" | "router"
-`nn.Embedding` weights count as "embedding" without a declaration.
+`nn.Embedding` weights count as "embedding" without a declaration. A frozen parameter
+(`requires_grad` False, e.g. a DSA indexer that is not trained) joins no group: it gets no
+update and no optimizer state.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def param_groups(
     """Muon groups (one per block count) for hidden matrices; one AdamW group for the rest.
 
     Matrices go to Muon; embeddings, the output head, norms, biases and other vectors go to AdamW;
-    the router weight goes where `router` says. Every parameter lands in exactly one group, and
+    the router weight goes where `router` says. Every trainable parameter lands in exactly one
+    group (frozen ones in none), and
     each group carries `param_names` for error messages and the cross-rank plan check.
     """
     if router not in ROUTER_CHOICES:
@@ -49,6 +52,9 @@ def param_groups(
         for pname, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{pname}" if mod_name else pname
             if id(p) in placed:  # tied weights: first owner wins, the tie is one parameter
+                continue
+            if not p.requires_grad:
+                placed[id(p)] = name
                 continue
             role = roles.get(pname, "embedding" if isinstance(module, nn.Embedding) else None)
             if role is not None and role not in ROLES:

@@ -8,7 +8,8 @@ One checkpoint is a directory `<root>/step_<step:08d>/`:
                 keyed by parameter FQN, the same way
     trainer.json  step, samples consumed, scheduler state, counters, the model config, the
                 world that wrote it
-    rng/rank_<r>.pt  each rank's RNG states (restored only on a world of the same size)
+    rng/rank_<r>.safetensors  each rank's RNG states as tensors (restored only on a world of
+                the same size; no pickle, so a checkpoint from elsewhere cannot run code)
     COMMITTED   written last; a directory without it is not a checkpoint
 
 No rank ever holds a tensor it does not own: each writes its local shards (a non-contiguous
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import warnings
 from concurrent.futures import Future
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -69,6 +72,24 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def set_aside(run_dir: Path) -> Path | None:
+    """Move the run in `run_dir` (its checkpoints and metrics.jsonl) into a new
+    `replaced-<n>/` there, for a start over (`checkpoint.resume=false`): the new run's
+    checkpoints never share a directory with the old ones, so keep-rotation (by step) cannot
+    delete them and a later restart resumes the new run. Returns where they went (None when
+    there was no committed checkpoint). Local file operations: call on one process only."""
+    run_dir = Path(run_dir)
+    if not committed(run_dir / "checkpoints"):
+        return None
+    n = 1 + len(list(run_dir.glob("replaced-*")))
+    aside = run_dir / f"replaced-{n}"
+    aside.mkdir()
+    for name in ("checkpoints", "metrics.jsonl"):
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, aside / name)
+    return aside
+
+
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
@@ -82,19 +103,54 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def rng_state() -> dict[str, Any]:
-    """This rank's RNG states."""
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's RNG states (byte tensors)."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     """Restore what `rng_state` returned."""
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def write_rng(ckpt: Path, rank: int) -> None:
+    """This rank's RNG states as `rng/rank_<rank>.safetensors` (plain tensors, no pickle)."""
+    save_file(rng_state(), str(Path(ckpt) / "rng" / f"rank_{rank}.safetensors"))
+
+
+def read_rng(ckpt: Path, rank: int) -> dict[str, torch.Tensor] | None:
+    """The RNG states `write_rng` stored for `rank` (None when absent). A checkpoint written
+    before the safetensors format holds `rank_<rank>.pt`: it is read with `weights_only=True`,
+    which accepts tensors and plain containers only, so a crafted pickle is refused, not run."""
+    rng = Path(ckpt) / "rng"
+    path = rng / f"rank_{rank}.safetensors"
+    if path.is_file():
+        state = load_file(str(path))
+    elif (rng / f"rank_{rank}.pt").is_file():
+        path = rng / f"rank_{rank}.pt"
+        try:
+            state = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"{path}: not plain RNG tensors, refused (it would run code when unpickled). "
+                f"Delete {rng} to resume without the saved RNG states (the weights, optimizer "
+                "and data position still resume); checkpoints written now store them as "
+                "rank_<k>.safetensors"
+            ) from err
+    else:
+        return None
+    if (
+        not isinstance(state, dict)
+        or not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in state.values())
+        or "cpu" not in state
+    ):
+        raise ValueError(f"{path}: expected RNG byte tensors under 'cpu' (and 'cuda')")
+    return state
 
 
 class Checkpointer:
@@ -128,7 +184,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         _barrier()
-        torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+        write_rng(tmp, rank)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = dict(trainer_state, step=step, world_size=_world())
         if self.async_mode:
@@ -214,9 +270,7 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     dcp.load(optim_sd, storage_reader=FileSystemReader(ckpt / "optim"))
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     state = trainer_state(ckpt)
-    rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
-    same_world = state["world_size"] == _world() and rng_file.is_file()
-    state["rng"] = torch.load(rng_file, weights_only=False) if same_world else None
+    state["rng"] = read_rng(ckpt, _rank()) if state["world_size"] == _world() else None
     return state
 
 

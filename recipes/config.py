@@ -8,6 +8,7 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -19,23 +20,35 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from models.glm.config import PRESET_NAMES
+from muon.groups import ROUTER_CHOICES
+from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+from muon.optimizer import ADJUST_LR, NS_DTYPES
+from muon.plan import REMAINDER_CHOICES
+
 
 class ConfigError(ValueError):
     """A config value that composes but cannot run; the message names the key."""
 
 
-def _f(default: Any, help: str, factory: bool = False) -> Any:
-    """A dataclass field with its one-line help."""
+def _f(default: Any, help: str, factory: bool = False, *, same_run: bool = False) -> Any:
+    """A dataclass field with its one-line help. `same_run`: the key never changes what is
+    trained (where it is written, how often it is logged or saved, the world it runs on), so it
+    stays out of the run directory's name and a restart that changes it resumes the run."""
+    metadata = {"help": help, "same_run": same_run}
     if factory:
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-class ModelPreset(StrEnum):
-    tiny = "tiny"
-    small = "small"
-    glm45_air = "glm45_air"
-    glm52 = "glm52"
+def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
+    """A config Enum whose members are a library's own choice list (one source: muon's
+    constants), so a choice added there is accepted here, listed by --help and tested."""
+    return StrEnum(name, {v: v for v in values}, module=__name__)
+
+
+# `hf`: the model of a transformers directory (model.path), not a preset of models.glm
+ModelPreset = _choices("ModelPreset", (*PRESET_NAMES, "hf"))
 
 
 class OptimName(StrEnum):
@@ -43,39 +56,22 @@ class OptimName(StrEnum):
     adamw = "adamw"
 
 
-class RemainderStrategy(StrEnum):
-    agrs = "agrs"
-    pad_all2all = "pad_all2all"
-    ragged_all_to_all = "ragged_all_to_all"
-    auto = "auto"
+RemainderStrategy = _choices("RemainderStrategy", REMAINDER_CHOICES)
 
 
-class NsDtype(StrEnum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
-    float16 = "float16"
+NsDtype = _choices("NsDtype", NS_DTYPES)
 
 
-class NsCoefficients(StrEnum):
-    fixed = "fixed"
-    tuned = "tuned"
-    polar_express = "polar_express"
+NsCoefficients = _choices("NsCoefficients", tuple(NS_COEFFICIENTS))
 
 
-class NsAlgorithm(StrEnum):
-    standard = "standard"
-    gram = "gram"
-    auto = "auto"
+NsAlgorithm = _choices("NsAlgorithm", NS_ALGORITHMS)
 
 
-class RouterOptim(StrEnum):
-    adamw = "adamw"
-    muon = "muon"
+RouterOptim = _choices("RouterOptim", ROUTER_CHOICES)
 
 
-class AdjustLr(StrEnum):
-    original = "original"
-    match_rms_adamw = "match_rms_adamw"
+AdjustLr = _choices("AdjustLr", ADJUST_LR)
 
 
 class Device(StrEnum):
@@ -106,6 +102,11 @@ class TokenDtype(StrEnum):
     uint32 = "uint32"
 
 
+class IndexerTraining(StrEnum):
+    kl = "kl"
+    frozen = "frozen"
+
+
 class HFDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -129,20 +130,29 @@ class WandbMode(StrEnum):
 
 @dataclass
 class RunConfig:
-    name: str = _f("default", "run family; the run dir is <root>/<name>/<overrides>")
-    root: str = _f("outputs", "directory holding all runs (relative to the launch cwd)")
+    name: str = _f("default", "run family; the run dir is <root>/<name>/<overrides>", same_run=True)
+    root: str = _f(
+        "outputs", "directory holding all runs (relative to the launch cwd)", same_run=True
+    )
 
 
 @dataclass
 class MeshConfig:
-    world_size: int = _f(4, "number of ranks (a local world is started when no launcher env)")
-    ep: int = _f(2, "expert-parallel degree; divides world_size")
-    device: Device = _f(Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo")
+    world_size: int = _f(
+        4, "number of ranks (a local world is started when no launcher env)", same_run=True
+    )
+    ep: int = _f(2, "expert-parallel degree; divides world_size", same_run=True)
+    device: Device = _f(
+        Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo", same_run=True
+    )
 
 
 @dataclass
 class ModelConfig:
-    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name")
+    preset: ModelPreset = _f(ModelPreset.tiny, "models.glm preset name; hf: from model.path")
+    path: str | None = _f(
+        None, "model=hf: a transformers glm4_moe / glm_moe_dsa directory (its config.json)"
+    )
     overrides: dict[str, Any] = _f(dict, "GLMConfig fields replacing the preset's", True)
 
 
@@ -215,8 +225,12 @@ class DataConfig:
     source: DataSource = _f(DataSource.stdlib, "stdlib: this Python's .py files as bytes")
     path: str | None = _f(None, "tokens: the token file; stdlib: the source dir (None: own)")
     dtype: TokenDtype = _f(TokenDtype.uint8, "element type of the token file")
-    vocab_size: int = _f(256, "vocabulary size; the model's vocab is set to it")
-    cache_dir: str = _f("~/.cache/moe_muon_recipes", "where built token files are kept")
+    vocab_size: int = _f(
+        256, "vocabulary size; the model's vocab is set to it (model=hf: at most its)"
+    )
+    cache_dir: str = _f(
+        "~/.cache/moe_muon_recipes", "where built token files are kept", same_run=True
+    )
     seq_len: int = _f(128, "tokens per sequence")
     batch_size: int = _f(8, "sequences per rank per micro-step")
 
@@ -232,6 +246,14 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "max total grad norm of the clipped groups; 0 disables")
     clip_muon: bool = _f(False, "clip Muon groups too (AdamW groups always)")
     router_bias_rate: float = _f(1e-3, "router score-correction bias update rate; 0 disables")
+    mtp_loss_weight: float = _f(
+        0.3, "weight of the MTP loss (mean over depths) in the objective; 0: MTP layers idle"
+    )
+    indexer_training: IndexerTraining = _f(
+        IndexerTraining.kl,
+        "DSA indexer: kl (DeepSeek-V3.2 KL toward the attention; pretraining) or frozen "
+        "(no gradient, not in the optimizer; fine-tuning a released checkpoint)",
+    )
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
     param_dtype: TrainDtype = _f(
         TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
@@ -240,41 +262,61 @@ class TrainConfig:
         TrainDtype.auto, "FSDP2 gradient reduce-scatter dtype; auto: float32"
     )
     activation_checkpointing: ActivationCheckpointing = _f(
-        ActivationCheckpointing.none, "none, or full: recompute each decoder layer in backward"
+        ActivationCheckpointing.none,
+        "none, or full: recompute each decoder layer in backward",
+        same_run=True,
     )
-    compile: bool = _f(False, "torch.compile each decoder layer (CPU needs a C++ compiler)")
+    compile: bool = _f(
+        False, "torch.compile each decoder layer (CPU needs a C++ compiler)", same_run=True
+    )
 
 
 @dataclass
 class MetricsConfig:
-    log_every: int = _f(1, "write metrics every N steps")
-    memory_every: int = _f(25, "measure per-rank memory every N steps (profiling is costly)")
-    progress: bool = _f(True, "tqdm progress bar on rank 0 (when attached to a terminal)")
+    log_every: int = _f(1, "write metrics every N steps", same_run=True)
+    memory_every: int = _f(
+        25, "measure per-rank memory every N steps (profiling is costly)", same_run=True
+    )
+    progress: bool = _f(
+        True, "tqdm progress bar on rank 0 (when attached to a terminal)", same_run=True
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(100, "save every N steps (and at the end); 0: only at the end")
-    keep: int = _f(2, "committed checkpoints kept")
-    resume: bool = _f(True, "resume from the newest committed checkpoint of the run dir")
-    async_mode: bool = _f(False, "periodic saves through DCP's async_save (a CPU copy per rank)")
-    export_hf: bool = _f(True, "export the final model as a transformers directory (<run>/hf)")
-    hf_dtype: HFDtype = _f(HFDtype.float32, "dtype of the exported matrices (router stays fp32)")
-    hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB")
-    init_from: str | None = _f(None, "a transformers Glm4Moe directory to start from")
+    every: int = _f(100, "save every N steps (and at the end); 0: only at the end", same_run=True)
+    keep: int = _f(2, "committed checkpoints kept", same_run=True)
+    resume: bool = _f(
+        True, "resume from the newest committed checkpoint of the run dir", same_run=True
+    )
+    async_mode: bool = _f(
+        False, "periodic saves through DCP's async_save (a CPU copy per rank)", same_run=True
+    )
+    export_hf: bool = _f(
+        True, "export the final model as a transformers directory (<run>/hf)", same_run=True
+    )
+    hf_dtype: HFDtype = _f(
+        HFDtype.float32, "dtype of the exported matrices (router stays fp32)", same_run=True
+    )
+    hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB", same_run=True)
+    init_from: str | None = _f(None, "a transformers GLM directory to start from")
 
 
 @dataclass
 class LoggerConfig:
-    backend: LoggerBackend = _f(LoggerBackend.wandb, "wandb or none")
-    mode: WandbMode = _f(WandbMode.offline, "offline (sync later with `wandb sync`) or online")
-    project: str = _f("moe-muon-recipes", "W&B project")
-    entity: str | None = _f(None, "W&B entity (team); None: your default")
-    group: str | None = _f(None, "W&B group; None: run.name")
-    job_type: str = _f("train", "W&B job type")
-    tags: list[str] = _f(list, "W&B tags", True)
-    system_metrics: bool = _f(True, "W&B system metrics (CPU, GPU, memory, disk, network)")
-    git: bool = _f(True, "record this checkout's git commit in the W&B run")
+    backend: LoggerBackend = _f(LoggerBackend.wandb, "wandb or none", same_run=True)
+    mode: WandbMode = _f(
+        WandbMode.offline, "offline (sync later with `wandb sync`) or online", same_run=True
+    )
+    project: str = _f("moe-muon-recipes", "W&B project", same_run=True)
+    entity: str | None = _f(None, "W&B entity (team); None: your default", same_run=True)
+    group: str | None = _f(None, "W&B group; None: run.name", same_run=True)
+    job_type: str = _f("train", "W&B job type", same_run=True)
+    tags: list[str] = _f(list, "W&B tags", True, same_run=True)
+    system_metrics: bool = _f(
+        True, "W&B system metrics (CPU, GPU, memory, disk, network)", same_run=True
+    )
+    git: bool = _f(True, "record this checkout's git commit in the W&B run", same_run=True)
 
 
 @dataclass
@@ -300,6 +342,28 @@ class ConfigSchema(Config):
     optim: OptimConfig = _f(MISSING, "optimizer (its keys depend on optim.name)")
 
 
+#: config groups whose choice never changes what is trained (an experiment names its own run.name)
+SAME_RUN_GROUPS = ("experiment", "logger", "checkpoint")
+
+
+def same_run_keys() -> list[str]:
+    """The keys (and groups) left out of the run directory's name: `SAME_RUN_GROUPS` and every
+    field declared `same_run` (conf/train.yaml's `exclude_keys` resolves to this list)."""
+    keys = list(SAME_RUN_GROUPS)
+
+    def walk(node: type, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            if dataclasses.is_dataclass(f.default_factory):
+                walk(f.default_factory, f"{prefix}{f.name}.")
+            elif f.metadata["same_run"] and f"{prefix}{f.name}" not in keys:
+                keys.append(f"{prefix}{f.name}")
+
+    walk(Config, "")
+    for schema in OPTIM_SCHEMAS.values():
+        walk(schema, "optim.")
+    return keys
+
+
 def register() -> None:
     """Register the schemas and the resolvers of conf/train.yaml (idempotent)."""
     from recipes.help import config_groups, schema_help
@@ -314,6 +378,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("schema_help", schema_help)
     if not OmegaConf.has_resolver("config_groups"):
         OmegaConf.register_new_resolver("config_groups", config_groups)
+    if not OmegaConf.has_resolver("same_run_keys"):
+        OmegaConf.register_new_resolver("same_run_keys", same_run_keys)
     if not OmegaConf.has_resolver("slurm_tasks"):
         OmegaConf.register_new_resolver("slurm_tasks", slurm_tasks)
 
@@ -337,9 +403,20 @@ def slurm_tasks(what: str, world_size: int, nodes: int) -> int:
     raise ValueError(f"slurm_tasks: unknown field {what!r} (tasks_per_node, cpus_per_task)")
 
 
+RUN_ID_MAX = 200  # bytes of a run-dir leaf (file systems allow 255 per name)
+
+
 def run_id(override_dirname: str) -> str:
-    """The run-dir leaf for a set of overrides: stable for the same command, never empty."""
-    return override_dirname.replace("/", "_") or "base"
+    """The run-dir leaf for a set of overrides: stable for the same command, never empty. A
+    longer one (paths in `model.path` / `checkpoint.init_from`) keeps its start and ends in a
+    hash of the whole, so the same command still finds its run directory."""
+    import hashlib
+
+    leaf = override_dirname.replace("/", "_") or "base"
+    if len(leaf.encode()) <= RUN_ID_MAX:
+        return leaf
+    digest = hashlib.sha1(leaf.encode()).hexdigest()[:16]
+    return leaf.encode()[: RUN_ID_MAX - 17].decode(errors="ignore") + "-" + digest
 
 
 def describe(node: type = None, prefix: str = "") -> list[str]:
@@ -418,7 +495,7 @@ def validate(
     _positive(cfg, "optim.weight_decay", allow_zero=True)
     _validate_optim_option(cfg)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
-    _positive(cfg, "train.router_bias_rate", allow_zero=True)
+    _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
         _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh
@@ -508,10 +585,18 @@ def _validate_data_path(data: DictConfig) -> None:
 
 def _validate_model(cfg: DictConfig) -> None:
     """The model the ranks would build, and its layout on the mesh, without building it."""
-    from models.glm import GLMConfig, get_preset
+    from models.glm import GLMConfig
     from models.glm.parallelize import check_layout
+    from recipes.parallel import model_config
 
     model = cfg.model
+    chosen = str(cfg.train.indexer_training)
+    if str(model.overrides.get("indexer_training", chosen)) != chosen:
+        raise _fail(
+            "model.overrides.indexer_training",
+            model.overrides.indexer_training,
+            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
+        )
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
     for key in model.overrides:
         if key not in allowed:
@@ -520,25 +605,95 @@ def _validate_model(cfg: DictConfig) -> None:
                 model.overrides[key],
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
             )
-    overrides = {**model.overrides, "vocab_size": cfg.data.vocab_size}
+    from_hf = str(model.preset) == ModelPreset.hf
+    if from_hf:
+        _validate_model_path(model.path)
+    elif model.path is not None:
+        raise _fail("model.path", model.path, "is read by model=hf only; drop it or use model=hf")
     try:
-        config = get_preset(str(model.preset), **overrides)
+        config = model_config(cfg)
     except (TypeError, ValueError) as err:
         raise _model_error(cfg, str(err)) from None
+    if from_hf and cfg.data.vocab_size > config.vocab_size:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"token ids must fit the vocabulary of {model.path}/config.json "
+            f"(vocab_size {config.vocab_size}): <= {config.vocab_size}",
+        )
     try:
         check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
     except ValueError as err:
         raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
+    _validate_seq_len(cfg, config.max_position_embeddings)
+
+
+def _validate_seq_len(cfg: DictConfig, max_positions: int) -> None:
+    """`data.seq_len` fits the model's positions and the token stream (file sizes only)."""
+    seq_len = cfg.data.seq_len
+    if seq_len > max_positions:
+        raise _fail(
+            "data.seq_len",
+            seq_len,
+            f"exceeds the model's max_position_embeddings={max_positions} "
+            f"(model.preset={cfg.model.preset.value}; "
+            "+model.overrides.max_position_embeddings=N raises it)",
+        )
+    count = _token_count(cfg.data)
+    if count is not None and count < seq_len + 1:
+        raise _fail(
+            "data.seq_len",
+            seq_len,
+            f"a sample is seq_len + 1 tokens; data.path={cfg.data.path} holds {count}",
+        )
+
+
+def _token_count(data: DictConfig) -> int | None:
+    """Tokens the stream will hold, from file sizes; None for this Python's own standard
+    library (tens of millions of bytes, and summing them costs a second per check)."""
+    from recipes.data import stdlib_files
+
+    if data.source == DataSource.stdlib:
+        if data.path is None:
+            return None
+        files = stdlib_files(Path(os.path.expanduser(data.path)))
+        if not files:
+            raise _fail("data.path", data.path, "no .py files in this source directory")
+        return sum(p.stat().st_size for p in files) + 2 * max(len(files) - 1, 0)  # b"\n\n"
+    path = Path(os.path.expanduser(data.path))
+    itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}[data.dtype.value]
+    size = path.stat().st_size
+    meta = path.with_suffix(".json")  # written beside it by recipes.data.write_tokens
+    written = json.loads(meta.read_text()).get("dtype") if meta.is_file() else None
+    if written not in (None, data.dtype.value) or size % itemsize:
+        raise _fail(
+            "data.dtype",
+            data.dtype.value,
+            f"{data.path} is {size} bytes"
+            + (f", written as {written}" if written else f", not whole {itemsize}-byte tokens"),
+        )
+    return size // itemsize
+
+
+def _validate_model_path(path: str | None) -> None:
+    if path is None:
+        raise _fail("model.path", None, "model=hf needs a transformers directory")
+    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("model.path", path, "not a transformers directory (no config.json)")
 
 
 def _model_error(cfg: DictConfig, message: str) -> ConfigError:
     """Name the key the user set that the model's message mentions first (else the preset)."""
     keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
-    keys["data.vocab_size"] = "vocab_size"
+    from_hf = str(cfg.model.preset) == ModelPreset.hf
+    if not from_hf:  # model=hf takes the vocabulary of its config.json
+        keys["data.vocab_size"] = "vocab_size"
     found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
     if found:
         key = min(found)[1]
         return _fail(key, OmegaConf.select(cfg, key), message)
+    if from_hf:
+        return _fail("model.path", cfg.model.path, message)
     return _fail("model.preset", cfg.model.preset.value, message)
 
 
@@ -560,13 +715,20 @@ def _finite(node: Any, prefix: str = "") -> None:
 
 def _validate_checkpoint(cfg: DictConfig) -> None:
     _positive(cfg, "checkpoint.hf_max_shard_gib")
+    from models.glm.hf_config import config_to_hf
+    from recipes.parallel import model_config
+
+    if cfg.checkpoint.export_hf:
+        try:  # the final export needs a transformers layout of the model
+            config_to_hf(model_config(cfg))
+        except ValueError as err:
+            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
     path = cfg.checkpoint.init_from
     if path is None:
         return
     if not (Path(os.path.expanduser(path)) / "config.json").is_file():
         raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
     from recipes.hf import check_init_from
-    from recipes.parallel import model_config
 
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
         check_init_from(os.path.expanduser(path), model_config(cfg))

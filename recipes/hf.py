@@ -1,17 +1,19 @@
-"""The recipe's transformers interface: export a checkpoint, start a run from a Glm4Moe directory.
+"""The recipe's transformers interface: export a checkpoint, start a run from a GLM directory.
 
 - `export_checkpoint(ckpt, out)`: the model of a committed checkpoint as a transformers
   directory (models.glm.hf_adapter.write_hf), on any number of ranks: rank r writes files
   r, r + W, ...; every tensor is read from the sharded DCP files region by region (one
   transformers tensor at a time: an expert matrix, a norm, the embedding), so no rank ever holds
   more than one tensor beyond what the DCP reader stages (the saved pieces overlapping it).
+- `hf_model_config(path, overrides)`: `model=hf model.path=DIR`, the model of DIR's config.json.
 - `check_init_from(cfg)`: in the launching process, before any rank starts: the directory, its
-  config against the model the run builds, and every tensor's presence and shape.
-- `init_from(model, path)`: every rank fills its own shards from the files (hf_adapter.load_hf).
+  config against the model the run builds, and every tensor's presence, shape and format.
+- `init_from(model, path)`: every rank fills its own shards from the files (hf_import.load_hf).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -23,7 +25,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from models.glm import GLMConfig
-from models.glm.hf_adapter import HFDir, check_hf, load_hf, write_hf
+from models.glm.hf_adapter import write_hf
+from models.glm.hf_import import HFDir, check_hf, load_hf
 
 GiB = 1 << 30
 
@@ -103,22 +106,43 @@ def export_checkpoint(
     return written
 
 
-def check_init_from(path: str | Path, config: GLMConfig) -> None:
-    """Raise ValueError unless `path` is a transformers Glm4Moe directory of the model of
+def hf_model_config(path: str | Path, overrides: dict) -> GLMConfig:
+    """`model=hf`: the GLMConfig of a transformers directory's config.json (glm4_moe or
+    glm_moe_dsa), with `model.overrides` replacing fields."""
+    import json
+
+    from models.glm.hf_config import config_from_hf
+
+    path = Path(path).expanduser()
+    config = config_from_hf(json.loads((path / "config.json").read_text()))
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def check_init_from(path: str | Path, config: GLMConfig) -> list[str]:
+    """Raise ValueError unless `path` is a transformers GLM directory of the model of
     `config`: same config fields (naming those that differ) and every tensor present in the
-    right shape (naming the tensors). Reads config.json and the safetensors headers only."""
+    right shape and a loadable format (naming the tensors). Reads config.json and the
+    safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
+    from models.glm.hf_config import TRAINING_ONLY, canonical_indexer_types
+
     hf = HFDir(path)
     theirs, ours = hf.config.to_dict(), config.to_dict()
-    differ = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    for fields in (theirs, ours):  # all "full" and None say the same
+        fields["indexer_types"] = canonical_indexer_types(fields["indexer_types"])
+    differ = {
+        k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k] and k not in TRAINING_ONLY
+    }
     if differ:
         listed = ", ".join(f"{k}: run {a!r}, files {b!r}" for k, (a, b) in sorted(differ.items()))
         raise ValueError(
-            f"{path}/config.json differs from the model of this run "
-            f"({listed}); set model.overrides.<field> (vocab_size: data.vocab_size) to match"
+            f"{path}/config.json differs from the model of this run ({listed}); build the "
+            f"model from the directory (model=hf model.path={path}), or set "
+            "model.overrides.<field> (vocab_size: data.vocab_size) to match"
         )
-    check_hf(hf, config)
+    return check_hf(hf, config)
 
 
-def init_from(model: torch.nn.Module, path: str | Path) -> None:
-    """Fill this rank's shards of `model` from a transformers directory (no collective)."""
-    load_hf(model, path)
+def init_from(model: torch.nn.Module, path: str | Path) -> list[str]:
+    """Fill this rank's shards of `model` from a transformers directory (no collective);
+    returns the MTP tensors the files lack, left as initialized."""
+    return load_hf(model, path)

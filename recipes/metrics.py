@@ -62,10 +62,14 @@ def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
     }
 
 
+#: the auxiliary training losses a step may log next to `loss` (the next-token loss)
+AUX_LOSSES = ("mtp_loss", "indexer_kl")
+
+
 def summary_rule(key: str) -> str | None:
-    """How a W&B run summarizes a metric: `min` for the loss, `max` for memory and times (so
+    """How a W&B run summarizes a metric: `min` for the losses, `max` for memory and times (so
     run tables and bar charts show peaks), None (W&B's default: the last value) otherwise."""
-    if key == "loss":
+    if key == "loss" or key in AUX_LOSSES:
         return "min"
     if key.startswith("memory/"):
         return "max"
@@ -211,6 +215,7 @@ class Summary:
 
     def __init__(self) -> None:
         self.losses: list[tuple[int, float]] = []
+        self.aux: dict[str, list[float]] = {}  # mtp_loss, indexer_kl: first and last logged
         self.step_s: list[float] = []
         self.optim_s: list[float] = []
         self.tokens_per_s: list[float] = []
@@ -220,6 +225,9 @@ class Summary:
 
     def add(self, step: int, m: dict[str, float], measured: bool) -> None:
         self.losses.append((step, m["loss"]))
+        for key in AUX_LOSSES:
+            if key in m:
+                self.aux.setdefault(key, []).append(m[key])
         self.skipped = int(m["skipped_steps"])
         timing = (m["step_s"], m["optim_s"], m["tokens_per_s"])
         if measured:  # profiled steps are slower: used only when no other step was logged
@@ -252,6 +260,8 @@ class Summary:
                 last_step=self.losses[-1][0],
                 loss_last=self.losses[-1][1],
             )
+        for key, values in self.aux.items():
+            out[f"{key}_first"], out[f"{key}_last"] = values[0], values[-1]
         return out
 
     def text(self) -> str:
@@ -261,8 +271,9 @@ class Summary:
         share = f"{100 * s['optim_share']:.0f}%" if s["optim_share"] is not None else "n/a"
         speed = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] is not None else "n/a"
         peaks = ", ".join(f"r{r}={v:.1f}" for r, v in enumerate(s["peak_mib_per_rank"]))
+        aux = "".join(f"; {k} {s[k + '_first']:.4f} -> {s[k + '_last']:.4f}" for k in self.aux)
         return (
             f"loss {s['loss_first']:.4f} (step {s['first_step']}) -> {s['loss_last']:.4f} "
-            f"(step {s['last_step']}); {speed} tokens/s; optimizer {share} of step time; "
+            f"(step {s['last_step']}){aux}; {speed} tokens/s; optimizer {share} of step time; "
             f"skipped steps {s['skipped_steps']}; peak MiB per rank: {peaks or 'not sampled'}"
         )

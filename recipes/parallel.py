@@ -18,8 +18,15 @@ from models.glm.parallelize import build_meshes, parallelize
 
 
 def model_config(cfg: DictConfig) -> GLMConfig:
-    """The GLMConfig of `model.preset` with `model.overrides`, its vocab set to the data's."""
+    """The GLMConfig of `model.preset` with `model.overrides`, its vocab set to the data's and
+    its indexer training to `train.indexer_training`; `model=hf`: of `model.path`'s
+    config.json, whose vocab it keeps (the data's ids must fit)."""
     overrides = dict(cfg.model.overrides)
+    overrides["indexer_training"] = str(cfg.train.get("indexer_training", "kl"))
+    if str(cfg.model.preset) == "hf":
+        from recipes.hf import hf_model_config
+
+        return hf_model_config(cfg.model.path, overrides)
     overrides["vocab_size"] = cfg.data.vocab_size
     return get_preset(str(cfg.model.preset), **overrides)
 
@@ -62,7 +69,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
     o = cfg.optim
     if o.name == "adamw":
         return torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # a frozen indexer: no state
             lr=o.lr,
             betas=tuple(o.betas),
             eps=o.eps,

@@ -6,8 +6,9 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 
 - resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
 - forward/backward peak (at the start of backward, where every activation is still alive):
-  activations of all decoder layers for one micro-batch (or, with activation checkpointing,
-  each layer's input plus one recomputed layer), the loss head, the root's unsharded
+  activations of all decoder layers and MTP layers (those when train.mtp_loss_weight > 0) for
+  one micro-batch (or, with activation checkpointing, each layer's input plus one recomputed
+  layer), the loss heads (next-token and one per running MTP layer), the root's unsharded
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
   flat staging copy of an all-gather on CPU, one layer's unsharded gradients before their
   reduce-scatter, and the gradient temporaries of the loss head;
@@ -16,7 +17,11 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 The step peak is resident + the larger of the two peaks.
 
 Activation bytes per token are counted op by op from the model code (what autograd saves:
-`tests/unit/test_step_memory.py` checks them against `saved_tensors_hooks` on real layers).
+`tests/unit/test_step_memory.py` checks them against `saved_tensors_hooks` on real layers,
+GQA and MLA + DSA, frozen and KL-trained indexer, MTP). Under DSA they grow with the sequence:
+SDPA keeps the sparse mask ([T, S] per sequence), a KL-trained indexer its [M, S] ReLU
+scores per token (float32: at GLM-5's 32 indexer heads and 4096 tokens, 512 KiB per token and
+layer, the largest activation of the model; a frozen indexer keeps none).
 Tokens are assumed evenly routed (each rank's experts receive N*K rows on average).
 """
 
@@ -31,8 +36,10 @@ from models.glm import GLMConfig
 GiB = 1 << 30
 
 
-def attention_bytes_per_token(config: GLMConfig, a: int) -> int:
+def attention_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
     """Saved by input norm + attention of one layer, per token; `a` = compute itemsize."""
+    if config.attention == "mla":
+        return mla_bytes_per_token(config, a, seq_len)
     D, hd = config.hidden_size, config.head_dim_resolved
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
     total = norm_bytes_per_token(D, a) + D * a  # norm; its output, saved by q/k/v
@@ -42,6 +49,50 @@ def attention_bytes_per_token(config: GLMConfig, a: int) -> int:
     # log-sum-exp; the output's transpose-reshape for o_proj is a view of it.
     total += 4 * nh * hd * a + nh * 4
     return total
+
+
+def mla_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
+    """Multi-head latent attention (models/glm/mla.py), per token: the input norm and its
+    output, the query and key/value latents with their norms, SDPA's q, k (the concatenated
+    nope + rope heads), the kv_b output v is a view of, its output and log-sum-exp, and under
+    DSA with seq_len > index_topk the sparse mask SDPA keeps in the compute dtype ([T, S]: S
+    per token). Counts the fused kernels (the GLM-5 shapes have equal q/k and v widths; CPU
+    runs with unequal widths fall back to the math kernel, which keeps [T, S] scores)."""
+    D, N = config.hidden_size, config.num_attention_heads
+    P, R, V, L = (
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+        config.kv_lora_rank,
+    )
+    total = norm_bytes_per_token(D, a) + D * a
+    if config.q_lora_rank is not None:
+        total += norm_bytes_per_token(config.q_lora_rank, a) + config.q_lora_rank * a
+    total += norm_bytes_per_token(L, a) + L * a
+    if a == 4:  # the latent norm's float32 input is then a view of the whole kv_a output
+        total += R * 4
+    total += 2 * N * (P + R) * a + N * (P + V) * a + N * V * a + N * 4
+    if config.uses_dsa and seq_len > config.index_topk:
+        total += seq_len * a
+    return total
+
+
+def indexer_kl_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
+    """What a trained ("kl") indexer of a "full" layer adds, per token: its key norm (input,
+    mean, rstd), the float32 query and key of its score product, the [M, S] float32 ReLU
+    scores, the head weights, and the KL's log-softmax, target and two [S] masks. A frozen
+    indexer runs under no_grad and saves nothing. (Plus one [T, S] causal mask per layer:
+    `indexer_kl_bytes_per_batch`.)"""
+    C, M, S = config.index_head_dim, config.index_n_heads, seq_len
+    return C * a + 2 * a + C * 4 + M * C * 4 + M * S * 4 + M * 4 + 2 * S + 2 * S * 4
+
+
+def _kl_layer(config: GLMConfig, layer: int) -> bool:
+    return (
+        config.uses_dsa
+        and config.indexer_training == "kl"
+        and config.layer_indexer_type(layer) == "full"
+    )
 
 
 def norm_bytes_per_token(dim: int, a: int) -> int:
@@ -72,13 +123,39 @@ def moe_bytes_per_token(config: GLMConfig, a: int, ep: int) -> int:
     return router + routed + shared
 
 
-def layer_bytes_per_token(config: GLMConfig, is_moe: bool, a: int, ep: int) -> int:
-    """Activation bytes one decoder layer keeps for backward, per token."""
+def layer_bytes_per_token(
+    config: GLMConfig, is_moe: bool, a: int, ep: int, *, seq_len: int = 1, layer: int = 0
+) -> int:
+    """Activation bytes decoder layer `layer` keeps for backward, per token (`seq_len` matters
+    to DSA's masks and a trained indexer only)."""
     D = config.hidden_size
-    total = attention_bytes_per_token(config, a) + norm_bytes_per_token(D, a) + D * a
+    total = attention_bytes_per_token(config, a, seq_len) + norm_bytes_per_token(D, a) + D * a
+    if _kl_layer(config, layer):
+        total += indexer_kl_bytes_per_token(config, a, seq_len)
     if is_moe:
         return total + moe_bytes_per_token(config, a, ep)
     return total + mlp_bytes_per_token(config.intermediate_size, a)
+
+
+def layer_activation_bytes(
+    config: GLMConfig, layer: int, is_moe: bool, a: int, ep: int, batch: int, seq_len: int
+) -> int:
+    """Activation bytes of decoder layer `layer` (an MTP layer when >= num_hidden_layers) for
+    a micro-batch of `batch` sequences of `seq_len` tokens."""
+    tokens = batch * seq_len
+    total = tokens * layer_bytes_per_token(config, is_moe, a, ep, seq_len=seq_len, layer=layer)
+    if _kl_layer(config, layer):
+        total += seq_len * seq_len  # the indexer's causal mask, shared by the batch
+    if layer >= config.num_hidden_layers:
+        total += tokens * mtp_input_bytes_per_token(config, a)
+    return total
+
+
+def mtp_input_bytes_per_token(config: GLMConfig, a: int) -> int:
+    """An MTP layer before its decoder block: enorm and hnorm and their concatenation (saved
+    by eh_proj); its loss head is counted as the model's (`head_bytes_per_token`)."""
+    D = config.hidden_size
+    return 2 * norm_bytes_per_token(D, a) + 2 * D * a
 
 
 def head_bytes_per_token(config: GLMConfig, a: int) -> int:
@@ -178,17 +255,32 @@ def estimate_step_memory(
     nesterov: bool,
     max_inflight: int,
     gloo: bool,
+    seq_len: int | None = None,
+    mtp: bool = True,
 ) -> StepMemory:
     """Per-rank memory of one step of `model` (this rank's sharded GLMForCausalLM, on any
-    device incl. meta) with optimizer `opt`, for micro-batches of `tokens` tokens per rank."""
+    device incl. meta) with optimizer `opt`, for micro-batches of `tokens` tokens per rank
+    (sequences of `seq_len`; None: one sequence); `mtp`: whether the MTP layers run and train
+    (train.mtp_loss_weight > 0)."""
     config: GLMConfig = model.config
     a = torch.finfo(param_dtype).bits // 8
-    layers = list(model.model.layers)
-    per_layer = [tokens * layer_bytes_per_token(config, x.is_moe, a, ep) for x in layers]
+    seq_len = seq_len or tokens
+    batch = max(1, tokens // seq_len)
+    mtp_layers = list(model.model.mtp_layers) if mtp else []  # idle with mtp_loss_weight 0
+    layers = [*model.model.layers, *mtp_layers]
+    per_layer = [
+        layer_activation_bytes(config, i, x.is_moe, a, ep, batch, seq_len)
+        for i, x in enumerate(layers)
+    ]
     inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
-    head = tokens * head_bytes_per_token(config, a)
+    # The next-token head, and per MTP layer its own (shared_head.norm, lm_head, loss).
+    head = tokens * head_bytes_per_token(config, a) * (1 + len(mtp_layers))
     parts: dict[str, int] = {}
-    trained = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")]
+    trained = [  # no gradient: a frozen indexer, idle MTP layers
+        p
+        for n, p in model.named_parameters()
+        if p.requires_grad and (mtp or not n.startswith("model.mtp_layers."))
+    ]
     parts["master parameters (fp32 shards)"] = _local_bytes(model.parameters())
     state = 0
     for g in opt.param_groups:
@@ -196,7 +288,9 @@ def estimate_step_memory(
         state += copies * _local_bytes(g["params"], 4)
     parts["optimizer state"] = state
     if activation_checkpointing:
-        parts["activations (layer inputs)"] = inputs * len(layers)
+        # An MTP layer's norms and eh_proj run outside its checkpointed block.
+        mtp_outside = tokens * mtp_input_bytes_per_token(config, a) * len(mtp_layers)
+        parts["activations (layer inputs)"] = inputs * len(layers) + mtp_outside
         parts["activations (recomputed layer)"] = max(per_layer, default=0)
     else:
         parts["activations (all layers)"] = sum(per_layer)
@@ -262,6 +356,8 @@ def estimate_for_config(
         model,
         opt,
         tokens=cfg.data.batch_size * cfg.data.seq_len,
+        seq_len=cfg.data.seq_len,
+        mtp=float(cfg.train.mtp_loss_weight) > 0,
         ep=cfg.mesh.ep,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,

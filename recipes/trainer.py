@@ -1,7 +1,9 @@
 """The training loop of one rank: resume, train, measure, log, checkpoint, summarize.
 
 One optimizer step:
-  1. `grad_accum_steps` micro-steps of forward + backward (FSDP gradient sync on the last one).
+  1. `grad_accum_steps` micro-steps of forward + backward (FSDP gradient sync on the last one)
+     of the objective loss + train.mtp_loss_weight * mtp_loss + indexer_kl; `loss` (logged) is
+     the next-token loss alone, `mtp_loss` and `indexer_kl` are logged under their own keys.
   2. The global gradient norm per algorithm (AdamW groups, Muon groups), one all-reduce.
   3. Clipping of the AdamW groups (and the Muon groups with `train.clip_muon`) when finite.
   4. The optimizer step. Non-finite gradients skip it on every rank, whichever the optimizer:
@@ -31,6 +33,7 @@ from recipes.config import to_plain
 from recipes.data import TokenStream, token_file
 from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
 from recipes.metrics import (
+    AUX_LOSSES,
     RANK_EXTREMES,
     MetricsLog,
     Summary,
@@ -120,9 +123,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> None:
-        """Load the newest committed checkpoint of the run dir, if any (and allowed)."""
+        """Load the newest committed checkpoint of the run dir, if any; with
+        `checkpoint.resume=false` move the run found there aside instead (checkpoint.set_aside)."""
         found = checkpoint.latest(self.ckpt_root) if self.rank == 0 else None
-        found = _broadcast(str(found) if found and self.cfg.checkpoint.resume else None)
+        if found and not self.cfg.checkpoint.resume:  # a start over: the old run kept apart
+            aside = checkpoint.set_aside(self.run_dir)
+            log.warning("checkpoint.resume=false: the previous run moved to %s", aside)
+            found = None
+        found = _broadcast(str(found) if found else None)
         if found is None:
             self._init_from()
             return
@@ -146,9 +154,17 @@ class Trainer:
             return
         from recipes.hf import init_from
 
-        init_from(self.model, Path(path).expanduser())
+        initialized = init_from(self.model, Path(path).expanduser())
         if self.rank == 0:
             log.info("initialized from the transformers directory %s", path)
+            if initialized:
+                log.warning(
+                    "%s holds no MTP layer weights; these %d tensors keep their seeded "
+                    "initialization: %s",
+                    path,
+                    len(initialized),
+                    ", ".join(initialized),
+                )
 
     def save(self) -> Path:
         """Collective: checkpoint the current step (committed now, or at the next save / `wait`
@@ -163,20 +179,28 @@ class Trainer:
         return self.checkpointer.save(self.step, self.model, self.opt, state)
 
     # -------------------------------------------------------------------------------- step
-    def _forward_backward(self) -> torch.Tensor:
+    def _forward_backward(self) -> dict[str, torch.Tensor]:
+        """The micro-steps' forward + backward; the step's mean of each loss term."""
         cfg = self.cfg
         accum = cfg.train.grad_accum_steps
-        loss_sum = torch.zeros((), device=self.device)
+        weight = float(cfg.train.mtp_loss_weight)
+        sums: dict[str, torch.Tensor] = {}
         for micro in range(accum):
             x, y = self.data.micro_batch(
                 self.samples, micro, self.rank, self.world, cfg.data.batch_size
             )
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            loss = self.model.loss(x.to(self.device), y.to(self.device))
-            (loss / accum).backward()
-            loss_sum += loss.detach() / accum
-        return loss_sum
+            terms = self.model(x.to(self.device), y.to(self.device), with_mtp=weight > 0)
+            objective = terms["loss"]
+            if "mtp_loss" in terms:
+                objective = objective + weight * terms["mtp_loss"]
+            if "indexer_kl" in terms:  # its gradient reaches the indexer only
+                objective = objective + terms["indexer_kl"]
+            (objective / accum).backward()
+            for key, value in terms.items():
+                sums[key] = sums.get(key, 0.0) + value.detach() / accum
+        return sums
 
     def _optimizer_step(self) -> tuple[bool, dict[str, float]]:
         """Clip and step; returns (skipped, grad-norm metrics)."""
@@ -231,12 +255,15 @@ class Trainer:
         self.step += 1
         self.samples += self.samples_per_step
         self.skipped += int(skipped)
-        dist.all_reduce(loss)
+        keys = sorted(loss)  # the same terms on every rank: one all-reduce of all of them
+        summed = torch.stack([loss[k] for k in keys])
+        dist.all_reduce(summed)
+        terms = {k: v.item() / self.world for k, v in zip(keys, summed, strict=True)}
         step_s = time.perf_counter() - t0
         tokens = self.samples_per_step * cfg.data.seq_len
         stats = getattr(self.opt, "step_stats", {})
         return {
-            "loss": loss.item() / self.world,
+            **terms,
             "lr": lr[0],
             "lr_adamw": lr[-1],
             **norms,
@@ -290,8 +317,9 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if self.rank == 0 and self.step % report_every == 0:
+                extra = "".join(f" {k} {metrics[k]:.4g}" for k in AUX_LOSSES if k in metrics)
                 line = (
-                    f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f} "
+                    f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f}{extra} "
                     f"lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tokens/s"
                 )
                 if bar is not None and not bar.disable:

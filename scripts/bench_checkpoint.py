@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-MiB = 1 << 20
+from recipes.bench.cli import command_line
+from recipes.bench.fixtures import MiB
+from recipes.bench.world import run_world as _run_world
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +36,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(cfg: dict) -> dict:
-    sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
@@ -48,7 +45,6 @@ def _worker(cfg: dict) -> dict:
     from recipes.memory import MemoryMeter
     from recipes.parallel import build_model, build_optimizer, model_config
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     overrides = [
         f"model.preset={cfg['preset']}",
@@ -97,17 +93,12 @@ def _worker(cfg: dict) -> dict:
     out["import"] = m.peak_delta_bytes()
     c = model_config(run)
     out["expert"] = 3 * c.moe_intermediate_size * c.hidden_size * 4
-    dist.destroy_process_group()
     return out
 
 
 def run_world(cfg: dict) -> list[dict]:
-    """Spawn the W ranks with torch's elastic launcher on loopback; every rank's record."""
-    from recipes.launch import spawn_local_world
-
-    os.environ["MKL_NUM_THREADS"] = "1"
-    by_rank = spawn_local_world(_worker, cfg["world_size"], cfg, name="bench-ckpt")
-    return [by_rank[r] for r in sorted(by_rank)]
+    """The W gloo ranks (recipes.bench.world); every rank's record."""
+    return _run_world(_worker, cfg["world_size"], cfg, timeout_s=1800)
 
 
 COLUMNS = ("own", "largest", "save", "load", "export", "import", "expert")
@@ -141,8 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = {c: max(r[c] for r in ranks) for c in COLUMNS}
             row.update(world=world, ep=ep, files=min(r["files"] for r in ranks), ranks=ranks)
             rows.append(row)
-    command = "python scripts/bench_checkpoint.py " + " ".join(argv or sys.argv[1:])
-    text = table(rows, command.strip())
+    text = table(rows, command_line("bench_checkpoint.py", argv))
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))

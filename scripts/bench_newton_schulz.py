@@ -43,9 +43,7 @@ import argparse
 import itertools
 import json
 import math
-import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -53,9 +51,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from muon.newton_schulz import (  # noqa: E402
+from muon.newton_schulz import (
     GRAM_MIN_ROWS,
     NS_COEFFICIENTS,
     band_top,
@@ -63,6 +59,8 @@ from muon.newton_schulz import (  # noqa: E402
     newton_schulz,
     ns_flops,
 )
+from recipes.bench.report import markdown_table
+from recipes.bench.world import run_world
 
 # GLM-5.2 block shapes (hidden 6144, dense FFN 12288, expert intermediate 2048, 256 experts,
 # router [256, 6144]); batch = blocks per batched call.
@@ -463,7 +461,8 @@ def train(args) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------ W=4 step
-def _step_worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
+def _step_worker(cfg: dict) -> dict:
+    """One rank of the step world: its step times; rank 0 adds the updates' quality."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -472,10 +471,7 @@ def _step_worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
 
     from muon import Muon
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     r, c = cfg["shape"]
     gen = torch.Generator().manual_seed(0)
@@ -519,33 +515,21 @@ def _step_worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     for _ in range(cfg["repeats"]):
         for n in OPT_VARIANTS:
             times[n].append(step(n))
+    res = {"times": times}
     if rank == 0:
-        res = {"times": times}
         G = torch.stack(grads)
         res["quality"] = {n: quality(G, torch.stack(u)) for n, u in updates.items()}
-        Path(out).write_text(json.dumps(res))
-    else:
-        Path(f"{out}.{rank}").write_text(json.dumps({"times": times}))
     # leave together: a rank tearing gloo down while a peer still talks to it aborts
     dist.barrier()
-    dist.destroy_process_group()
+    return res
 
 
 def step_world(args, out_dir: Path) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     r, c = (int(x) for x in args.step_shape.split("x"))
     cfg = dict(shape=(r, c), count=args.step_count, repeats=args.step_repeats)
-    path = str(out_dir / "step_raw.json")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_step_worker, args=(args.step_world, port, cfg, path), nprocs=args.step_world)
-    res = json.loads(Path(path).read_text())
-    per_rank = [res["times"]] + [
-        json.loads(Path(f"{path}.{k}").read_text())["times"] for k in range(1, args.step_world)
-    ]
+    results = run_world(_step_worker, args.step_world, cfg, timeout_s=3600)
+    res = results[0]
+    per_rank = [out["times"] for out in results]
     rows = []
     for n in OPT_VARIANTS:
         # slowest rank per step, then the median over steps
@@ -560,21 +544,6 @@ def step_world(args, out_dir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ output
-def _md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    head = "| " + " | ".join(h for h, _, _ in cols) + " |"
-    sep = "|" + "---|" * len(cols)
-    body = [
-        "| "
-        + " | ".join(
-            format(r[k], f) if isinstance(r.get(k), float) else str(r.get(k, ""))
-            for _, k, f in cols
-        )
-        + " |"
-        for r in rows
-    ]
-    return "\n".join([head, sep, *body])
-
-
 def summary(res: dict) -> list[str]:
     """The comparisons the variants are chosen by, computed from the tables of this run."""
     by = {(r["shape"], r["variant"]): r for r in res["shapes"] if "ms_per_block" in r}
@@ -667,7 +636,7 @@ def markdown(res: dict) -> str:
     parts += [
         "### Time, FLOPs and quality on random (Gaussian) blocks",
         "",
-        _md_table(
+        markdown_table(
             shape_rows,
             [
                 ("shape", "shape", ""),
@@ -693,7 +662,7 @@ def markdown(res: dict) -> str:
             "### Where Gram starts to pay: 1:3 blocks of growing size "
             "(Polar Express, bf16, batch 8)",
             "",
-            _md_table(
+            markdown_table(
                 res["crossover"],
                 [
                     ("block", "dims", ""),
@@ -709,7 +678,7 @@ def markdown(res: dict) -> str:
             "",
             "### Ill-conditioned bf16 blocks: standard vs the default (Polar Express)",
             "",
-            _md_table(
+            markdown_table(
                 res["conditioning"],
                 [
                     ("block", "block", ""),
@@ -729,7 +698,7 @@ def markdown(res: dict) -> str:
             "",
             "### Quality on momentum blocks of the tiny GLM after training",
             "",
-            _md_table(
+            markdown_table(
                 mom,
                 [
                     ("blocks", "shape", ""),
@@ -758,7 +727,7 @@ def markdown(res: dict) -> str:
             f"### Training: tiny GLM, {len(next(iter(t['curves'].values())))} steps, "
             f"{t['seeds']} seeds; final loss = mean of the last {t['tail_steps']} steps",
             "",
-            _md_table(
+            markdown_table(
                 rows,
                 [
                     ("variant", "variant", ""),
@@ -776,7 +745,7 @@ def markdown(res: dict) -> str:
             f"### Muon.step at W={s['world']}: {s['count']} FSDP2-sharded "
             f"{s['shape'][0]}x{s['shape'][1]} matrices (slowest rank, median)",
             "",
-            _md_table(
+            markdown_table(
                 s["rows"],
                 [
                     ("variant", "variant", ""),

@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all", "auto")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MiB = 1 << 20
+from muon.plan import REMAINDER_CHOICES as STRATEGIES
+from recipes.bench.cli import command_line, ns_variant_arg
+from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
+from recipes.bench.timing import peak_bytes, rotations, timed
+from recipes.bench.world import run_world as _run_world
+
 #: (rows, cols, blocks, count) at W = 8, rows chunked 8 ways: dense full batches and remainders
 #: of R = 1, 3 and 5; experts with blocks of 2 and 4 chunks (sub-groups k = 2, 4) and of one
 BAG = (
@@ -55,15 +55,10 @@ BAG = (
 
 def _worker(cfg: dict) -> list[dict]:
     """One rank: every strategy on the bag; returns this rank's records."""
-    if cfg["code"]:  # the baseline's packages, before anything imports them
-        sys.path.insert(0, cfg["code"])
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
-    from muon import Muon
+    from muon import Muon  # the baseline's, when the world runs another checkout's packages
     from recipes.memory import MemoryMeter
 
     torch.set_num_threads(1)
@@ -81,18 +76,11 @@ def _worker(cfg: dict) -> list[dict]:
         gen = torch.Generator().manual_seed(cfg["seed"])
         groups = []
         for rows, cols, blocks, count in cfg["bag"]:
-            holder = nn.ParameterList(
-                nn.Parameter(torch.randn(rows, cols, generator=gen).to(device, dtype))
-                for _ in range(count)
+            params = sharded_matrices(
+                [(rows, cols)] * count, mesh, generator=gen, dtype=dtype, device=device
             )
-            fully_shard(holder, mesh=mesh)
-            for p in holder:
-                local = torch.randn(p.to_local().shape, generator=gen).to(device, dtype)
-                p.grad = DTensor.from_local(
-                    local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                )
             # both spellings of the block count: this version's and the baseline's
-            groups.append({"params": list(holder), "num_blocks": blocks, "num_experts": blocks})
+            groups.append({"params": params, "num_blocks": blocks, "num_experts": blocks})
         return Muon(
             groups,
             ns_dtype=DTYPES[cfg["ns_dtype"]],
@@ -107,28 +95,14 @@ def _worker(cfg: dict) -> list[dict]:
             opts[s].step()
     step_s = {s: [] for s in strategies}
     ns_s = {s: [] for s in strategies}
-    for i in range(cfg["steps"]):
-        k = i % len(strategies)
-        for s in strategies[k:] + strategies[:k]:  # rotate the order: fair background load
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            opts[s].step()
-            sync()
-            step_s[s].append(time.perf_counter() - t0)
-            ns_s[s].append(opts[s].step_stats["muon/ns_s"])
+    for s in rotations(strategies, cfg["steps"]):  # fair background load
+        step_s[s].append(timed(opts[s].step, sync=sync))
+        ns_s[s].append(opts[s].step_stats["muon/ns_s"])
     records = []
     for s in strategies:
         opt = opts[s]
         stats = dict(opt.step_stats)
-        peak = 0
-        for _ in range(cfg["mem_steps"]):
-            dist.barrier()
-            sync()
-            with meter.measure() as m, m.region("optim"):
-                opt.step()
-                sync()
-            peak = max(peak, m.peak_delta_bytes("optim"))
+        peak = peak_bytes(meter, opt.step, cfg["mem_steps"], sync=sync)
         plan = getattr(opt, "plan", None)  # the per-rank NS work only this version plans
         records.append(
             dict(
@@ -150,12 +124,12 @@ def _worker(cfg: dict) -> list[dict]:
 
 
 def run_world(cfg: dict) -> list[dict]:
-    """Spawn the W ranks with torch's elastic launcher on loopback; records of every rank."""
-    from recipes.launch import spawn_local_world
-
-    os.environ["MKL_NUM_THREADS"] = "1"
-    by_rank = spawn_local_world(_worker, cfg["world_size"], cfg, name="bench-step")
-    return [rec for r in sorted(by_rank) for rec in by_rank[r]]
+    """The W ranks (recipes.bench.world; `cfg["code"]`: another checkout's packages); the
+    records of every rank."""
+    by_rank = _run_world(
+        _worker, cfg["world_size"], cfg, backend=None, timeout_s=3600, pythonpath=cfg["code"]
+    )
+    return [rec for recs in by_rank for rec in recs]
 
 
 def summarize(records: list[dict]) -> dict[str, dict]:
@@ -241,17 +215,6 @@ def targets(after: dict) -> list[tuple[str, bool]]:
     return out
 
 
-def _ns_variant(text: str) -> dict[str, str]:
-    """`--ns-variant`; muon is imported here, not at the top, so that ranks that import
-    another checkout's packages have not loaded this tree's first."""
-    from muon.newton_schulz import parse_variant
-
-    try:
-        return parse_variant(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", "-W", type=int, default=8, help="ranks (default 8)")
@@ -259,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16", help="NS dtype")
     ap.add_argument(
         "--ns-variant",
-        type=_ns_variant,
+        type=ns_variant_arg,
         metavar="COEFFICIENTS,ALGORITHM",
         help="Muon's ns_coefficients,ns_algorithm, e.g. fixed,standard (default: Muon's own)",
     )
@@ -298,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         code=None,
         baseline=args.baseline,
     )
-    command = "python scripts/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("bench_step.py", argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -321,5 +284,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes.memory import MemoryMeter  # noqa: E402
+from recipes.memory import MemoryMeter
 
 MiB = 1 << 20
 
@@ -147,12 +144,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device
-    )
+    # a one-rank world on a store this process hosts (port 0: no free port guessed)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
     try:
         res = compare(args.preset, args.seq_len, args.batch_size, device)
     finally:

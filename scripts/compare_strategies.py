@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from muon.plan import REMAINDER_STRATEGIES
+
 DEFAULT_KEY = "optim.remainder_strategy"
-STRATEGY_ORDER = ("agrs", "pad_all2all", "ragged_all_to_all")
+STRATEGY_ORDER = REMAINDER_STRATEGIES
 MiB = 1 << 20
 
 #: (column, help) of the per-strategy table, in order

@@ -1,11 +1,12 @@
-"""Export the model of a checkpoint as a transformers `Glm4MoeForCausalLM` directory.
+"""Export the model of a checkpoint as a transformers GLM directory (Glm4Moe or GlmMoeDsa).
 
     python scripts/export_hf.py <run dir>/checkpoints/step_00001000 <out dir>
     torchrun --nproc-per-node 8 scripts/export_hf.py <checkpoint> <out dir> --dtype bfloat16
 
 Writes `config.json`, `model-0000k-of-0000n.safetensors` (each at most `--max-shard-gib`) and
-`model.safetensors.index.json`. One process or any number of ranks (torchrun / srun set RANK
-and WORLD_SIZE): rank r writes files r, r + W, ...; each tensor is read from the sharded
+`model.safetensors.index.json` (MLA models in the glm_moe_dsa layout of GLM-5, MTP layers as
+`model.layers.{num_hidden_layers + i}`). One process or any number of ranks (torchrun / srun
+set RANK and WORLD_SIZE): rank r writes files r, r + W, ...; each tensor is read from the sharded
 checkpoint on its own, so a process holds one tensor at a time, whatever the model size.
 """
 
@@ -16,13 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from recipes import checkpoint  # noqa: E402
-from recipes.hf import export_checkpoint  # noqa: E402
+from recipes import checkpoint
+from recipes.hf import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-MiB = 1 << 20
+from recipes.bench.fixtures import MiB
+from recipes.bench.world import run_world
 
 
 def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
@@ -35,55 +34,47 @@ def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
     from models.glm.parallelize import build_meshes, parallelize
     from recipes.memory import MemoryMeter
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        meter = MemoryMeter("cpu")
-        config = get_preset(preset)
-        runs = []
-        for _ in range(repeats):
-            with torch.device("meta"):
-                model = GLMForCausalLM(config)
-            parallelize(model, build_meshes(dist.get_world_size(), ep, "cpu"))
-            dist.barrier()
-            with meter.measure("init") as m:
-                t0 = time.thread_time()
-                model.to_empty(device="cpu")
-                t1 = time.thread_time()
-                drawn = model.init_weights(seed)
-                t2 = time.thread_time()
-            runs.append(
-                {
-                    "peak_mib": m.peak_delta_bytes() / MiB,
-                    "materialize_cpu_s": t1 - t0,
-                    "init_cpu_s": t2 - t1,
-                    "drawn": drawn,
-                }
-            )
-            if len(runs) < repeats:
-                del model
-        best = {k: min(r[k] for r in runs) for k in runs[0]}
-        best["shard_mib"] = (
-            sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
-            / MiB
+    meter = MemoryMeter("cpu")
+    config = get_preset(preset)
+    runs = []
+    for _ in range(repeats):
+        with torch.device("meta"):
+            model = GLMForCausalLM(config)
+        parallelize(model, build_meshes(dist.get_world_size(), ep, "cpu"))
+        dist.barrier()
+        with meter.measure("init") as m:
+            t0 = time.thread_time()
+            model.to_empty(device="cpu")
+            t1 = time.thread_time()
+            drawn = model.init_weights(seed)
+            t2 = time.thread_time()
+        runs.append(
+            {
+                "peak_mib": m.peak_delta_bytes() / MiB,
+                "materialize_cpu_s": t1 - t0,
+                "init_cpu_s": t2 - t1,
+                "drawn": drawn,
+            }
         )
-        digest = hashlib.sha256()
-        for name, p in model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            digest.update(name.encode())
-            digest.update(full.contiguous().view(torch.uint8).numpy().tobytes())
-        best["digest"] = digest.hexdigest()[:16]
-        return best
-    finally:
-        dist.destroy_process_group()
+        if len(runs) < repeats:
+            del model
+    best = {k: min(r[k] for r in runs) for k in runs[0]}
+    best["shard_mib"] = (
+        sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+        / MiB
+    )
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        digest.update(name.encode())
+        digest.update(full.contiguous().view(torch.uint8).numpy().tobytes())
+    best["digest"] = digest.hexdigest()[:16]
+    return best
 
 
 def run_mesh(preset: str, world_size: int, ep: int, seed: int, repeats: int) -> list[dict]:
     """Per-rank figures of one mesh, in rank order."""
-    from recipes.launch import spawn_local_world
-
-    out = spawn_local_world(_rank_main, world_size, preset, ep, seed, repeats, name="init")
-    return [out[r] for r in range(world_size)]
+    return run_world(_rank_main, world_size, preset, ep, seed, repeats, timeout_s=1800)
 
 
 def table(rows: list[dict]) -> str:

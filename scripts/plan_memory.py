@@ -38,16 +38,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan  # noqa: E402
+from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
+from recipes.bench.fixtures import DTYPES
 
 GiB = 1 << 30
 TOKENS_PER_STEP = 4 << 20
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -73,13 +71,15 @@ def init_fake_world(world_size: int, rank: int) -> bool:
     return True
 
 
-def build_model(model_name: str, world_size: int, ep: int, dtype: torch.dtype):
+def build_model(
+    model_name: str, world_size: int, ep: int, dtype: torch.dtype, overrides: dict | None = None
+):
     """The real GLM model on the meta device, parallelized with the real EP + FSDP2 code."""
     from models.glm import get_preset
     from models.glm.model import GLMForCausalLM
     from models.glm.parallelize import build_meshes, parallelize
 
-    config = get_preset(model_name)
+    config = get_preset(model_name, **(overrides or {}))
     with torch.device("meta"):
         model = GLMForCausalLM(config).to(dtype)
     meshes = build_meshes(world_size, ep, "cpu")
@@ -349,6 +349,8 @@ def format_report(report: dict) -> str:
         f"nesterov {meta['nesterov']}, "
         f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
         f"max_inflight {meta['max_inflight']}; plans built in {meta['build_s']:.1f} s",
+        f"optimizer: {meta['param_tensors']} parameter tensors (the gradient census all-reduces "
+        f"{meta['param_tensors'] + 1} int32 flags, {fmt_bytes(4 * (meta['param_tensors'] + 1))})",
         "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
         "(of the whole group when it has none) / one that does not.",
         "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: NS "
@@ -491,14 +493,16 @@ def plan(
     budget_gib: float | None = None,
     strategies: tuple[str, ...] = REMAINDER_CHOICES,
     tokens_per_step: int = TOKENS_PER_STEP,
+    overrides: dict | None = None,
 ) -> dict:
-    """Build the optimizer plans in a fake world and return the report as plain data."""
+    """Build the optimizer plans in a fake world and return the report as plain data
+    (`overrides`: GLMConfig fields replacing the preset's)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank} is outside the world of {world_size}")
     t0 = time.perf_counter()
     created = init_fake_world(world_size, rank)
     try:
-        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype])
+        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype], overrides)
         active = active_parameters(net, config)
         fwd_bwd = 6 * active * tokens_per_step / world_size
         budget = None if budget_gib is None else budget_gib * GiB
@@ -517,6 +521,8 @@ def plan(
             for s in strategies
         }
         build_s = time.perf_counter() - t0
+        first = next(iter(opts.values()))
+        param_tensors = sum(len(g["params"]) for g in first.param_groups)
         ns_itemsize = DTYPES[ns_dtype].itemsize
         report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
         efsdp = meshes.efsdp
@@ -541,6 +547,8 @@ def plan(
         build_s=build_s,
         tokens_per_step=tokens_per_step,
         active_parameters=active,
+        param_tensors=param_tensors,
+        overrides=dict(overrides or {}),
     )
     report["over_budget"] = over_budget(report, budget)
     return report
@@ -593,7 +601,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seq-len", type=int, default=4096, help="--step: tokens per sequence")
     ap.add_argument("--micro-batch", type=int, default=1, help="--step: sequences per rank")
+    ap.add_argument(
+        "--indexer-training",
+        choices=("kl", "frozen"),
+        default=None,
+        help="DSA models: the indexer trained by its KL loss or frozen (no gradient, not in "
+        "the optimizer); default: the preset's",
+    )
     args = ap.parse_args(argv)
+    overrides = {}
+    if args.indexer_training is not None:
+        from models.glm import get_preset
+
+        if not get_preset(args.model).uses_dsa:
+            ap.error(f"--indexer-training: --model {args.model} has no sparse-attention indexer")
+        overrides["indexer_training"] = args.indexer_training
     report = plan(
         model=args.model,
         world_size=args.world_size,
@@ -609,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_gib=args.budget_gib,
         strategies=tuple(args.strategy or REMAINDER_CHOICES),
         tokens_per_step=args.tokens_per_step,
+        overrides=overrides,
     )
     print(format_report(report))
     if args.json:
@@ -625,7 +648,10 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq_len,
             micro_batch=args.micro_batch,
             budget_gib=args.budget_gib,
-            extra=(f"optim.max_inflight={args.max_inflight}",),
+            extra=(
+                f"optim.max_inflight={args.max_inflight}",
+                *(f"train.{k}={v}" for k, v in overrides.items()),
+            ),
         )
         print(text)
     return 1 if report["over_budget"] or not fits else 0

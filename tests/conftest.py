@@ -1,16 +1,13 @@
 """Shared pytest setup: GPU tests are skipped where no CUDA device is present, and one
 three-strategy `train.py -m` sweep serves every test that reads such runs."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
+from tests.train_cli import start_train_py
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,17 +43,8 @@ def strategy_sweep(tmp_path_factory) -> tuple[Path, str]:
         "data.batch_size=2",
         f"data.cache_dir={root / 'cache'}",
         "train.warmup_steps=1",
-        f"run.root={root}",
     ]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")  # never the network
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=420,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return root / "default", proc.stdout
+    proc = start_train_py(args, root)  # W&B offline: never the network
+    out, _ = proc.communicate(timeout=420)
+    assert proc.returncode == 0, out[-4000:]
+    return root / "default", out

@@ -5,16 +5,44 @@ names follow transformers' `Glm4MoeConfig` (models/glm/hf_config.py maps them) e
 `n_dense_layers` (HF `first_k_dense_replace`) and `num_mtp_layers` (HF `num_nextn_predict_layers`).
 A bad combination fails at construction with a message naming the field and what is allowed.
 
-Multi-token prediction (MTP): `num_mtp_layers` extra MoE decoder layers are *built* (with their
-`enorm`/`hnorm`/`eh_proj`/`shared_head.norm` parameters, as in the public GLM checkpoints, where
-they are stored as `model.layers.{num_hidden_layers + i}`) so that the Muon planner, parameter
-counts and checkpoints see the real layout. `forward`/`loss` do not run them. The GLM-5.2 preset
-uses this to reach its 76 expert layers: 78 layers with 3 dense give 75, plus 1 MTP layer.
+Two attention families share the type, chosen by `attention`:
+- "gqa": grouped-query attention with partial half-split RoPE (transformers `glm4_moe`, GLM-4.5);
+- "mla": multi-head latent attention (transformers `glm_moe_dsa`, GLM-5), whose fields carry
+  transformers' `GlmMoeDsaConfig` names (q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+  qk_rope_head_dim, v_head_dim); with `index_topk` set it adds DeepSeek Sparse Attention (DSA:
+  index_n_heads, index_head_dim, index_topk, indexer_types) and `indexer_training` picks how the
+  indexer learns ("kl": DeepSeek-V3.2's KL objective, for pretraining; "frozen": no gradient and
+  no optimizer state, for fine-tuning a released checkpoint).
+`rope_scaling` (yarn) applies to both: {"rope_type": "yarn", "factor", "original_max_position_
+embeddings", optional "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+"truncate"}, transformers' `rope_parameters` without `rope_theta`.
+
+Multi-token prediction (MTP): `num_mtp_layers` DeepSeek-V3-style MTP layers (a MoE decoder layer
+plus `enorm`/`hnorm`/`eh_proj`/`shared_head.norm`, stored as `model.layers.{num_hidden_layers + i}`
+in the public GLM checkpoints) run in the training forward (`GLMForCausalLM.losses`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+ATTENTION_CHOICES = ("gqa", "mla")
+INDEXER_TYPES = ("full", "shared")
+INDEXER_TRAINING_CHOICES = ("kl", "frozen")
+_MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_DSA_FIELDS = ("index_n_heads", "index_head_dim")
+_YARN_KEYS = (
+    "rope_type",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 
 
 @dataclass
@@ -45,9 +73,31 @@ class GLMConfig:
     tie_word_embeddings: bool = False  # lm_head shares the embedding weight
     initializer_range: float = 0.02  # normal std of init_weights
     max_position_embeddings: int = 131072  # longest sequence forward accepts
-    num_mtp_layers: int = 0  # extra MoE layers built for MTP, not run by forward (see module doc)
+    num_mtp_layers: int = 0  # DeepSeek-V3-style MTP layers after the main stack (0: none)
+    attention: str = "gqa"  # "gqa" (glm4_moe) or "mla" (glm_moe_dsa; DSA when index_topk is set)
+    q_lora_rank: int | None = None  # mla: rank of the low-rank query (None: a full q_proj)
+    kv_lora_rank: int | None = None  # mla: rank of the compressed key/value latent
+    qk_nope_head_dim: int | None = None  # mla: per-head query/key channels without RoPE
+    qk_rope_head_dim: int | None = None  # mla: per-head rotary channels (one shared key head)
+    v_head_dim: int | None = None  # mla: per-head value width
+    index_n_heads: int | None = None  # dsa: indexer heads
+    index_head_dim: int | None = None  # dsa: indexer head width (its first qk_rope channels rotate)
+    index_topk: int | None = None  # dsa: keys kept per query (None: dense MLA, no indexer)
+    indexer_types: list[str] | None = None  # dsa: "full"/"shared" per layer; None: all "full"
+    indexer_training: str = "kl"  # dsa: "kl" (pretraining) or "frozen" (fine-tuning)
+    rope_scaling: dict[str, Any] | None = None  # yarn RoPE scaling (see module doc); None: none
 
     def __post_init__(self) -> None:
+        # Hydra hands lists and dicts over as ListConfig / DictConfig: keep plain data.
+        if self.indexer_types is not None:
+            self.indexer_types = [str(t) for t in self.indexer_types]
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+        self._check_sizes()
+        self._check_attention()
+        self._check_rope_scaling()
+
+    def _check_sizes(self) -> None:
         positive = (
             "vocab_size",
             "hidden_size",
@@ -81,7 +131,7 @@ class GLMConfig:
                 f"GLMConfig.num_key_value_heads ({nkv}) must divide num_attention_heads ({nh})"
             )
         if self.head_dim is None:
-            if self.hidden_size % nh:
+            if self.attention == "gqa" and self.hidden_size % nh:
                 raise ValueError(
                     f"GLMConfig.num_attention_heads ({nh}) must divide hidden_size "
                     f"({self.hidden_size}) when head_dim is None; or set head_dim"
@@ -95,7 +145,7 @@ class GLMConfig:
                 "GLMConfig.partial_rotary_factor must be in (0, 1], "
                 f"got {self.partial_rotary_factor}"
             )
-        rd = self.rotary_dim
+        rd = self.rotary_dim if self.attention == "gqa" else 2
         if rd < 2 or rd % 2:
             raise ValueError(
                 f"GLMConfig.partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
@@ -124,9 +174,118 @@ class GLMConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"GLMConfig.{name} must be > 0, got {getattr(self, name)}")
 
+    def _check_attention(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(
+                f"GLMConfig.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
+            )
+        if self.indexer_training not in INDEXER_TRAINING_CHOICES:
+            raise ValueError(
+                f"GLMConfig.indexer_training must be one of {INDEXER_TRAINING_CHOICES}, "
+                f"got {self.indexer_training!r}"
+            )
+        mla_only = ("q_lora_rank", *_MLA_FIELDS, *_DSA_FIELDS, "index_topk", "indexer_types")
+        if self.attention == "gqa":
+            for name in mla_only:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"GLMConfig.{name} is a multi-head latent attention field; it needs "
+                        f"attention='mla' (attention is 'gqa'), or leave it None"
+                    )
+            return
+        for name in _MLA_FIELDS:
+            _check_positive(name, getattr(self, name), "attention='mla' needs it")
+        if self.q_lora_rank is not None:
+            _check_positive("q_lora_rank", self.q_lora_rank, "or None for a full q_proj")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"GLMConfig.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE pairs)"
+            )
+        nh, nkv = self.num_attention_heads, self.num_key_value_heads
+        if nkv != nh:
+            raise ValueError(
+                f"GLMConfig.num_key_value_heads ({nkv}) must equal num_attention_heads ({nh}) "
+                "with attention='mla' (every head has its own key and value, as in GLM-5)"
+            )
+        if self.head_dim is not None and self.head_dim != self.qk_rope_head_dim:
+            raise ValueError(
+                f"GLMConfig.head_dim ({self.head_dim}) is the rotary width under attention='mla': "
+                f"set it to None or to qk_rope_head_dim ({self.qk_rope_head_dim})"
+            )
+        if self.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"GLMConfig.partial_rotary_factor ({self.partial_rotary_factor}) must be 1.0 with "
+                "attention='mla': the rotary channels are the qk_rope_head_dim slice"
+            )
+        if self.use_qk_norm:
+            raise ValueError(
+                "GLMConfig.use_qk_norm is a grouped-query attention option; attention='mla' "
+                "normalizes its latents (q_a_layernorm, kv_a_layernorm) instead"
+            )
+        if self.index_topk is None:
+            for name in (*_DSA_FIELDS, "indexer_types"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"GLMConfig.{name} is a sparse-attention (DSA) field; it needs "
+                        "index_topk, or leave it None"
+                    )
+            return
+        _check_positive("index_topk", self.index_topk, "or None for dense MLA")
+        for name in _DSA_FIELDS:
+            _check_positive(name, getattr(self, name), "index_topk needs it")
+        if self.q_lora_rank is None:
+            raise ValueError(
+                "GLMConfig.q_lora_rank must be set with index_topk: the indexer reads the "
+                "low-rank query"
+            )
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"GLMConfig.index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim "
+                f"({self.qk_rope_head_dim}): the indexer rotates its first qk_rope channels"
+            )
+        types = self.indexer_types
+        if types is not None:
+            if len(types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"GLMConfig.indexer_types has {len(types)} entries; it needs one per layer "
+                    f"(num_hidden_layers={self.num_hidden_layers})"
+                )
+            bad = sorted({t for t in types if t not in INDEXER_TYPES})
+            if bad:
+                raise ValueError(
+                    f"GLMConfig.indexer_types holds {bad}; allowed: {list(INDEXER_TYPES)}"
+                )
+            if types[0] != "full":
+                raise ValueError(
+                    "GLMConfig.indexer_types[0] must be 'full': a 'shared' layer reuses the "
+                    "previous layer's top-k"
+                )
+
+    def _check_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        unknown = sorted(set(rs) - set(_YARN_KEYS))
+        if unknown:
+            raise ValueError(
+                f"GLMConfig.rope_scaling has unknown keys {unknown}; allowed: {list(_YARN_KEYS)}"
+            )
+        if rs.get("rope_type") != "yarn":
+            raise ValueError(
+                f"GLMConfig.rope_scaling.rope_type must be 'yarn', got {rs.get('rope_type')!r}"
+            )
+        for key in ("factor", "original_max_position_embeddings"):
+            if not isinstance(rs.get(key), int | float) or not rs[key] > 0:
+                raise ValueError(
+                    f"GLMConfig.rope_scaling.{key} must be a positive number, got {rs.get(key)!r}"
+                )
+
     @property
     def head_dim_resolved(self) -> int:
-        """The per-head width actually used: head_dim, or hidden_size // num_attention_heads."""
+        """The per-head width of the rotary embedding's frame: head_dim, or hidden_size // nh
+        (gqa); qk_rope_head_dim (mla, as transformers sets head_dim)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
         return (
             self.head_dim
             if self.head_dim is not None
@@ -135,8 +294,20 @@ class GLMConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Rotary channels per head (the first ones of each head)."""
+        """Rotary channels per head (the first ones of each head, or mla's rope slice)."""
         return int(self.head_dim_resolved * self.partial_rotary_factor)
+
+    @property
+    def uses_dsa(self) -> bool:
+        """Whether the attention is DeepSeek Sparse Attention (mla with an indexer)."""
+        return self.attention == "mla" and self.index_topk is not None
+
+    def layer_indexer_type(self, layer: int) -> str:
+        """ "full" (own indexer) or "shared" (the previous layer's top-k) for decoder layer
+        `layer`; MTP layers (layer >= num_hidden_layers) run their own indexer."""
+        if self.indexer_types is None or layer >= self.num_hidden_layers:
+            return "full"
+        return self.indexer_types[layer]
 
     @property
     def num_moe_layers(self) -> int:
@@ -150,22 +321,41 @@ class GLMConfig:
     def expected_num_parameters(self) -> int:
         """Parameter count from the config alone (what `GLMForCausalLM.num_parameters()` gives)."""
         H, V = self.hidden_size, self.vocab_size
-        hd, nh, nkv = self.head_dim_resolved, self.num_attention_heads, self.num_key_value_heads
         E, I, F = self.n_routed_experts, self.moe_intermediate_size, self.intermediate_size
-        attn = H * nh * hd * 2 + H * nkv * hd * 2
-        if self.attention_bias:
-            attn += nh * hd + 2 * nkv * hd
-        if self.use_qk_norm:
-            attn += 2 * hd
-        layer_common = attn + 2 * H  # attention + input/post-attention norms
         dense_mlp = 3 * H * F
         moe_mlp = E * H + E * 3 * H * I + 3 * H * I * self.n_shared_experts
         mtp_extra = 2 * H + 2 * H * H + H  # enorm, hnorm, eh_proj [H, 2H], shared_head.norm
         total = V * H * (1 if self.tie_word_embeddings else 2) + H  # embed, head, final norm
-        total += self.n_dense_layers * (layer_common + dense_mlp)
-        total += (self.num_hidden_layers - self.n_dense_layers) * (layer_common + moe_mlp)
-        total += self.num_mtp_layers * (layer_common + moe_mlp + mtp_extra)
+        for layer in range(self.num_hidden_layers + self.num_mtp_layers):
+            total += self.attention_num_parameters(layer) + 2 * H  # + input/post-attn norms
+            total += dense_mlp if layer < self.n_dense_layers else moe_mlp
+            total += mtp_extra if layer >= self.num_hidden_layers else 0
         return total
+
+    def attention_num_parameters(self, layer: int) -> int:
+        """Parameters of the attention of decoder layer `layer` (MTP layers follow the stack)."""
+        H, nh = self.hidden_size, self.num_attention_heads
+        if self.attention == "gqa":
+            hd, nkv = self.head_dim_resolved, self.num_key_value_heads
+            n = H * nh * hd * 2 + H * nkv * hd * 2
+            n += (nh * hd + 2 * nkv * hd) if self.attention_bias else 0
+            return n + (2 * hd if self.use_qk_norm else 0)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        r, c, v = self.q_lora_rank, self.kv_lora_rank, self.v_head_dim
+        n = (H * r + r + r * nh * qk) if r is not None else H * nh * qk  # q_a, its norm, q_b
+        n += H * (c + self.qk_rope_head_dim) + c + c * nh * (self.qk_nope_head_dim + v)
+        n += nh * v * H
+        if self.attention_bias:  # q_a_proj, kv_a_proj_with_mqa, o_proj (q_proj has none)
+            n += (r or 0) + c + self.qk_rope_head_dim + H
+        if self.uses_dsa and self.layer_indexer_type(layer) == "full":
+            d, m = self.index_head_dim, self.index_n_heads
+            n += r * m * d + H * d + 2 * d + H * m  # wq_b, wk, k_norm (w, b), weights_proj
+        return n
+
+
+def _check_positive(name: str, value: Any, hint: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"GLMConfig.{name} must be a positive int ({hint}), got {value!r}")
 
 
 _PRESETS: dict[str, GLMConfig] = {
@@ -207,7 +397,28 @@ _PRESETS: dict[str, GLMConfig] = {
         rope_theta=1000000.0,
         num_mtp_layers=1,
     ),
-    # GLM-5.2-like shapes: 78 layers (3 dense) + 1 MTP layer = 76 MoE layers.
+    # Multi-head latent attention + DeepSeek Sparse Attention at toy size: trains on CPU in
+    # minutes, and the default seq_len (128) exceeds index_topk, so the attention is sparse.
+    "mla_tiny": GLMConfig(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=None,
+        partial_rotary_factor=1.0,
+        attention="mla",
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=16,
+        indexer_types=["full", "shared", "full"],
+        routed_scaling_factor=2.5,
+        num_mtp_layers=1,
+    ),
+    # The public GLM-5 shapes (transformers GlmMoeDsaConfig defaults): 78 layers (3 dense) +
+    # the checkpoint's 1 MTP layer = 76 MoE layers, MLA + DSA attention.
     "glm52": GLMConfig(
         vocab_size=154880,
         hidden_size=6144,
@@ -216,20 +427,29 @@ _PRESETS: dict[str, GLMConfig] = {
         num_hidden_layers=78,
         n_dense_layers=3,
         num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        use_qk_norm=True,
+        num_key_value_heads=64,
+        head_dim=None,
+        partial_rotary_factor=1.0,
+        attention="mla",
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
         n_routed_experts=256,
         num_experts_per_tok=8,
         routed_scaling_factor=2.5,
-        rope_theta=1000000.0,
+        max_position_embeddings=202752,
         num_mtp_layers=1,
     ),
 }
 
 
 def get_preset(name: str, **overrides) -> GLMConfig:
-    """A fresh copy of the named preset ("tiny", "small", "glm45_air", "glm52"), with overrides."""
+    """A fresh copy of the named preset (see PRESET_NAMES), with overrides."""
     if name not in _PRESETS:
         raise ValueError(f"unknown GLM preset {name!r}; choose one of {sorted(_PRESETS)}")
     return replace(_PRESETS[name], **overrides)

@@ -1,21 +1,24 @@
-"""Export to / import from a transformers `Glm4MoeForCausalLM` directory, tensor by tensor.
+"""Export to / import from a transformers GLM directory, tensor by tensor: `Glm4MoeForCausalLM`
+(attention "gqa") or `GlmMoeDsaForCausalLM` (attention "mla", GLM-5).
 
-Layout: `config.json` (model_type "glm4_moe", see hf_config.py), `model-0000k-of-0000n.safetensors`
-and `model.safetensors.index.json`. Our keys already follow the transformers names except for
+Layout: `config.json` (model_type "glm4_moe" or "glm_moe_dsa", see hf_config.py),
+`model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Our keys already follow
+the transformers names (the MLA and indexer modules included; a "shared" DSA layer has no
+indexer, as in the files) except for
 - the fused 2-D experts: our `mlp.experts.gate_up_proj [E*2I, D]` / `down_proj [E*D, I]` are
   per expert `mlp.experts.{e}.gate_proj.weight [I, D]`, `.up_proj.weight [I, D]`,
   `.down_proj.weight [D, I]` in the files; on import the fused 3-D in-memory layout of
   transformers (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`) is read too;
 - MTP layers: our `model.mtp_layers.{i}.*` are `model.layers.{num_hidden_layers + i}.*`, as in
-  the public GLM checkpoints (transformers ignores them);
+  the public GLM checkpoints (transformers ignores them). An import accepts files without them
+  (transformers' save_pretrained drops them; the layer keeps its initialization and is
+  reported) and ignores the public files' MTP copies of the embedding and head;
 - with tied embeddings `lm_head.weight` is left out of the files.
+The import (checks, sharded loading, block-wise fp8 dequantization) is models/glm/hf_import.py.
 
 Memory: the export holds one tensor at a time in process memory. Each output file is assembled
 in a file-backed shared map (page cache, not process memory) and then written by the
-safetensors library, which needs every tensor of a file addressable at once. The import fills a
-model's local shards (DTensor or plain) from `safe_open(...).get_slice`, reading at most
-`chunk_elems` elements per read (by default one expert matrix) and casting into the shard, so a
-rank never holds a tensor it does not own, nor a fused expert stack.
+safetensors library, which needs every tensor of a file addressable at once.
 """
 
 from __future__ import annotations
@@ -23,30 +26,25 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import TensorSpec, safe_open, serialize_file
+from safetensors import TensorSpec, serialize_file
 
 from models.glm.config import GLMConfig
-from models.glm.hf_config import config_from_hf, config_to_hf
+from models.glm.hf_config import config_from_hf, config_to_hf  # noqa: F401 - re-exported
 
-__all__ = [
-    "HFTensor",
-    "config_from_hf",
-    "config_to_hf",
-    "check_hf",
-    "export_hf",
-    "hf_tensors",
-    "import_hf",
-    "load_hf",
-    "write_hf",
-]
+__all__ = ["HFTensor", "config_from_hf", "config_to_hf", "export_hf", "hf_tensors", "write_hf"]
 
 INDEX = "model.safetensors.index.json"
-_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # as transformers keeps
+# Kept float32 in a bf16 export, as transformers keeps them (the router; the indexer's head
+# weights, `_keep_in_fp32_modules` of GlmMoeDsa).
+_FP32_SUFFIXES = (
+    "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias",
+    "indexer.weights_proj.weight",
+)
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -229,145 +227,3 @@ def export_hf(
                 read(t.source, t.row, t.shape[0] if t.shape else 1)
         return []
     return write_hf(path, config, read, dtype=dtype, max_shard_bytes=max_shard_bytes)
-
-
-# ------------------------------------------------------------------------------------ import
-
-
-class HFDir:
-    """A transformers Glm4Moe directory: its config and the name, shape and file of every
-    tensor (read from the safetensors headers only)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"{self.path}: no config.json (a transformers directory?)")
-        self.config = config_from_hf(json.loads((self.path / "config.json").read_text()))
-        if (self.path / INDEX).is_file():
-            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{self.path}: no .safetensors files")
-        self.file_of: dict[str, str] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for name in files:
-            with safe_open(str(self.path / name), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    self.file_of[key] = name
-                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
-
-    def locate(self, t: HFTensor, config: GLMConfig) -> tuple[str, int | None, int] | None:
-        """(key, expert index or None, first row) where `t` is stored, or None if absent:
-        per-expert 2-D keys, or a row block of transformers' fused 3-D expert tensors."""
-        if t.name in self.shapes:
-            return t.name, None, 0
-        base, sep, rest = t.name.rpartition(".experts.")
-        if not sep:
-            return None
-        e, part, _ = rest.split(".")
-        I = config.moe_intermediate_size
-        fused = f"{base}.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-        if fused in self.shapes:
-            return fused, int(e), I if part == "up_proj" else 0
-        return None
-
-
-def check_hf(hf: HFDir, config: GLMConfig) -> None:
-    """Raise ValueError naming every tensor our model of `config` needs that `hf` lacks or
-    holds in another shape (a missing router correction bias is allowed: it starts at 0, as
-    in transformers)."""
-    E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-    missing, wrong = [], []
-    for t in hf_tensors(config):
-        where = hf.locate(t, config)
-        if where is None:
-            if not t.name.endswith("e_score_correction_bias"):
-                missing.append(t.name)
-            continue
-        key, e, _ = where
-        want = (
-            t.shape if e is None else ((E, 2 * I, D) if key.endswith("gate_up_proj") else (E, D, I))
-        )
-        if hf.shapes[key] != want:
-            wrong.append(f"{key}: {hf.shapes[key]} in the files, the model needs {want}")
-    if missing or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing tensors: {missing[:8]}")
-        if wrong:
-            parts.append(f"{len(set(wrong))} of the wrong shape: {sorted(set(wrong))[:8]}")
-        raise ValueError(f"{hf.path} does not fit the model: " + "; ".join(parts))
-
-
-def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's local tensor, its first global row); only row (dim-0) sharding."""
-    if not hasattr(t, "to_local"):
-        return t, 0
-    (chunk,) = t.__create_chunk_list__()
-    if any(o for o in chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(t.shape[1:]):
-        raise ValueError(f"only row-sharded tensors can be loaded; got {t.placements}")
-    return t.to_local(), (chunk.offsets[0] if len(chunk.offsets) else 0)
-
-
-@torch.no_grad()
-def load_hf(
-    model: torch.nn.Module, hf: HFDir | str | os.PathLike, *, chunk_elems: int | None = None
-) -> None:
-    """Fill `model` (a GLMForCausalLM, sharded or not) from a transformers directory: every
-    local shard reads only its own rows, at most `chunk_elems` elements per read (default:
-    one expert matrix), cast on the fly. Checks the files first (`check_hf`)."""
-    hf = hf if isinstance(hf, HFDir) else HFDir(hf)
-    config = model.config
-    check_hf(hf, config)
-    chunk_elems = chunk_elems or config.moe_intermediate_size * config.hidden_size
-    by_source: dict[str, list[HFTensor]] = {}
-    for t in hf_tensors(config):
-        by_source.setdefault(t.source, []).append(t)
-    with ExitStack() as files:
-        handles = {}
-
-        def open_(name: str):
-            if name not in handles:
-                handles[name] = files.enter_context(safe_open(str(hf.path / name), "pt"))
-            return handles[name]
-
-        for key, tensor in model.state_dict().items():
-            if key not in by_source:
-                continue  # the tied lm_head shares the embedding
-            local, first = _local_rows(tensor)
-            for t in by_source[key]:
-                rows = t.shape[0] if t.shape else 1
-                lo, hi = max(first, t.row), min(first + local.shape[0], t.row + rows)
-                if not local.ndim:
-                    lo, hi = 0, 1
-                if lo >= hi:
-                    continue
-                where = hf.locate(t, config)
-                if where is None:  # an absent correction bias (check_hf allowed it)
-                    local[lo - first : hi - first].zero_()
-                    continue
-                name, expert, base = where
-                sl = open_(hf.file_of[name]).get_slice(name)
-                step = max(1, chunk_elems // max(1, _numel(t.shape[1:])))
-                for a in range(lo, hi, step):
-                    b = min(hi, a + step)
-                    r0, r1 = a - t.row + base, b - t.row + base
-                    piece = sl[r0:r1] if expert is None else sl[expert : expert + 1, r0:r1][0]
-                    if not local.ndim:
-                        local.copy_(piece.reshape(()))
-                    else:
-                        local[a - first : b - first].copy_(piece)
-
-
-def import_hf(path: str | os.PathLike) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
-    """Read a transformers Glm4Moe directory into (GLMConfig, our full float32 state dict) in
-    one process (fused and per-expert layouts, one file or an index). Raises ValueError
-    naming missing or mis-shaped tensors."""
-    from models.glm.model import GLMForCausalLM
-
-    hf = HFDir(path)
-    model = GLMForCausalLM(hf.config)
-    load_hf(model, hf)
-    return hf.config, model.state_dict()

@@ -1,6 +1,14 @@
-"""transformers' `Glm4MoeConfig` (config.json of a Glm4Moe directory) <-> our GLMConfig.
+"""transformers' config.json <-> our GLMConfig, for both families:
 
-A key missing from a config.json means transformers' default for it, not ours.
+- `glm4_moe` (`Glm4MoeConfig`, GLM-4.5): grouped-query attention, `attention="gqa"`;
+- `glm_moe_dsa` (`GlmMoeDsaConfig`, GLM-5): multi-head latent attention with DeepSeek Sparse
+  Attention, `attention="mla"` (transformers always builds the indexer, so `index_topk` is set).
+
+A key missing from a config.json means transformers' default for it, not ours. Fields that only
+say how we train (`indexer_training`) are not in config.json (`TRAINING_ONLY`): an import keeps
+our default, a comparison with a run ignores them. What our model cannot compute (another
+activation, MLP biases, a dense/sparse pattern that is not "k dense layers first") is refused
+naming the key.
 """
 
 from __future__ import annotations
@@ -9,8 +17,22 @@ import torch
 
 from models.glm.config import GLMConfig
 
-# transformers' Glm4MoeConfig defaults: what a config.json without the key means.
-_HF_DEFAULTS = dict(
+TRAINING_ONLY = ("indexer_training",)
+
+# Defaults common to both transformers configs (where they agree).
+_COMMON = dict(
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    attention_bias=False,
+)
+# transformers' Glm4MoeConfig defaults: what a glm4_moe config.json without the key means.
+_GLM4_MOE_DEFAULTS = dict(
+    _COMMON,
     vocab_size=151552,
     hidden_size=4096,
     intermediate_size=10944,
@@ -19,32 +41,69 @@ _HF_DEFAULTS = dict(
     num_attention_heads=96,
     num_key_value_heads=8,
     partial_rotary_factor=0.5,
-    rope_theta=10000.0,
-    attention_bias=False,
     use_qk_norm=False,
     n_routed_experts=128,
-    n_shared_experts=1,
     num_experts_per_tok=8,
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=True,
     routed_scaling_factor=1.0,
     first_k_dense_replace=1,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    initializer_range=0.02,
     max_position_embeddings=131072,
     num_nextn_predict_layers=1,
 )
+# transformers' GlmMoeDsaConfig defaults (the public GLM-5 shapes). It declares no MTP field:
+# a config.json without `num_nextn_predict_layers` has no MTP layer.
+_GLM_MOE_DSA_DEFAULTS = dict(
+    _COMMON,
+    vocab_size=154880,
+    hidden_size=6144,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+    num_hidden_layers=78,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=3,
+    max_position_embeddings=202752,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=32,
+    num_nextn_predict_layers=0,
+)
+_DEFAULT_THETA = 10000.0
 _RENAMED = {"n_dense_layers": "first_k_dense_replace", "num_mtp_layers": "num_nextn_predict_layers"}
+_MLA_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_topk",
+    "index_head_dim",
+    "index_n_heads",
+)
+_MODEL_TYPES = ("glm4_moe", "glm_moe_dsa")
+
+
+def _rope_parameters(c: GLMConfig) -> dict:
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        rope = {**c.rope_scaling, "rope_theta": c.rope_theta}
+    if c.attention == "gqa":
+        rope["partial_rotary_factor"] = c.partial_rotary_factor
+    return rope
 
 
 def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """The config.json dict of `config` for transformers' Glm4MoeConfig."""
+    """The config.json dict of `config`: a Glm4MoeConfig ("gqa") or a GlmMoeDsaConfig ("mla";
+    it needs the sparse attention: transformers has no dense-MLA GLM)."""
     c = config
     out = {
-        "architectures": ["Glm4MoeForCausalLM"],
-        "model_type": "glm4_moe",
         "dtype": str(dtype).removeprefix("torch."),
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
@@ -53,16 +112,9 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
         "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
-        "partial_rotary_factor": c.partial_rotary_factor,
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": c.rope_theta,
-            "partial_rotary_factor": c.partial_rotary_factor,
-        },
+        "rope_parameters": _rope_parameters(c),
         "attention_bias": c.attention_bias,
         "attention_dropout": 0.0,
-        "use_qk_norm": c.use_qk_norm,
         "n_routed_experts": c.n_routed_experts,
         "n_shared_experts": c.n_shared_experts,
         "num_experts_per_tok": c.num_experts_per_tok,
@@ -83,30 +135,123 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
     }
-    if c.head_dim is not None:  # absent means hidden_size // num_attention_heads, as in HF
-        out["head_dim"] = c.head_dim
+    if c.attention == "gqa":
+        out.update(
+            architectures=["Glm4MoeForCausalLM"],
+            model_type="glm4_moe",
+            partial_rotary_factor=c.partial_rotary_factor,
+            rope_theta=c.rope_theta,
+            use_qk_norm=c.use_qk_norm,
+        )
+        if c.head_dim is not None:  # absent means hidden_size // num_attention_heads, as in HF
+            out["head_dim"] = c.head_dim
+        return out
+    if not c.uses_dsa:
+        raise ValueError(
+            "GLMConfig.index_topk is None (dense multi-head latent attention): transformers' "
+            "glm_moe_dsa always runs the sparse-attention indexer, so this model has no "
+            "transformers layout; set index_topk (with index_n_heads, index_head_dim)"
+        )
+    n = c.num_hidden_layers
+    out.update(
+        architectures=["GlmMoeDsaForCausalLM"],
+        model_type="glm_moe_dsa",
+        **{k: getattr(c, k) for k in _MLA_KEYS},
+        head_dim=c.qk_rope_head_dim,  # transformers sets it to the rotary width
+        indexer_types=[c.layer_indexer_type(i) for i in range(n)],
+        mlp_layer_types=["dense"] * c.n_dense_layers + ["sparse"] * (n - c.n_dense_layers),
+        mlp_bias=False,
+    )
     return out
 
 
+def _indexer_types(hf: dict, n: int) -> list[str]:
+    """`indexer_types`, or the pattern transformers derives without it (index_topk_pattern,
+    else every `index_topk_freq`-th layer after `index_skip_topk_offset` runs its indexer)."""
+    if hf.get("indexer_types") is not None:
+        return [str(t) for t in hf["indexer_types"]]
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        letters = {"F": "full", "S": "shared"}
+        return [letters[p] for p in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(hf.get("index_topk_freq", 1), 1)
+    offset = hf.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
+def _refuse_unsupported(hf: dict, model_type: str) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act must be 'silu', got {hf['hidden_act']!r}")
+    if hf.get("mlp_bias", False):
+        raise ValueError("config.json mlp_bias must be false: our MLPs have no biases")
+    if model_type == "glm_moe_dsa":
+        kinds = hf.get("layer_types")
+        if kinds is not None and set(kinds) - {"indexed_attention"}:
+            raise ValueError(
+                f"config.json layer_types {sorted(set(kinds))}: only 'indexed_attention' layers"
+            )
+
+
 def config_from_hf(hf: dict) -> GLMConfig:
-    """A GLMConfig from a Glm4Moe config.json dict (missing keys take transformers' defaults)."""
-    if hf.get("model_type", "glm4_moe") != "glm4_moe":
-        raise ValueError(f"config.json model_type must be 'glm4_moe', got {hf['model_type']!r}")
+    """A GLMConfig from a glm4_moe or glm_moe_dsa config.json dict (missing keys take
+    transformers' defaults of that model type)."""
+    model_type = hf.get("model_type", "glm4_moe")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"config.json model_type must be one of {_MODEL_TYPES}, got {model_type!r}"
+        )
+    _refuse_unsupported(hf, model_type)
+    dsa = model_type == "glm_moe_dsa"
+    defaults = _GLM_MOE_DSA_DEFAULTS if dsa else _GLM4_MOE_DEFAULTS
     hf = dict(hf)
-    rope = hf.get("rope_parameters") or {}
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key in rope:
-            hf[key] = rope[key]
+    # transformers 5 keeps theta (and glm4_moe's partial factor) in rope_parameters; older
+    # config.json files have them as top-level keys, and scaling as `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    hf["rope_theta"] = rope.pop("rope_theta", hf.get("rope_theta", _DEFAULT_THETA))
+    if "partial_rotary_factor" in rope:
+        hf["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
     if "num_mtp_layers" in hf and "num_nextn_predict_layers" not in hf:
         hf["num_nextn_predict_layers"] = hf["num_mtp_layers"]
-    if "num_local_experts" in hf and "n_routed_experts" not in hf:
-        hf["n_routed_experts"] = hf["num_local_experts"]
+    for alias in ("num_local_experts", "num_experts"):
+        if alias in hf and "n_routed_experts" not in hf:
+            hf["n_routed_experts"] = hf[alias]
     kwargs = {}
     for name in GLMConfig.__dataclass_fields__:
         key = _RENAMED.get(name, name)
+        if name in TRAINING_ONLY or name in ("attention", "rope_scaling", "indexer_types"):
+            continue
         if key in hf:
             kwargs[name] = hf[key]
-        elif key in _HF_DEFAULTS:
-            kwargs[name] = _HF_DEFAULTS[key]
-    kwargs.setdefault("head_dim", None)
+        elif key in defaults:
+            kwargs[name] = defaults[key]
+    kwargs["rope_scaling"] = scaling
+    if not dsa:
+        kwargs.setdefault("head_dim", None)
+        return GLMConfig(**kwargs)
+    n = kwargs["num_hidden_layers"]
+    kinds = hf.get("mlp_layer_types")
+    if kinds is not None:
+        dense = kinds.count("dense")
+        if list(kinds) != ["dense"] * dense + ["sparse"] * (n - dense):
+            raise ValueError(
+                f"config.json mlp_layer_types {kinds}: only the first layers may be 'dense' "
+                f"(then 'sparse', {n} entries)"
+            )
+        kwargs["n_dense_layers"] = dense
+    kwargs.update(
+        attention="mla",
+        head_dim=None,  # transformers' head_dim is the rotary width, qk_rope_head_dim
+        partial_rotary_factor=1.0,
+        use_qk_norm=False,
+        indexer_types=canonical_indexer_types(_indexer_types(hf, n)),
+    )
     return GLMConfig(**kwargs)
+
+
+def canonical_indexer_types(types: list[str] | None) -> list[str] | None:
+    """None for "every layer runs its own indexer" (GLMConfig's default), else `types`: the
+    one spelling configs are compared in."""
+    return None if types is None or all(t == "full" for t in types) else list(types)

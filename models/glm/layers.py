@@ -6,6 +6,8 @@ R rotary dims, F MLP inner size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,18 +29,72 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    inv_freq_R2: torch.Tensor, rotary_dim: int, theta: float, rs: dict
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate the low frequencies by `factor`, keep the high ones,
+    with a linear ramp between the dimensions that turn beta_slow and beta_fast times over the
+    original context; plus the cos/sin magnitude factor."""
+    factor, original = float(rs["factor"]), float(rs["original_max_position_embeddings"])
+    fast, slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high  # a ramp of zero width would divide by zero
+    j = torch.arange(rotary_dim // 2, dtype=torch.float32, device=inv_freq_R2.device)
+    keep = 1 - ((j - low) / (high - low)).clamp(0, 1)  # 1: extrapolate (keep), 0: interpolate
+    inv_freq_R2 = (inv_freq_R2 / factor) * (1 - keep) + inv_freq_R2 * keep
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return inv_freq_R2, float(attention_factor)
+
+
 def rope_cos_sin(
-    seq_len: int, rotary_dim: int, theta: float, device: torch.device
+    seq_len: int,
+    rotary_dim: int,
+    theta: float,
+    device: torch.device,
+    rope_scaling: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin tables [T, R] for positions 0..T-1: angles a[t, j] = t * theta^(-2j/R),
-    laid out as cat(a, a) for the half-split rotation."""
-    inv_freq_R2 = theta ** (
-        -torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
+    """float32 cos/sin tables [T, R] for positions 0..T-1: angles a[t, j] = t * theta^(-2j/R)
+    (YaRN-rescaled frequencies and magnitudes with `rope_scaling`), laid out as cat(a, a)."""
+    inv_freq_R2 = 1.0 / theta ** (
+        torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
     )
+    magnitude = 1.0
+    if rope_scaling is not None:
+        inv_freq_R2, magnitude = _yarn_inv_freq(inv_freq_R2, rotary_dim, theta, rope_scaling)
     pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
     ang_TR2 = pos_T[:, None] * inv_freq_R2[None, :]
     ang_TR = torch.cat([ang_TR2, ang_TR2], dim=-1)
-    return ang_TR.cos(), ang_TR.sin()
+    return ang_TR.cos() * magnitude, ang_TR.sin() * magnitude
+
+
+def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):
+    """DeepSeek's interleaved RoPE on all R channels: pair (x[2j], x[2j+1]) turns by angle j.
+    The result holds the rotated even channels, then the rotated odd ones (a fixed permutation
+    of the interleaved layout: queries and keys get the same one, so their products do not
+    change, and no de-interleaving copy is needed)."""
+    half = cos_TR.shape[-1] // 2
+    cos, sin = cos_TR[None, :, None, :half], sin_TR[None, :, None, :half]
+    x1, x2 = x_BTNR[..., 0::2].float(), x_BTNR[..., 1::2].float()
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x_BTNR.dtype)
 
 
 def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):

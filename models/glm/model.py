@@ -1,6 +1,16 @@
 """GLM-MoE decoder-only causal language model (single-device code; see parallelize.py).
 
-Shape legend: B batch, T sequence, D hidden, V vocab, E experts.
+Attention is grouped-query (GLM-4.5) or multi-head latent with optional DeepSeek Sparse Attention
+(GLM-5), per `GLMConfig.attention`. Multi-token prediction (DeepSeek-V3, depth k = 1..D): MTP
+layer k reads the hidden state h^{k-1} of the previous depth (h^0: the main model's final-normed
+output, what lm_head reads; h^k: MTP layer k's output before its shared_head.norm, as vLLM
+chains its MTP steps) and the embedding of the token k positions ahead,
+    h^k = Layer_k(eh_proj(cat(enorm(embed(t_{i+k})), hnorm(h^{k-1}))))
+(the embedding first, as vLLM's and SGLang's GLM / DeepSeek MTP modules and Megatron-LM read
+`eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. The MTP loss
+is the mean over depths of their cross-entropies; `losses` returns it next to the next-token loss.
+
+Shape legend: B batch, T sequence, D hidden, V vocab, E experts, K kept keys (DSA).
 """
 
 from __future__ import annotations
@@ -16,7 +26,10 @@ from torch.utils.checkpoint import checkpoint
 from models.glm import init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from models.glm.mla import MLAttention
 from models.glm.moe import FusedExperts, MoE, Router, recomputing
+
+IGNORE_INDEX = -100  # labels of tokens without a target (cross_entropy's default ignore_index)
 
 
 class DecoderLayer(nn.Module):
@@ -29,11 +42,12 @@ class DecoderLayer(nn.Module):
     checkpoint_activations = False
     _compiled_block = None
 
-    def __init__(self, config: GLMConfig, is_moe: bool) -> None:
+    def __init__(self, config: GLMConfig, is_moe: bool, layer: int) -> None:
         super().__init__()
         self.is_moe = is_moe
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.mla = config.attention == "mla"
+        self.self_attn = MLAttention(config, layer) if self.mla else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size)
 
@@ -43,7 +57,9 @@ class DecoderLayer(nn.Module):
         eager: a checkpoint with a recomputation context cannot be traced by dynamo."""
         self._compiled_block = torch.compile(self._block)
 
-    def forward(self, h_BTD, cos_TR, sin_TR):
+    def forward(self, h_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False):
+        """(h [B, T, D], the kept keys [B, T, K] under DSA else None, the indexer KL or None).
+        `topk_BTK`: the previous layer's kept keys (a "shared" DSA layer reuses them)."""
         block = self._compiled_block or self._block
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(
@@ -51,14 +67,21 @@ class DecoderLayer(nn.Module):
                 h_BTD,
                 cos_TR,
                 sin_TR,
+                topk_BTK,
+                with_kl,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), recomputing()),
             )
-        return block(h_BTD, cos_TR, sin_TR)
+        return block(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
 
-    def _block(self, h_BTD, cos_TR, sin_TR):
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TR, sin_TR)
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+    def _block(self, h_BTD, cos_TR, sin_TR, topk_BTK, with_kl):
+        x_BTD = self.input_layernorm(h_BTD)
+        if self.mla:
+            a_BTD, topk_BTK, kl = self.self_attn(x_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+        else:
+            a_BTD, kl = self.self_attn(x_BTD, cos_TR, sin_TR), None
+        h_BTD = h_BTD + a_BTD
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), topk_BTK, kl
 
 
 class SharedHead(nn.Module):
@@ -71,16 +94,23 @@ class SharedHead(nn.Module):
 
 class MTPLayer(DecoderLayer):
     """A multi-token-prediction MoE layer with the parameters of the public GLM checkpoints
-    (enorm, hnorm, eh_proj [D, 2D], shared_head.norm). Built for layout, counts and
-    checkpoints; `GLMForCausalLM.forward` does not run it."""
+    (enorm, hnorm, eh_proj [D, 2D], shared_head.norm); its attention runs its own indexer."""
 
-    def __init__(self, config: GLMConfig) -> None:
-        super().__init__(config, is_moe=True)
+    def __init__(self, config: GLMConfig, layer: int) -> None:
+        super().__init__(config, is_moe=True, layer=layer)
         D = config.hidden_size
         self.enorm = RMSNorm(D, config.rms_norm_eps)
         self.hnorm = RMSNorm(D, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.shared_head = SharedHead(config)
+
+    def forward(self, h_BTD, emb_BTD, cos_TR, sin_TR, with_kl: bool = False):
+        """(this depth's hidden state for the next depth, its shared_head-normed output for
+        lm_head, the indexer KL or None) from the previous depth's h and the shifted tokens'
+        embeddings."""
+        x_BTD = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
+        h_BTD, _, kl = super().forward(x_BTD, cos_TR, sin_TR, None, with_kl)
+        return h_BTD, self.shared_head.norm(h_BTD), kl
 
 
 class GLMModel(nn.Module):
@@ -90,19 +120,23 @@ class GLMModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, is_moe=i >= config.n_dense_layers)
+            DecoderLayer(config, is_moe=i >= config.n_dense_layers, layer=i)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mtp_layers = nn.ModuleList(MTPLayer(config) for _ in range(config.num_mtp_layers))
+        L = config.num_hidden_layers
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(config, layer=L + i) for i in range(config.num_mtp_layers)
+        )
 
 
 class GLMForCausalLM(nn.Module):
     """GLM-4.5 / GLM-5 style MoE causal LM.
 
-    forward(input_ids [B, T]) -> logits [B, T, V]; loss(input_ids, labels) -> mean cross-entropy
-    over the local tokens (labels -100 ignored). Parameter metadata for Muon: the router weight
-    carries param_roles "router", the lm_head weight "head", fused experts `orthogonal_blocks`.
+    forward(input_ids [B, T]) -> logits [B, T, V]; forward(input_ids, labels) -> the dict of
+    `losses`; loss(input_ids, labels) -> the next-token loss alone. Parameter metadata for Muon:
+    the router weight carries param_roles "router", the lm_head weight "head", fused experts
+    `orthogonal_blocks`; a frozen DSA indexer has requires_grad False.
     """
 
     def __init__(self, config: GLMConfig) -> None:
@@ -114,32 +148,66 @@ class GLMForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for input_ids [B, T] (plain causal attention, positions 0..T-1)."""
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, with_mtp: bool = True
+    ):
+        """Logits [B, T, V] for input_ids [B, T] (causal attention, positions 0..T-1); with
+        `labels` [B, T] (next tokens, -100 ignored) the dict of float32 scalars `loss` (the
+        next-token cross-entropy), `mtp_loss` (when MTP layers exist and `with_mtp`) and
+        `indexer_kl` (under DSA with indexer_training "kl"). Everything runs inside forward so
+        that FSDP2's hooks on the root module cover the shared embedding and lm_head."""
+        c = self.config
         seq_len = input_ids.shape[1]
-        if seq_len > self.config.max_position_embeddings:
+        if seq_len > c.max_position_embeddings:
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_position_embeddings "
-                f"({self.config.max_position_embeddings})"
+                f"({c.max_position_embeddings})"
             )
+        with_kl = labels is not None and c.uses_dsa and c.indexer_training == "kl"
         h_BTD = self.model.embed_tokens(input_ids)
         cos_TR, sin_TR = rope_cos_sin(
-            seq_len, self.config.rotary_dim, self.config.rope_theta, input_ids.device
+            seq_len, c.rotary_dim, c.rope_theta, input_ids.device, c.rope_scaling
         )
+        topk_BTK, kls = None, []
         for layer in self.model.layers:
-            h_BTD = layer(h_BTD, cos_TR, sin_TR)
-        return self.lm_head(self.model.norm(h_BTD))
+            h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+            kls += [kl] if kl is not None else []
+        h_BTD = self.model.norm(h_BTD)
+        logits_BTV = self.lm_head(h_BTD)
+        if labels is None:
+            return logits_BTV
+        out = {"loss": _cross_entropy(logits_BTV, labels)}
+        if with_mtp and len(self.model.mtp_layers):
+            mtp = []
+            for k, layer in enumerate(self.model.mtp_layers, start=1):
+                # Position i reads token t_{i+k} = input_ids[i + k] and predicts labels[i + k];
+                # the last k positions have no target (the wrapped ids there are never seen by
+                # an earlier position: attention is causal).
+                emb_BTD = self.model.embed_tokens(input_ids.roll(-k, dims=1))
+                h_BTD, normed_BTD, kl = layer(h_BTD, emb_BTD, cos_TR, sin_TR, with_kl)
+                kls += [kl] if kl is not None else []
+                target = labels.roll(-k, dims=1)
+                target[:, seq_len - k :] = IGNORE_INDEX
+                mtp.append(_cross_entropy(self.lm_head(normed_BTD), target))
+            out["mtp_loss"] = torch.stack(mtp).mean()
+        if kls:
+            out["indexer_kl"] = torch.stack(kls).mean()
+        return out
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
-        logits_BTV = self(input_ids)  # through __call__, so FSDP2 hooks run
-        return F.cross_entropy(
-            logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), labels.reshape(-1)
-        )
+        return self(input_ids, labels, with_mtp=False)["loss"]  # __call__: FSDP2 hooks run
+
+    def losses(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, with_mtp: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """The training terms (see forward): `loss`, and `mtp_loss` / `indexer_kl` if any."""
+        return self(input_ids, labels, with_mtp=with_mtp)
 
     def routers(self) -> list[Router]:
-        """The routers of the MoE layers that forward runs (MTP layers excluded)."""
-        return [layer.mlp.gate for layer in self.model.layers if layer.is_moe]
+        """The routers of the MoE layers, the MTP layers' last."""
+        layers = [*self.model.layers, *self.model.mtp_layers]
+        return [layer.mlp.gate for layer in layers if layer.is_moe]
 
     @torch.no_grad()
     def update_router_bias(self, rate: float) -> torch.Tensor:
@@ -201,6 +269,9 @@ class GLMForCausalLM(nn.Module):
                     fill(module.bias, at + "bias", "zeros")
             elif isinstance(module, nn.Embedding):
                 fill(module.weight, at + "weight", "normal")
+            elif isinstance(module, nn.LayerNorm):
+                fill(module.weight, at + "weight", "ones")
+                fill(module.bias, at + "bias", "zeros")
             elif isinstance(module, Router):
                 fill(module.weight, at + "weight", "normal")
                 fill(module.e_score_correction_bias, at + "e_score_correction_bias", "zeros")
@@ -210,3 +281,11 @@ class GLMForCausalLM(nn.Module):
                 fill(module.gate_up_proj, at + "gate_up_proj", "normal")
                 fill(module.down_proj, at + "down_proj", "normal")
         return drawn
+
+
+def _cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits_BTV.float().reshape(-1, logits_BTV.shape[-1]),
+        labels_BT.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+    )

@@ -95,16 +95,15 @@ def parallelize(
     (efsdp mesh), per decoder layer and at the root (dense mesh). `param_dtype` /
     `reduce_dtype` set FSDP2 mixed precision over the float32 sharded parameters; with a
     `param_dtype` the routers keep float32 parameters (their own FSDP unit), as GLM checkpoints
-    keep `gate.weight` in float32. The MTP layers, which forward does not run, get neither
-    checkpointing nor compilation."""
+    keep `gate.weight` in float32, and so does a DSA indexer's `weights_proj` (GLM-5 keeps it
+    float32). The MTP layers are treated like every other decoder layer."""
     ep, W = meshes.ep, meshes.world_size
     check_layout(model.config, world_size=W, ep=ep)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     router_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     ep_mesh, efsdp_mesh = meshes.expert["ep"], meshes.expert["efsdp"]
 
-    n_forward = len(model.model.layers)
-    for i, layer in enumerate([*model.model.layers, *model.model.mtp_layers]):
+    for layer in [*model.model.layers, *model.model.mtp_layers]:
         experts = layer.mlp.experts if layer.is_moe else None
         if experts is not None and ep > 1:
             for name in ("gate_up_proj", "down_proj"):
@@ -113,10 +112,9 @@ def parallelize(
                 shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
                 experts.register_parameter(name, nn.Parameter(shard))
             experts.ep_group = ep_mesh.get_group()
-        if i < n_forward:
-            layer.checkpoint_activations = activation_checkpointing
-            if compile_layers:
-                layer.compile_block()
+        layer.checkpoint_activations = activation_checkpointing
+        if compile_layers:
+            layer.compile_block()
         if experts is not None:
             fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp)
             experts.set_gradient_divide_factor(float(W))
@@ -125,6 +123,9 @@ def parallelize(
             experts.set_force_sum_reduction_for_comms(meshes.efsdp > 1)
             if param_dtype is not None:
                 fully_shard(layer.mlp.gate, mesh=meshes.dense, mp_policy=router_mp)
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if indexer is not None and param_dtype is not None:
+            fully_shard(indexer.weights_proj, mesh=meshes.dense, mp_policy=router_mp)
         fully_shard(layer, mesh=meshes.dense, mp_policy=mp)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp)
     return model

@@ -161,54 +161,82 @@ def _glm_snapshot(trainer) -> dict[str, np.ndarray]:
     return out
 
 
-def _glm_train_save(config_yaml: str, run_dir: str, cache: str):
+def _glm_train_save(configs: list[str], run_dirs: list[str], cache: str):
     from recipes.config import from_yaml
     from recipes.trainer import Trainer
 
-    cfg = from_yaml(config_yaml)
-    cfg.data.cache_dir = cache
-    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"))
-    for _ in range(2):
+    out = []
+    for config_yaml, run_dir in zip(configs, run_dirs, strict=True):
+        cfg = from_yaml(config_yaml)
+        cfg.data.cache_dir = cache
+        trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"))
+        for _ in range(2):
+            metrics = trainer.train_step(measure=False)
+        trainer.save()
+        saved = _glm_snapshot(trainer)
         trainer.train_step(measure=False)
-    trainer.save()
-    saved = _glm_snapshot(trainer)
-    trainer.train_step(measure=False)
-    return saved, _glm_snapshot(trainer)
+        out.append((saved, _glm_snapshot(trainer), sorted(metrics)))
+    return out
 
 
-def _glm_resume_step(config_yaml: str, run_dir: str, cache: str):
+def _glm_resume_step(configs: list[str], run_dirs: list[str], cache: str):
     from recipes.config import from_yaml
     from recipes.trainer import Trainer
 
-    cfg = from_yaml(config_yaml)
-    cfg.data.cache_dir = cache
-    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"))
-    trainer.resume()
-    loaded = _glm_snapshot(trainer)
-    trainer.train_step(measure=False)
-    return trainer.step, loaded, _glm_snapshot(trainer)
+    out = []
+    for config_yaml, run_dir in zip(configs, run_dirs, strict=True):
+        cfg = from_yaml(config_yaml)
+        cfg.data.cache_dir = cache
+        trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"))
+        trainer.resume()
+        loaded = _glm_snapshot(trainer)
+        trainer.train_step(measure=False)
+        out.append((trainer.step, loaded, _glm_snapshot(trainer)))
+    return out
+
+
+#: the GQA tiny model; MLA + DSA (seq_len 32 > index_topk 16, a shared layer) with a trained
+#: MTP layer and the KL-trained indexer; the same with the indexer frozen (no optimizer state)
+_RESHARD_RUNS = {
+    "tiny": [],
+    "mla_kl": ["model.preset=mla_tiny"],
+    "mla_frozen": ["model.preset=mla_tiny", "train.indexer_training=frozen"],
+}
 
 
 @pytest.mark.slow
 def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     """The real model and Muon: what 4 ranks at ep=2 saved loads exactly on 2 ranks at ep=1
-    (parameters, router bias, Muon momentum, AdamW moments), and the next step matches."""
+    (parameters, router bias, Muon momentum, AdamW moments), and the next step matches; for
+    the GQA and the MLA + DSA + MTP models, with a trained and a frozen indexer."""
     cache = str(tmp_path / "cache")
-    saved, after = run_world(_glm_train_save, 4, _glm_config(4, 2), str(tmp_path), cache)[0]
-    step, loaded, resumed = run_world(_glm_resume_step, 2, _glm_config(2, 1), str(tmp_path), cache)[
-        0
-    ]
-    assert step == 3 and loaded.keys() == saved.keys()
-    assert any(k.endswith(":momentum_buffer") for k in saved)
-    biases = [v for k, v in saved.items() if k.endswith("e_score_correction_bias")]
-    assert biases and all(np.abs(b).max() > 0 for b in biases)  # router bias updates ran
-    for key, value in saved.items():
-        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
-    # One more step on the other layout: the same update up to the gradient summation order,
-    # bounded in tests/reference.py (float32 Newton-Schulz; measured: 2.3e-5 of the change, the
-    # bound 1e-3; bf16 measured 3.8e-2). A stale learning rate after the load (schedule
-    # factor 1.0 one step earlier, 0.775 now) would be over 20% of the change off.
-    assert_same_step(saved, resumed, after)
+    dirs = [str(tmp_path / name) for name in _RESHARD_RUNS]
+    four = [_glm_config(4, 2, *extra) for extra in _RESHARD_RUNS.values()]
+    two = [_glm_config(2, 1, *extra) for extra in _RESHARD_RUNS.values()]
+    first = run_world(_glm_train_save, 4, four, dirs, cache, timeout_s=300)[0]
+    second = run_world(_glm_resume_step, 2, two, dirs, cache, timeout_s=300)[0]
+    for name, (saved, after, keys), (step, loaded, resumed) in zip(
+        _RESHARD_RUNS, first, second, strict=True
+    ):
+        assert step == 3 and loaded.keys() == saved.keys(), name
+        assert any(k.endswith(":momentum_buffer") for k in saved)
+        biases = [v for k, v in saved.items() if k.endswith("e_score_correction_bias")]
+        assert biases and all(np.abs(b).max() > 0 for b in biases)  # router bias updates ran
+        for key, value in saved.items():
+            np.testing.assert_array_equal(loaded[key], value, err_msg=f"{name}: {key}")
+        # One more step on the other layout: the same update up to the gradient summation
+        # order, bounded in tests/reference.py (float32 Newton-Schulz; measured: 2.3e-5 of the
+        # change, the bound 1e-3; bf16 measured 3.8e-2). A stale learning rate after the load
+        # (schedule factor 1.0 one step earlier, 0.775 now) would be over 20% of the change off.
+        assert_same_step(saved, resumed, after)
+        if name.startswith("mla"):
+            assert "mtp_loss" in keys and ("indexer_kl" in keys) == (name == "mla_kl"), keys
+            indexer = [k for k in saved if ".indexer." in k]
+            states = [k for k in indexer if ":" in k]  # optimizer state of the indexer
+            assert indexer and (bool(states) == (name == "mla_kl")), (name, states)
+            if name == "mla_frozen":  # never updated: still the initial values after 3 steps
+                for k in indexer:
+                    np.testing.assert_array_equal(resumed[k], saved[k], err_msg=k)
 
 
 def _local_tensors(trainer) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import models.glm.init as shard_init
-from models.glm import GLMConfig, GLMForCausalLM
+from models.glm import GLMConfig, GLMForCausalLM, get_preset
 from models.glm.parallelize import build_meshes, parallelize
 from tests.harness import run_world
 
@@ -20,7 +20,9 @@ CFG = GLMConfig(vocab_size=250, hidden_size=64, num_hidden_layers=3, num_mtp_lay
 CFG_TWO_EXPERTS = GLMConfig(
     vocab_size=250, hidden_size=64, n_routed_experts=2, num_experts_per_tok=1
 )
-CASES = [(CFG, 1), (CFG, 2), (CFG, 4), (CFG_TWO_EXPERTS, 2)]
+# MLA + DSA (indexers with LayerNorm weight and bias) and an MTP layer.
+CFG_MLA = get_preset("mla_tiny", vocab_size=250)
+CASES = [(CFG, 1), (CFG, 2), (CFG, 4), (CFG_TWO_EXPERTS, 2), (CFG_MLA, 2)]
 
 
 def _init_world(cases, seed):

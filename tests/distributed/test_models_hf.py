@@ -1,12 +1,9 @@
 """Hugging Face adapter: exact round trip, the transformers Glm4Moe key layout and config fields,
-multi-file export split by size, fused 3-D import, sharded import on a mesh, and parity with
-transformers itself (when installed: the dev extra pins it)."""
+multi-file export split by size, fused 3-D import, and the checks before a run starts. Parity
+with transformers itself on a 4-rank mesh: test_models_hf_transformers.py."""
 
 import json
-import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.hf_adapter import INDEX, export_hf, import_hf
-from tests.harness import run_world
+from models.glm.hf_adapter import INDEX, export_hf
+from models.glm.hf_import import import_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -316,168 +313,6 @@ def test_import_errors_and_hf_defaults(tmp_path):
     assert os.path.exists(tmp_path / "config.json")
 
 
-# ---------------------------------------------------------------- transformers itself (W=4, ep 2)
-
-HF_KW = dict(
-    vocab_size=256,  # the stdlib byte tokens of a run need >= 256
-    hidden_size=64,
-    intermediate_size=80,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    partial_rotary_factor=0.5,
-    attention_bias=True,
-    use_qk_norm=True,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    rope_theta=5000.0,
-    num_nextn_predict_layers=0,
-)
-
-
-def _transformers_bf16_dir(path) -> None:
-    """A random Glm4Moe saved by transformers in bf16 over several files: norms away from 1,
-    non-zero biases and router correction bias, so a swapped or dropped tensor shows."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-
-    torch.manual_seed(0)
-    model = Glm4MoeForCausalLM(Glm4MoeConfig(**HF_KW))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    model.to(torch.bfloat16).save_pretrained(str(path), max_shard_size="40KB")
-
-
-def _transformers_logits(path, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """transformers' own float32 forward of a directory (eager attention and experts)."""
-    from transformers import Glm4MoeForCausalLM
-
-    model, info = Glm4MoeForCausalLM.from_pretrained(
-        str(path),
-        dtype=torch.float32,
-        attn_implementation="eager",
-        experts_implementation="eager",
-        output_loading_info=True,
-    )
-    with torch.no_grad():
-        return model(ids).logits, info
-
-
-def _init_from_world(config_yaml: str, hf_dir: str, ckpt_root: str, out: str, ids):
-    """Start from the transformers directory as a run does (checks, build, init_from), measure
-    the import, run the forward, then checkpoint and export on every rank."""
-    from models.glm.hf_adapter import hf_tensors
-    from recipes import checkpoint
-    from recipes.config import from_yaml, validate
-    from recipes.hf import DCPRegions, export_checkpoint, init_from
-    from recipes.memory import MemoryMeter
-    from recipes.parallel import build_model, model_config
-
-    cfg = from_yaml(config_yaml)
-    validate(cfg)  # includes the header check of the directory
-    meter = MemoryMeter("cpu")
-    model = build_model(cfg, torch.device("cpu"))
-    # A checkpoint holds optimizer state too: one AdamW step at lr 0 (below) creates it and
-    # leaves the weights those of the files.
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)
-    with meter.measure("import") as m:
-        init_from(model, hf_dir)
-    with torch.no_grad():
-        logits = model(torch.tensor(ids)).numpy()
-    ids_t = torch.tensor(ids)
-    model.loss(ids_t, ids_t).backward()
-    opt.step()
-    state = {"model_config": model_config(cfg).to_dict()}
-    ckpt = checkpoint.save(ckpt_root, 1, model, opt, state, keep=1)
-    with meter.measure("export") as e:
-        written = export_checkpoint(ckpt, out, max_shard_gib=50 / 2**20)  # 50 KiB files
-    # What one read may hold: the transformers tensor and the saved piece it is cut from.
-    largest_hf = max(math.prod(t.shape) * 4 for t in hf_tensors(model_config(cfg)))
-    md = DCPRegions(Path(ckpt) / "model").metadata.state_dict_metadata.values()
-    largest_piece = max(math.prod(c.sizes) * 4 for entry in md for c in entry.chunks)
-    return logits, m.peak_delta_bytes(), written, e.peak_delta_bytes(), largest_hf + largest_piece
-
-
-@pytest.mark.slow
-def test_transformers_bf16_dir_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_path):
-    """A bf16 checkpoint saved by transformers (several files) starts a 4-rank ep=2 run with
-    the logits of transformers' float32 forward; our export of it (written by all 4 ranks)
-    loads back in transformers with every tensor and the same logits. Each rank's import
-    peak above its shards stays within one expert's weights, its export peak within the
-    tensor it reads plus the saved piece that tensor is cut from."""
-    pytest.importorskip("transformers")
-    from omegaconf import OmegaConf
-
-    from models.glm.hf_adapter import config_from_hf
-    from recipes.config import Config
-
-    src = tmp_path / "hf"
-    _transformers_bf16_dir(src)
-    assert len(list(src.glob("model-*.safetensors"))) > 3
-    ids = torch.randint(0, HF_KW["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
-    want, _ = _transformers_logits(src, ids)
-
-    ours = config_from_hf(json.loads((src / "config.json").read_text())).to_dict()
-    overrides = [f"model.overrides.{k}={json.dumps(v)}" for k, v in ours.items()]
-    overrides += [f"data.vocab_size={ours['vocab_size']}", "mesh.world_size=4", "mesh.ep=2"]
-    overrides += [f"checkpoint.init_from={src}"]
-    overrides = [o for o in overrides if not o.startswith("model.overrides.vocab_size")]
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
-    out = tmp_path / "export"
-    results = run_world(
-        _init_from_world,
-        4,
-        OmegaConf.to_yaml(cfg),
-        str(src),
-        str(tmp_path / "ckpt"),
-        str(out),
-        ids.tolist(),
-    )
-    # Both forwards run in float32 on the same bf16-valued weights: they differ only by
-    # summation order (a few 2^-24 ulps per op, ~1e-6 relative), far below bf16's 2^-8.
-    for logits, *_ in results:
-        torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-5)
-    I, D = HF_KW["moe_intermediate_size"], HF_KW["hidden_size"]
-    one_expert = 3 * I * D * 4  # gate, up and down of one expert, float32
-    assert all(0 < r[1] <= one_expert for r in results), [r[1] for r in results]
-    # The export's peak: one tensor being read (not the model: 4 ranks x 15 files here).
-    assert all(0 < r[3] <= r[4] for r in results), [r[3:] for r in results]
-    written = [set(r[2]) for r in results]
-    assert all(w for w in written) and not set.intersection(*written)  # every rank wrote files
-
-    back, info = _transformers_logits(out, ids)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert not info["mismatched_keys"]
-    torch.testing.assert_close(back, want, rtol=0, atol=0)
-    theirs, exported = _read_dir_any(src), _read_dir(out)
-    assert exported.keys() == theirs.keys()
-    for k, v in theirs.items():
-        assert torch.equal(exported[k], v.float()), k
-
-
-def _read_dir_any(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 def test_init_from_is_checked_before_launch(tmp_path):
     """`checkpoint.init_from` is validated with the config, before any rank starts: a missing
     tensor, a wrong shape and a config field that differs are errors naming them."""
@@ -503,53 +338,3 @@ def test_init_from_is_checked_before_launch(tmp_path):
     _write_single(tmp_path, hf)
     with pytest.raises(ConfigError, match=r"experts\.0\.down_proj\.weight.*model\.norm\.weight"):
         validate(cfg())
-
-
-def _run(cmd: list[str], cwd) -> str:
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr
-
-
-@pytest.mark.slow
-def test_train_py_init_from_and_export_script_on_1_and_2_ranks(tmp_path):
-    """`python train.py checkpoint.init_from=<dir>` (2 ranks, ep 2) starts from the directory's
-    weights (a near-zero learning rate keeps them: a seeded init would be far off); the run's
-    own export and scripts/export_hf.py, in one process and on 2 torchrun ranks, write the
-    same tensors; the two script runs write byte-identical files."""
-    from omegaconf import OmegaConf
-
-    from recipes.config import Config
-    from recipes.parallel import model_config
-
-    src = tmp_path / "src"
-    config = model_config(OmegaConf.structured(Config))  # the default (tiny) run's model
-    model = _model(config)
-    export_hf(model, config, str(src), max_shard_bytes=64 << 10)
-    args = ["mesh.world_size=2", "mesh.ep=2", "train.steps=1", "logger=none"]
-    args += ["optim.lr=1e-9", "optim.adamw_lr=1e-9", "train.router_bias_rate=0"]
-    args += ["data.seq_len=16", "data.batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]
-    args += [f"checkpoint.init_from={src}", f"run.root={tmp_path / 'runs'}"]
-    out = _run([sys.executable, str(ROOT / "train.py"), *args], tmp_path)
-    assert "initialized from the transformers directory" in out
-    (run_dir,) = (tmp_path / "runs" / "default").iterdir()
-    run_export = _read_dir(run_dir / "hf")
-    for name, want in _read_dir(src).items():  # lr 1e-9: one step moves nothing visibly
-        torch.testing.assert_close(run_export[name], want, rtol=0, atol=1e-6, msg=name)
-
-    ckpt = str(run_dir / "checkpoints" / "step_00000001")
-    script = str(ROOT / "scripts" / "export_hf.py")
-    one, two = tmp_path / "one", tmp_path / "two"
-    _run([sys.executable, script, ckpt, str(one), "--max-shard-gib", "1e-4"], tmp_path)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    printed = _run([*launch, script, ckpt, str(two), "--max-shard-gib", "1e-4"], tmp_path)
-    assert "[rank 0] wrote" in printed and "[rank 1] wrote" in printed
-    files = sorted(p.name for p in one.iterdir())
-    assert len(files) > 4 and files == sorted(p.name for p in two.iterdir())
-    for name in files:
-        assert (one / name).read_bytes() == (two / name).read_bytes(), name
-    exported = _read_dir(one)
-    assert exported.keys() == run_export.keys()
-    for name, tensor in run_export.items():
-        assert torch.equal(exported[name], tensor), name

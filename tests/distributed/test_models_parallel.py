@@ -11,35 +11,58 @@ import torch.distributed as dist
 
 from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.expert_parallel import all_to_all
-from models.glm.hf_adapter import export_hf, import_hf
+from models.glm.hf_adapter import export_hf
+from models.glm.hf_import import import_hf
 from models.glm.parallelize import build_meshes, parallelize
 from tests.harness import run_world
+from tests.models import tiny_glm
 
-CFG = GLMConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    n_dense_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+CFG = tiny_glm(
     head_dim=8,
-    n_routed_experts=8,
     num_experts_per_tok=2,
     n_group=2,
     topk_group=2,
     attention_bias=True,
     use_qk_norm=True,
     routed_scaling_factor=2.5,
-    num_mtp_layers=1,  # built and sharded, never run: its grads stay None everywhere
+    num_mtp_layers=1,  # built and sharded; `loss` does not run it: its grads stay None
 )
+# MLA + DSA with a shared layer (T = 6 > index_topk = 3: sparse), the KL-trained indexer and a
+# trained MTP layer: these cases differentiate the whole objective.
+MLA_CFG = GLMConfig(
+    **{
+        **CFG.to_dict(),
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "partial_rotary_factor": 1.0,
+        "use_qk_norm": False,
+        "attention": "mla",
+        "q_lora_rank": 16,
+        "kv_lora_rank": 8,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "index_n_heads": 4,
+        "index_head_dim": 8,
+        "index_topk": 3,
+        "indexer_types": ["full", "shared", "full"],
+    }
+)
+CONFIGS = {"gqa": CFG, "mla": MLA_CFG}
 B, T = 2, 6  # per-rank batch
 
 
-def _reference(skew_ep: int) -> GLMForCausalLM:
+def _objective(model: GLMForCausalLM, config: GLMConfig, inputs, labels) -> torch.Tensor:
+    """GQA: the next-token loss; MLA: + 0.3 x the MTP loss + the indexer KL."""
+    if config.attention == "gqa":
+        return model.loss(inputs, labels)
+    terms = model(inputs, labels)
+    return terms["loss"] + 0.3 * terms["mtp_loss"] + terms["indexer_kl"]
+
+
+def _reference(skew_ep: int, config: GLMConfig = CFG) -> GLMForCausalLM:
     torch.manual_seed(0)
-    model = GLMForCausalLM(CFG)
+    model = GLMForCausalLM(config)
     model.init_weights(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -63,7 +86,8 @@ def _grad_errors(ref: GLMForCausalLM, model: GLMForCausalLM) -> dict[str, tuple[
     ):
         assert name == name2, (name, name2)
         if p_ref.grad is None:
-            assert name.startswith("model.mtp_layers.") and p.grad is None, name
+            assert p.grad is None, name
+            errors[name] = None  # the caller checks which parameters had no gradient
             continue
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         scale = p_ref.grad.abs().max().item()
@@ -93,18 +117,19 @@ def _all_to_all_roundtrip() -> tuple[bool, bool]:
 def _parity_world(cases, export_dir=None):
     rank, W = dist.get_rank(), dist.get_world_size()
     out = []
-    for ep, skew, param_dtype in cases:
-        ref = _reference(ep if skew else 0)
+    for ep, skew, param_dtype, family in cases:
+        config = CONFIGS[family]
+        ref = _reference(ep if skew else 0, config)
         model = copy.deepcopy(ref)
         parallelize(model, build_meshes(W, ep, "cpu"), param_dtype=param_dtype)
         ids = torch.randint(
             0, CFG.vocab_size, (W * B, T + 1), generator=torch.Generator().manual_seed(7)
         )
         inputs, labels = ids[:, :-1], ids[:, 1:]
-        ref_loss = ref.loss(inputs, labels)
+        ref_loss = _objective(ref, config, inputs, labels)
         ref_loss.backward()
         mine = slice(rank * B, (rank + 1) * B)
-        loss = model.loss(inputs[mine], labels[mine])
+        loss = _objective(model, config, inputs[mine], labels[mine])
         loss.backward()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
@@ -140,7 +165,8 @@ def _parity_world(cases, export_dir=None):
                 local_rows=gu.to_local().shape[0],
             )
         )
-        if export_dir is not None and ep > 1 and param_dtype is None and not skew:
+        gqa_plain = family == "gqa" and param_dtype is None and not skew
+        if export_dir is not None and ep > 1 and gqa_plain:
             # Sharded export gathers to rank 0; re-init of DTensors matches a plain init.
             export_hf(model, CFG, export_dir + "/sharded")
             export_hf(ref, CFG, export_dir + "/plain")
@@ -155,11 +181,16 @@ def _parity_world(cases, export_dir=None):
 
 
 def _check(results, W, cases, tol=1e-5):
-    for i, (ep, skew, param_dtype) in enumerate(cases):
+    for i, (ep, skew, param_dtype, family) in enumerate(cases):
         per_rank = [r[i] for r in results]
         res = per_rank[0]
         assert res["ep"] == ep
-        label = f"ep={ep} efsdp={W // ep} skew={skew} dtype={param_dtype}"
+        label = f"{family} ep={ep} efsdp={W // ep} skew={skew} dtype={param_dtype}"
+        no_grad = sorted(k for k, v in res["errors"].items() if v is None)
+        # GQA runs `loss` (no MTP); MLA the whole objective: every parameter has a gradient.
+        assert all(k.startswith("model.mtp_layers.") for k in no_grad), (label, no_grad)
+        assert not no_grad if family == "mla" else no_grad, (label, no_grad)
+        res["errors"] = {k: v for k, v in res["errors"].items() if v is not None}
         exact = param_dtype in (None, torch.float32)
         # float32: the same terms summed in another order (ranks, experts), a few ulps (2^-24)
         # per sum; gradients sum at most W * B * T = 96 token terms, <= 96 * 2^-24 ~ 6e-6 of
@@ -188,14 +219,16 @@ def _check(results, W, cases, tol=1e-5):
 
 
 CASES_4 = [
-    (1, False, None),  # fsdp 4, ep 1
-    (2, False, None),  # ep 2, efsdp 2
-    (4, False, None),  # ep 4, efsdp 1
-    (2, True, None),  # ep 2, efsdp 2: EP rank 1 receives no tokens at all
-    (2, False, torch.float32),  # the mixed-precision code path (router units), exact
-    (2, False, torch.bfloat16),  # bf16 compute: runs, expert gradient scale right
+    (1, False, None, "gqa"),  # fsdp 4, ep 1
+    (2, False, None, "gqa"),  # ep 2, efsdp 2
+    (4, False, None, "gqa"),  # ep 4, efsdp 1
+    (2, True, None, "gqa"),  # ep 2, efsdp 2: EP rank 1 receives no tokens at all
+    (2, False, torch.float32, "gqa"),  # the mixed-precision code path (router units), exact
+    (2, False, torch.bfloat16, "gqa"),  # bf16 compute: runs, expert gradient scale right
+    (2, False, None, "mla"),  # MLA + DSA + KL indexer + MTP, ep 2, efsdp 2
+    (2, False, torch.float32, "mla"),  # ... with the mixed-precision units (weights_proj)
 ]
-CASES_8 = [(2, False, None), (2, True, None)]  # ep 2, efsdp 4
+CASES_8 = [(2, False, None, "gqa"), (2, True, None, "gqa")]  # ep 2, efsdp 4
 
 
 @pytest.mark.slow
@@ -260,5 +293,5 @@ def test_glm52_plans_on_512_fake_ranks():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
-    expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 749033455360"
+    expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 753864119552"
     assert line == expected

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import muon.optimizer as muon_optimizer
 from muon import Muon
 from muon.runtime import AsyncRuntime
+from recipes.bench.fixtures import sharded_matrices
 from recipes.memory import MemoryMeter
 from tests.harness import init_mesh, run_world
 
@@ -25,18 +26,7 @@ W = 4
 
 
 def _sharded(shapes, mesh, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    holder = nn.ParameterList([nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes])
-    fully_shard(holder, mesh=mesh)
-    for p in holder:
-        p.grad = DTensor.from_local(
-            torch.randn(p.to_local().shape, generator=gen),
-            p.device_mesh,
-            p.placements,
-            shape=p.shape,
-            stride=p.stride(),
-        )
-    return list(holder)
+    return sharded_matrices(shapes, mesh, generator=torch.Generator().manual_seed(seed))
 
 
 def _memory_case(meter, mesh, strategy, count):
@@ -118,16 +108,15 @@ def _behaviour_world():
         muon_optimizer._orthogonalize = real_orthogonalize
     out["pad_ns_calls"] = calls
 
-    # a rank with a different parameter order fails with the fingerprint error, fast
+    # a rank with a different parameter order fails with the fingerprint error instead of
+    # hanging in a mismatched collective (a hang would end the world at its timeout: no clock)
     shapes = [(8, 4), (12, 4)] if rank != 1 else [(12, 4), (8, 4)]
     holder = _sharded(shapes, mesh)
-    t0 = time.monotonic()
     try:
         Muon(holder)
         out["fingerprint"] = None
     except RuntimeError as e:
         out["fingerprint"] = str(e)
-    out["fingerprint_s"] = time.monotonic() - t0
     return out
 
 
@@ -166,7 +155,6 @@ def test_memory_balance_inflight_and_fingerprint():
     assert calls == [False], f"pad_all2all ran Newton-Schulz on padding slots: {calls}"
     for r in results:
         assert r["fingerprint"] and "different optimizer plans" in r["fingerprint"]
-        assert r["fingerprint_s"] < 10
 
 
 def _ns_shapes_world(expert_aware: bool, strategy: str):

@@ -23,6 +23,7 @@ import math
 import traceback
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,12 +31,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon import Muon
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.harness import init_mesh, run_world
 
 W = 4
 STEPS = 3
 TOL = 2e-5
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 KW = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32, max_inflight=2)
 # the group key for blocks stacked on dim 0 (fused experts), whichever name Muon's defaults use
 BLOCKS = "num_blocks"
@@ -282,22 +283,44 @@ def _contracts_world():
     return out
 
 
-def test_contracts_on_four_ranks():
-    results = run_world(_contracts_world, W, timeout_s=300)
-    failures = []
-    for rank, out in enumerate(results):
-        for label, value in out.items():
-            if isinstance(value, str) and label != "disagree":
-                ok = False
-            elif label == "disagree":
-                # names the parameter and how many ranks hold its grad (all but rank 0)
-                ok = "group 0 param 2" in value and f"3 of {W} ranks" in value
-            elif label.startswith("dtypes"):
-                ok = value <= 1.0
-            elif "untouched" in label or label == "disagree moved":
-                ok = value == 0.0
-            else:
-                ok = value < TOL
-            if not ok:
-                failures.append(f"rank {rank} {label}: {value}")
-    assert not failures, "\n".join(failures)
+#: every case the world computes, by the label it reports (one pytest case each)
+CASES = (
+    *(f"shard1 {s}" for s in STRATEGIES),
+    *(f"shard00 {s}" for s in STRATEGIES),
+    "add_param_group",
+    *(f"grad None {what} {s}" for s in STRATEGIES for what in ("untouched", "parity")),
+    "disagree",
+    "disagree moved",
+    *(f"dtypes {s}" for s in STRATEGIES),
+)
+
+
+pytestmark = pytest.mark.slow  # one 4-rank world for all the cases
+
+
+@pytest.fixture(scope="module")
+def contracts() -> list[dict]:
+    """Every case on one 4-rank world (a world costs seconds; the cases only milliseconds)."""
+    return run_world(_contracts_world, W, timeout_s=300)
+
+
+def test_every_case_reported(contracts):
+    """No case raised (a raising case reports its traceback under its function's name)."""
+    for out in contracts:
+        assert set(out) == set(CASES), set(out) ^ set(CASES)
+
+
+@pytest.mark.parametrize("label", CASES)
+def test_contract(contracts, label):
+    for rank, out in enumerate(contracts):
+        value = out.get(label)
+        assert value is not None, f"rank {rank}: case {label} did not run"
+        if label == "disagree":
+            # names the parameter and how many ranks hold its grad (all but rank 0)
+            assert "group 0 param 2" in value and f"3 of {W} ranks" in value, value
+        elif label.startswith("dtypes"):
+            assert value <= 1.0, f"rank {rank}: {value}"
+        elif "untouched" in label or label == "disagree moved":
+            assert value == 0.0, f"rank {rank}: {value}"
+        else:
+            assert value < TOL, f"rank {rank}: {value}"

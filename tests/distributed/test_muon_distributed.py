@@ -19,9 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon import Muon
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.harness import init_mesh, run_world
 
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 CONFIGS = [(s, True) for s in STRATEGIES] + [("pad_all2all", False)]
 STEPS = 3
 

@@ -23,13 +23,14 @@ def test_bench_writes_tables_and_plots(tmp_path):
     for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "results.json").read_text())["shapes"] == res["shapes"]
-    # the summary the docs quote is computed by the script, one line per shape and comparison
+    # the summary the docs quote is the one computed from these results, one line per shape and
+    # comparison: every shape, Polar Express vs fixed, one per learning rate, the step world,
+    # and the crossover line when Gram was faster anywhere (its wording is not tested)
     tables = (tmp_path / "tables.md").read_text()
-    assert tables.count("Gram takes") == len(bench.GLM_SHAPES) - 1  # all but the square one
-    assert "Gram needs no fewer FLOPs" in tables
-    assert "Muon.step at W=2, default (polar_express auto) vs fixed standard" in tables
-    assert "Training, tiny GLM, lr 0.02, mean of 2 seeds: the default ends" in tables
-    assert "the default (auto) runs standard" in tables  # the router block, 4 rows here
+    lines = bench.summary(res)
+    assert all(line in tables for line in lines)
+    faster = any(r["ratio"] < 1 for r in res["crossover"])
+    assert len(lines) == len(bench.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster
     assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
     assert len(res["conditioning"]) == 2 * len(bench.CONDITIONING)
     assert "Ill-conditioned bf16 blocks (5 cases" in tables

@@ -172,6 +172,7 @@ exit 0
 """
 
 
+@pytest.mark.slow
 def test_a_failed_step_does_not_stop_the_others_and_sets_the_exit_status(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,6 @@ MiB = 1 << 20
 W = 4
 SHAPE = (1024, 512)
 COUNT = 2
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 def _load_script():
@@ -78,6 +78,20 @@ def _expert_groups(report: dict) -> dict[tuple, dict]:
 GATE_UP, DOWN = (256 * 2 * 2048, 6144), (256 * 6144, 2048)
 
 
+def _largest_unit(report: dict) -> float:
+    """NS FLOPs of the largest matrix owned whole. Owners are balanced by cost over such units,
+    so a greedy assignment ends within one unit of the ideal: GLM-5's o_proj [6144, 16384]
+    (11.4 TFLOP, ~21% of a rank's ideal share at 512 ranks; measured busiest/ideal 1.06, and
+    1.07 at 1024). The 1.1 guards are regression checks on those measurements."""
+    from muon.newton_schulz import effective_algorithm, ns_flops
+
+    return max(
+        ns_flops(*g["shape"], algorithm=effective_algorithm(*g["shape"], algorithm="auto"))
+        for g in report["groups"]
+        if g["num_blocks"] == 1
+    )
+
+
 @pytest.fixture(scope="module")
 def glm52_512(tmp_path_factory):
     return _run_planner(tmp_path_factory.mktemp("plan512"))
@@ -100,12 +114,13 @@ def test_glm52_expert_aware_paths(glm52_512):
     down = experts[DOWN]["strategies"]["ragged_all_to_all"]["group"]["busy"]
     assert down["peak_bytes"] < 0.5 * GiB, down
     assert "local:76" in report["stdout"] and "subgroup:26x3" in report["stdout"]
+    largest = _largest_unit(report)
     for s in (*STRATEGIES, "auto"):
         ns = report["totals"][s]["ns"]
-        # every block orthogonalized once (no padding NS, no duplicated sub-group blocks), and
-        # owners balanced by cost: the busiest rank within 5% of the ideal
+        # every block orthogonalized once (no padding NS, no duplicated sub-group blocks)
         assert ns["ns_flops_mean"] == pytest.approx(ns["ns_flops_ideal"], rel=1e-12)
-        assert ns["ns_flops_busiest"] <= 1.05 * ns["ns_flops_ideal"], (s, ns["busiest_over_ideal"])
+        assert ns["ns_flops_busiest"] <= ns["ns_flops_ideal"] + largest, (s, largest)
+        assert ns["ns_flops_busiest"] <= 1.1 * ns["ns_flops_ideal"], (s, ns["busiest_over_ideal"])
         assert len(ns["ns_flops_per_rank"]) == 64 == len(ns["bytes_sent_per_rank"])
         assert max(ns["ns_flops_per_rank"]) <= ns["ns_flops_busiest"]
         assert 0 < ns["ns_share_of_step"] < 0.05
@@ -121,7 +136,8 @@ def test_glm52_busiest_rank_work_halves_from_512_to_1024_ranks(glm52_512, tmp_pa
     """Strong scaling of the optimizer step: doubling the ranks shrinks the busiest rank's
     Newton-Schulz work by at least 1.8x (sub-group blocks of k = 2 and 4 once each)."""
     at_1024 = _run_planner(tmp_path, "--strategy", "auto", world=1024)["totals"]["auto"]["ns"]
-    assert at_1024["ns_flops_busiest"] <= 1.05 * at_1024["ns_flops_ideal"], at_1024
+    assert at_1024["ns_flops_busiest"] <= at_1024["ns_flops_ideal"] + _largest_unit(glm52_512)
+    assert at_1024["ns_flops_busiest"] <= 1.1 * at_1024["ns_flops_ideal"], at_1024
     at_512 = glm52_512["totals"]["auto"]["ns"]
     ratio = at_512["ns_flops_busiest"] / at_1024["ns_flops_busiest"]
     assert ratio >= 1.8, (at_512["ns_flops_busiest"], at_1024["ns_flops_busiest"])
@@ -190,9 +206,9 @@ def _measured_world() -> dict:
 
     import muon.optimizer as muon_optimizer
     from muon import Muon
+    from recipes.bench.fixtures import sharded_matrices
     from recipes.memory import MemoryMeter
     from tests.harness import init_mesh
-    from tests.test_muon_behaviour import _sharded
 
     planner = _load_script()
     mesh = init_mesh((W,), ("fsdp",))
@@ -200,7 +216,7 @@ def _measured_world() -> dict:
     real_orthogonalize = muon_optimizer._orthogonalize
     out: dict[str, dict] = {}
     for strategy in STRATEGIES:
-        params = _sharded([SHAPE] * COUNT, mesh)
+        params = sharded_matrices([SHAPE] * COUNT, mesh, generator=torch.Generator().manual_seed(0))
         opt = Muon(params, ns_dtype=torch.float32, nesterov=False, remainder_strategy=strategy)
         ((mp, (batch,)),) = opt.plans
         r = mp.fsdp_rank
@@ -289,3 +305,30 @@ def test_planned_step_peak_bounds_measured(measured, strategy):
         planned, got = row["planned_peak"], row["measured_step"]
         assert got <= 1.10 * planned + row["staging"] + 64 * 1024, row
         assert planned <= 1.6 * got + 64 * 1024, row
+
+
+def test_indexer_training_flag_frozen_vs_kl():
+    """`--indexer-training`: a frozen indexer leaves the optimizer (fewer parameter tensors:
+    5 per indexer, 3 indexers in mla_tiny: layers 0 and 2 and the MTP layer) and the step
+    estimate (no indexer gradients, state or KL activations); a model without one refuses it."""
+    base = [sys.executable, str(SCRIPT), "--model", "mla_tiny", "--world-size", "8", "--ep", "2"]
+    base += ["--strategy", "auto", "--step", "--seq-len", "512", "--micro-batch", "2"]
+    out = {}
+    for mode in ("kl", "frozen"):
+        proc = subprocess.run([*base, "--indexer-training", mode], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        tensors = int(proc.stdout.split("optimizer: ")[1].split()[0])
+        peaks = [
+            float(line.split()[4])
+            for line in proc.stdout.splitlines()
+            if "step peak per rank" in line
+        ]
+        out[mode] = tensors, peaks
+    assert out["kl"][0] - out["frozen"][0] == 15, out
+    assert all(f < k for f, k in zip(out["frozen"][1], out["kl"][1], strict=True)), out
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "small", "--indexer-training", "frozen"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "has no sparse-attention indexer" in bad.stderr

@@ -13,12 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from recipes import checkpoint
 from recipes.config import from_yaml
 from tests.harness import run_world
+from tests.train_cli import start_train_py
 
 ROOT = Path(__file__).resolve().parents[2]
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +42,7 @@ def _small(cache: str) -> list[str]:
 
 
 def _train_py(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
-    env = dict(os.environ, WANDB_MODE="offline")  # belt and braces: never the network here
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **popen,
-    )
+    return start_train_py(args, cwd, **popen)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
@@ -161,8 +153,9 @@ def test_logs_in_the_run_dir(cache, tmp_path):
 
 @pytest.mark.slow
 def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
-    """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again: the
-    losses and final parameters equal an uninterrupted run's (4 ranks, ep=1)."""
+    """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again (with
+    `checkpoint.async_mode=true`, which does not change what is trained): the losses and final
+    parameters equal an uninterrupted run's (4 ranks, ep=1)."""
     args = ["mesh.ep=1", "train.steps=4", "checkpoint.every=2", "logger=none", *_small(cache)]
     args += ["metrics.memory_every=2"]
     _finish(_train_py([*args, "run.name=reference"], tmp_path))
@@ -182,7 +175,8 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     assert found and proc.returncode == -signal.SIGKILL
     assert checkpoint.latest(run_dir("resumed") / "checkpoints").name == "step_00000002"
 
-    out = _finish(_train_py([*args, "run.name=resumed"], tmp_path))
+    # The same command with a checkpointing key changed (async_mode) resumes the same run.
+    out = _finish(_train_py([*args, "run.name=resumed", "checkpoint.async_mode=true"], tmp_path))
     assert "resumed from" in out
     ref, res = run_dir("reference"), run_dir("resumed")
     assert ref.name == res.name  # the run dir depends on the overrides, not on run.name
@@ -195,7 +189,7 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     _assert_same(*(checkpoint.read_model_state(c) for c in final))
     _assert_same(*(_optim_state(c) for c in final))
     # The transformers-layout export of the final model holds the same weights.
-    from models.glm.hf_adapter import import_hf
+    from models.glm.hf_import import import_hf
 
     _, exported = import_hf(str(res / "hf"))
     weights = checkpoint.read_model_state(final[1])
@@ -210,10 +204,14 @@ def _nan_world(config_yaml: str, run_dir: str):
 
     cfg = from_yaml(config_yaml)
     finished = Trainer(cfg, Path(run_dir), torch.device("cpu")).train() is not None
-    cfg.checkpoint.resume = False  # a restart that starts over ignores the checkpoints
-    fresh = Trainer(cfg, Path(run_dir), torch.device("cpu"))
-    fresh.resume()
-    return finished, fresh.step
+    # A restart that starts over: the old run is set aside, the new one trains 1 step (its
+    # checkpoint at step 1 is older by step than the old run's, which rotation would delete).
+    cfg.checkpoint.resume, cfg.train.steps, cfg.checkpoint.keep = False, 1, 2
+    Trainer(cfg, Path(run_dir), torch.device("cpu")).train()
+    cfg.checkpoint.resume = True  # then the same command again resumes the new run
+    again = Trainer(cfg, Path(run_dir), torch.device("cpu"))
+    again.resume()
+    return finished, again.step
 
 
 @pytest.mark.slow
@@ -225,13 +223,17 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     overrides += ["checkpoint.keep=4", "checkpoint.export_hf=false", "logger.backend=none"]
     overrides += ["metrics.memory_every=100", "metrics.log_every=2", *_small(cache)]
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    (finished, fresh_step), _ = run_world(_nan_world, 2, OmegaConf.to_yaml(cfg), str(tmp_path))
-    assert finished and fresh_step == 0
-    lines = _metrics(tmp_path)
+    (finished, resumed_step), _ = run_world(_nan_world, 2, OmegaConf.to_yaml(cfg), str(tmp_path))
+    assert finished and resumed_step == 1
+    new_run = checkpoint.committed(tmp_path / "checkpoints")
+    assert [c.name for c in new_run] == ["step_00000001"]
+    assert [m["step"] for m in _metrics(tmp_path)] == [1]
+    old_run = tmp_path / "replaced-1"  # the first run, whole, set aside by resume=false
+    lines = _metrics(old_run)
     assert [m["step"] for m in lines] == [1, 2, 4]  # log_every=2, plus the measured step 1
     assert [m["skipped"] for m in lines] == [0.0, 1.0, 0.0]
     assert np.isnan(lines[1]["grad_norm"]) and np.isfinite(lines[2]["grad_norm"])
-    ckpts = checkpoint.committed(tmp_path / "checkpoints")
+    ckpts = checkpoint.committed(old_run / "checkpoints")
     m1, m2, m3, _ = (checkpoint.read_model_state(c) for c in ckpts)
     _assert_same(m1, m2)
     assert any(not torch.equal(m2[k], m3[k]) for k in m2)
@@ -277,3 +279,26 @@ def test_torchrun_world_checkpoints_and_stops_on_sigterm(cache, tmp_path):
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
     assert not (run_dir / "hf").exists()  # exported only when the run completes
     assert OmegaConf.load(run_dir / "config.yaml").optim.router == "muon"
+
+
+@pytest.mark.slow
+def test_mla_dsa_mtp_run_logs_each_loss(cache, tmp_path):
+    """`model=mla_tiny` (seq_len 32 > index_topk 16) on 2 ranks, swept over
+    train.mtp_loss_weight=0,0.3: `loss` is the next-token loss (the same at step 1, before
+    any update, whatever the weight), `mtp_loss` is logged and summarized only when the MTP
+    layer runs, `indexer_kl` always (the default indexer_training=kl)."""
+    args = ["-m", "model=mla_tiny", "train.mtp_loss_weight=0,0.3", "mesh.world_size=2"]
+    args += ["mesh.ep=1", "train.steps=3", "checkpoint.export_hf=false", "logger=none"]
+    out = _finish(_train_py([*args, *_small(cache)], tmp_path))
+    assert out.count("[summary]") == 2
+    runs = sorted((tmp_path / "default").glob("*mtp_loss_weight=*"))
+    weights = [r.name.split("mtp_loss_weight=")[1].split(",")[0] for r in runs]
+    assert weights == ["0", "0.3"], runs
+    off, on = (_metrics(r) for r in runs)
+    assert all("mtp_loss" not in m and m["indexer_kl"] > 0 for m in off)
+    assert all(m["mtp_loss"] > 0 and m["indexer_kl"] > 0 for m in on)
+    assert off[0]["loss"] == on[0]["loss"]
+    assert off[-1]["loss"] != on[-1]["loss"]  # the MTP gradient reaches the shared trunk
+    summaries = [line for line in out.splitlines() if "[summary]" in line]
+    assert sum("; mtp_loss " in s for s in summaries) == 1, summaries
+    assert all("; indexer_kl " in s for s in summaries), summaries

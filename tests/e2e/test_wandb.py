@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from omegaconf import OmegaConf
 from recipes.config import Config, to_plain
 from recipes.metrics import MetricsLog
 from tests import wandb_records
+from tests.train_cli import train_py
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,19 +52,11 @@ def _commit() -> str:
 def sweep(tmp_path_factory) -> dict[str, Path]:
     """Run dirs of one muon and one adamw job, trained by train.py with W&B offline."""
     root = tmp_path_factory.mktemp("wandb-runs")
-    args = ["-m", "optim=muon,adamw", f"run.root={root}", "mesh.world_size=2", "mesh.ep=2"]
+    args = ["-m", "optim=muon,adamw", "mesh.world_size=2", "mesh.ep=2"]
     args += ["train.steps=2", "train.warmup_steps=1", "metrics.memory_every=1"]
     args += ["metrics.progress=false", "data.seq_len=8", "data.batch_size=1"]
     args += ["checkpoint.every=0", "checkpoint.export_hf=false", "logger=wandb"]
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = train_py(args, root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     dirs = {d.name: d for d in (root / "default").iterdir()}
     return {o: next(d for n, d in dirs.items() if f"optim={o}" in n) for o in ("muon", "adamw")}
@@ -155,6 +147,7 @@ def _log(run_dir: Path, config: dict, start: int, steps: range) -> None:
     wandb.teardown()
 
 
+@pytest.mark.slow
 def test_resumed_run_sends_no_step_twice_and_switches_turn_off(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = _config(system_metrics=False, git=False)

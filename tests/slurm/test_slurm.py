@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.slurm.slurm_util import (
     FINAL_STATES,
     REPO,
@@ -36,7 +37,6 @@ from tests.slurm.slurm_util import (
 from tests.slurm.slurm_util import run as _run
 
 SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"))
-STRATEGIES = ("agrs", "pad_all2all", "ragged_all_to_all")
 # A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
 TRAIN_ARGS = ["mesh.world_size=2", "mesh.ep=1", "logger=none"]
 # Smaller steps, no transformers export: launching is what these tests are about.

@@ -1,15 +1,15 @@
 """The Hydra config tree composes and validates; bad input fails early, naming the key."""
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from muon.plan import REMAINDER_STRATEGIES
 from recipes import config as schema
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +38,20 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if overrides == ["data=tokens"]:
         token_file = tmp_path / "tokens.bin"
-        token_file.write_bytes(bytes(64))
+        token_file.write_bytes(bytes(2 * 513))  # one sample of conf/data/tokens.yaml: 512 + 1
         overrides = [*overrides, f"data.path={token_file}"]
+    if overrides == ["model=hf"]:  # the model of a transformers directory: the tiny preset's
+        from models.glm import GLMForCausalLM, get_preset
+        from models.glm.hf_adapter import export_hf
+
+        tiny = GLMForCausalLM(get_preset("tiny"))
+        export_hf(tiny, tiny.config, tmp_path / "hf")
+        overrides = [*overrides, f"model.path={tmp_path / 'hf'}"]
     cfg = _compose(overrides)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
     if plain["optim"]["name"] == "muon":
-        assert plain["optim"]["remainder_strategy"] in ("agrs", "pad_all2all", "ragged_all_to_all")
+        assert plain["optim"]["remainder_strategy"] in REMAINDER_STRATEGIES
     else:  # one schema per optimizer: an AdamW run carries no Muon key
         assert plain["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
     # What the workers receive round-trips into the typed schema.
@@ -55,8 +62,9 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
 def test_model_group_matches_presets():
     from models.glm.config import PRESET_NAMES
 
-    assert _options("model") == sorted(PRESET_NAMES)
-    assert sorted(p.value for p in schema.ModelPreset) == sorted(PRESET_NAMES)
+    # `model=hf` builds the model of a transformers directory (model.path) instead of a preset.
+    assert _options("model") == sorted([*PRESET_NAMES, "hf"])
+    assert sorted(p.value for p in schema.ModelPreset) == sorted([*PRESET_NAMES, "hf"])
 
 
 def test_embedded_default():
@@ -105,6 +113,7 @@ def test_user_keys_override():
         ("optim.nonexistent=1", ["nonexistent"]),
         ("model=huge", ["model", "tiny"]),
         ("logger=neptune", ["logger", "wandb"]),
+        ("train.indexer_training=train", ["train.indexer_training", "kl, frozen"]),
         # one schema per optimizer: Muon keys do not exist under optim=adamw
         ("optim=adamw optim.remainder_strategy=agrs", ["remainder_strategy", "AdamWOptimConfig"]),
     ],
@@ -138,12 +147,81 @@ def test_compose_rejects(override, expected):
         (["+model.overrides.rope_theta=-1.0"], "model.overrides.rope_theta=-1.0: GLMConfig"),
         (["+model.overrides.num_experts_per_tok=9"], "model.overrides.num_experts_per_tok=9: "),
         (["mesh.world_size=6", "mesh.ep=3"], "mesh.ep=3: n_routed_experts (8) must be"),
+        (["data.seq_len=131073"], "data.seq_len=131073: exceeds the model's max_position_emb"),
+        (["train.mtp_loss_weight=-0.1"], "train.mtp_loss_weight=-0.1: must be >= 0"),
+        (
+            [
+                "model=mla_tiny",
+                "+model.overrides.index_topk=null",
+                "+model.overrides.index_n_heads=null",
+                "+model.overrides.index_head_dim=null",
+                "+model.overrides.indexer_types=null",
+            ],
+            "checkpoint.export_hf=True: GLMConfig.index_topk is None",
+        ),
+        (
+            ["+model.overrides.indexer_training=frozen"],
+            "model.overrides.indexer_training=frozen: train.indexer_training=kl picks it",
+        ),
+        (
+            ["model=mla_tiny", "+model.overrides.indexer_types=[full,full]"],
+            "model.overrides.indexer_types=['full', 'full']: GLMConfig.indexer_types has 2",
+        ),
+        (
+            ["+model.overrides.kv_lora_rank=8"],
+            "model.overrides.kv_lora_rank=8: GLMConfig.kv_lora_rank is a multi-head latent",
+        ),
     ],
 )
 def test_validate_rejects(overrides, expected):
     with pytest.raises(schema.ConfigError) as err:
         schema.validate(_compose(overrides))
     assert expected in str(err.value)
+
+
+def test_validate_checks_the_token_file_sizes(tmp_path):
+    """The token stream's length and element size, from file sizes, before any rank starts."""
+    from recipes.data import write_tokens
+
+    path = write_tokens(tmp_path / "tok.bin", np.arange(100, dtype=np.uint16))
+    args = ["data=tokens", f"data.path={path}", "data.vocab_size=256"]
+    schema.validate(_compose([*args, "data.seq_len=99"]))  # 99 + 1 tokens: one sample
+    with pytest.raises(schema.ConfigError, match=r"data.seq_len=100: .* holds 100"):
+        schema.validate(_compose([*args, "data.seq_len=100"]))
+    with pytest.raises(schema.ConfigError, match=r"data.dtype=uint8: .*written as uint16"):
+        schema.validate(_compose([*args, "data.dtype=uint8", "data.seq_len=8"]))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\0" * 9)
+    with pytest.raises(schema.ConfigError, match=r"data.dtype=uint16: .*9 bytes, not whole 2-byte"):
+        schema.validate(_compose(["data=tokens", f"data.path={odd}", "data.seq_len=2"]))
+    (tmp_path / "src").mkdir()
+    with pytest.raises(schema.ConfigError, match=r"data.path=.*src: no .py files"):
+        schema.validate(_compose([f"data.path={tmp_path / 'src'}"]))
+    (tmp_path / "src" / "a.py").write_bytes(b"x" * 10)
+    with pytest.raises(schema.ConfigError, match=r"data.seq_len=10: .* holds 10"):
+        schema.validate(_compose([f"data.path={tmp_path / 'src'}", "data.seq_len=10"]))
+
+
+def test_training_objective_knobs_reach_the_model():
+    """train.indexer_training picks the model's indexer mode; train.mtp_loss_weight defaults
+    to DeepSeek-V3's 0.3; MLA fields and lists pass through model.overrides."""
+    from recipes.parallel import model_config
+
+    cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen", "checkpoint.export_hf=0"])
+    schema.validate(cfg)
+    assert model_config(cfg).indexer_training == "frozen"
+    assert cfg.train.mtp_loss_weight == 0.3
+    cfg = _compose(
+        [
+            "model=mla_tiny",
+            "+model.overrides.indexer_types=[full,full,shared]",
+            "checkpoint.export_hf=false",
+        ]
+    )
+    schema.validate(cfg)
+    config = model_config(cfg)
+    assert config.indexer_training == "kl" and config.indexer_types == ["full", "full", "shared"]
+    assert type(config.indexer_types) is list
 
 
 def test_validate_checks_the_launcher_world():
@@ -168,87 +246,93 @@ def test_every_field_has_help():
     walk(schema.Config)
 
 
-def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
-    """`--help` renders the schema for the composed config: Muon's keys by default, AdamW's
-    (and no Muon key) with optim=adamw."""
-    proc = _train_py("--help", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
-    assert "[agrs, pad_all2all, ragged_all_to_all, auto]" in strategy
-    assert "# Muon exchange for batches smaller than the FSDP group" in strategy
-    assert any(line.startswith("optim.nesterov = true  [true, false]  # ") for line in lines)
-    keys = {line.split(" = ")[0] for line in lines if line[:1].islower() and "  # " in line}
-    assert keys == {line.split(" = ")[0] for line in schema.describe()}
-    assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
-    assert not any(line.startswith("schema") for line in lines)
-    adamw = _train_py("--help", "optim=adamw", cwd=tmp_path)
-    assert adamw.returncode == 0, adamw.stderr
-    optim = {
-        line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
-    }
-    assert optim == {f"optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")}
-    assert "optim.lr = 0.003  # " in adamw.stdout
-    assert not list(tmp_path.iterdir())  # nothing written
+def _override(key: str, value) -> str:
+    """`key=value` in Hydra's override grammar (strings quoted, lists bracketed)."""
+
+    def text(v):
+        if isinstance(v, list):
+            return "[" + ",".join(text(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{text(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, bool) or v is None:
+            return {True: "true", False: "false", None: "null"}[v]
+        return f"'{v}'" if isinstance(v, str) else str(v)
+
+    return f"{key}={text(value)}"
 
 
-def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path):
-    """`a/b` and `a_b` give one directory name: the sweep fails before its first job; so does
-    a sweep with one invalid job."""
-    (tmp_path / "a" / "b").mkdir(parents=True)
-    (tmp_path / "a_b").mkdir()
-    proc = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert (
-        "sweep jobs [data.path=a/b" in proc.stderr
-        and "would share the run directory" in proc.stderr
-    )
-    proc = _train_py("-m", "optim.lr=0.1,nan", cwd=tmp_path)
-    assert (
-        "sweep job [optim.lr=nan" in proc.stderr and "optim.lr=nan: must be a finite" in proc.stderr
-    )
-    assert "[rank" not in proc.stdout + proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written
+def _leaves(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("optim", schema.OPTIM_SCHEMAS)
+def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
+    """Every key of the composed config given on the command line: it shows in the run
+    directory's name (Hydra's override_dirname) unless the schema declares it `same_run`, and the
+    run directory's exclusions are exactly the schema's declarations (no hand list)."""
+    base = _compose([f"optim={optim}"])
+    leaves = _leaves(OmegaConf.to_container(base, resolve=True, enum_to_str=True))
+    overrides = [f"optim={optim}", *(_override(k, v) for k, v in leaves.items())]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    named = {item.split("=")[0] for item in cfg.hydra.job.override_dirname.split(",")}
+    declared = set(schema.same_run_keys())
+    assert list(cfg.hydra.job.config.override_dirname.exclude_keys) == schema.same_run_keys()
+    for key in leaves:
+        assert (key in named) != (key in declared), key
+    assert "optim" in named  # the optimizer choice changes what is trained
+    # Logging and checkpointing never change the weights; the keys that once were missing:
+    assert {k for k in leaves if k.split(".")[0] in ("logger", "metrics")} <= declared
+    assert {k for k in leaves if k.startswith("checkpoint.")} - declared == {"checkpoint.init_from"}
+    assert {"checkpoint.async_mode", "checkpoint.hf_dtype", "logger.project"} <= declared
 
 
 def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
+    # Paths in the overrides can pass the file system's 255-byte name limit: a long leaf keeps
+    # its start and a hash of the whole (stable, distinct per command).
+    long = ",".join(f"model.path=/{'d' * 150}/{k}" for k in "ab")
+    leaf = schema.run_id(long)
+    assert len(leaf.encode()) <= schema.RUN_ID_MAX and leaf.startswith("model.path=_ddd")
+    assert leaf == schema.run_id(long) != schema.run_id(long.replace("/b", "/c"))
     assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
 
 
-def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, f"run.root={cwd}"],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_choice_lists_are_the_libraries_own():
+    """The config enums are muon's and models' own constants: one source for every choice."""
+    from models.glm.config import PRESET_NAMES
+    from muon.groups import ROUTER_CHOICES
+    from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+    from muon.optimizer import ADJUST_LR, NS_DTYPES
+    from muon.plan import REMAINDER_CHOICES
+
+    pairs = [
+        (schema.RemainderStrategy, REMAINDER_CHOICES),
+        (schema.NsDtype, NS_DTYPES),
+        (schema.NsCoefficients, tuple(NS_COEFFICIENTS)),
+        (schema.NsAlgorithm, NS_ALGORITHMS),
+        (schema.RouterOptim, ROUTER_CHOICES),
+        (schema.AdjustLr, ADJUST_LR),
+        (schema.ModelPreset, (*PRESET_NAMES, "hf")),  # hf: a transformers directory
+    ]
+    for enum, values in pairs:
+        assert tuple(e.value for e in enum) == tuple(values), enum.__name__
 
 
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        (
-            "optim.remainder_strategy=agsr",
-            "expected one of [agrs, pad_all2all, ragged_all_to_all, auto]",
-        ),
-        ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
-        ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
-        ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),
-        (
-            "+model.overrides.n_routed_experts=6 mesh.ep=4",
-            "mesh.ep=4: n_routed_experts (6) must be divisible by ep (4); allowed ep: [1, 2]",
-        ),
-    ],
-)
-def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
-    proc = _train_py(*override.split(), cwd=tmp_path)
-    assert proc.returncode != 0
-    assert expected in proc.stderr
-    assert proc.stderr.count(expected) == 1 and "Traceback" not in proc.stderr  # one message
-    assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
-    assert not list(tmp_path.iterdir())  # not even the empty run dir Hydra made
+def test_adjust_lr_none_reaches_the_optimizer():
+    """`optim.adjust_lr=none` (muon.Muon's unscaled update) composes and lands in every group."""
+    from models.glm import GLMForCausalLM, get_preset
+    from recipes.parallel import build_optimizer
+
+    opt = build_optimizer(_compose(["optim.adjust_lr=none"]), GLMForCausalLM(get_preset("tiny")))
+    muon_groups = [g for g in opt.param_groups if g.get("algorithm") == "muon"]
+    assert muon_groups and all(g["adjust_lr"] == "none" for g in muon_groups)
 
 
 def test_newton_schulz_knobs_reach_the_optimizer():

@@ -9,22 +9,14 @@ import torch.nn.functional as F
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
 from models.glm.layers import apply_partial_rope, rope_cos_sin
+from tests.models import TINY_GLM
 
 CFG_KW = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    n_dense_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    TINY_GLM,
     head_dim=12,
     partial_rotary_factor=0.5,
-    n_routed_experts=8,
     num_experts_per_tok=3,
     n_shared_experts=2,
-    routed_scaling_factor=2.5,
     rms_norm_eps=1e-5,
 )
 
@@ -287,7 +279,13 @@ def test_glm52_preset_shapes_and_count():
     # Dominated by 76 layers x 256 experts x 3 x 6144 x 2048.
     assert 76 * 256 * 3 * 6144 * 2048 < n < 7.8e11
     assert 6.5e11 < n < 8e11
-    assert cfg.expected_num_parameters() == n == 749_033_455_360
+    # 743_911_199_232 without the MTP layer: the count of transformers'
+    # GlmMoeDsaForCausalLM(GlmMoeDsaConfig()) (the public GLM-5 shapes) built on meta.
+    assert cfg.expected_num_parameters() == n == 753_864_119_552
+    attn = model.model.layers[0].self_attn
+    assert attn.q_b_proj.weight.shape == (64 * 256, 2048)
+    assert attn.kv_b_proj.weight.shape == (64 * 448, 512)
+    assert attn.indexer.wq_b.weight.shape == (32 * 128, 2048)
 
 
 def test_max_position_embeddings_enforced():

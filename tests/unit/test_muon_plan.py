@@ -12,6 +12,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 from muon.cost import block_flops as ns_flops
 from muon.owners import assign_owners
 from muon.plan import (
+    REMAINDER_STRATEGIES,
     MeshCommPlan,
     ParamMeta,
     plan_batches,
@@ -136,7 +137,7 @@ def test_lpt_owners_balance_cost_across_shapes_and_batches():
     for shape, count in [((64, 48), 3), ((8, 48), 5), ((32, 16), 6), ((16, 16), 2), ((48, 48), 1)]:
         metas += [_meta(i + k, shape, dtype="float32", itemsize=4) for k in range(count)]
         i += count
-    for strategy in ("agrs", "pad_all2all", "ragged_all_to_all"):
+    for strategy in REMAINDER_STRATEGIES:
         plans, loads, digest = assign_owners(
             [(_flat_mesh(w), _plan(metas, _flat_mesh(w), strategy))], world_size=w
         )
@@ -238,17 +239,14 @@ def test_auto_picks_the_fastest_remainder_that_fits_the_budget():
     assert (full.path, full.size, rem.size) == ("full", 8, 3)
     # the ragged exchange sends the fewest bytes from its busiest rank and holds the least
     assert rem.path == "ragged_all_to_all"
-    times = {
-        s: _plan(metas, mp, s)[1].modelled_s(link)
-        for s in ("agrs", "pad_all2all", "ragged_all_to_all")
-    }
+    times = {s: _plan(metas, mp, s)[1].modelled_s(link) for s in REMAINDER_STRATEGIES}
     assert min(times, key=times.get) == "ragged_all_to_all", times
     # a budget only agrs-sized batches would exceed leaves the choice alone; one nothing fits
     # picks the smallest planned peak
     probe = replace(rem, owners=(0, 1, 2))
     peaks = {
         s: max(replace(probe, path=s).peak_bytes(r, 4) for r in range(8))
-        for s in ("agrs", "pad_all2all", "ragged_all_to_all")
+        for s in REMAINDER_STRATEGIES
     }
     assert choose_remainder(probe, link=link, memory_budget=max(peaks.values())) == rem.path
     smallest = min(peaks, key=peaks.get)

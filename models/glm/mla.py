@@ -1,0 +1,135 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3; GLM-5), optionally sparse (DSA).
+
+Per layer, with x the normed layer input:
+    q_lat = q_a_layernorm(q_a_proj(x))                       [B, T, Q]   (or q = q_proj(x))
+    q     = q_b_proj(q_lat) -> per head (q_nope [P], q_rope [R])
+    kv_lat, k_rope = kv_a_proj_with_mqa(x) split [L], [R]     one rotary key head for all heads
+    k_nope, v = kv_b_proj(kv_a_layernorm(kv_lat)) -> per head [P], [V]
+    softmax scale (P + R)^-0.5, times YaRN's mscale^2 when rope_scaling sets mscale_all_dim
+RoPE is interleaved on the R slice. With DSA (`index_topk`) each query attends only the keys its
+layer's indexer keeps (a "shared" layer reuses the previous layer's choice); when T <= index_topk
+every causal key is kept and the layer is plain causal MLA. Parameter names are those of the GLM-5
+checkpoints (transformers `GlmMoeDsaAttention`).
+
+Shape legend: B batch, T queries, S keys, D hidden, N heads, Q q_lora_rank, L kv_lora_rank,
+P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, K kept keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.glm.config import GLMConfig
+from models.glm.indexer import Indexer, indexer_kl, select_topk, sparse_mask
+from models.glm.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
+
+# The latent norms' eps is fixed in GLM-5 (as in transformers), independent of rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+# Heads per chunk when the KL target's head-summed attention is computed: bounds the float32
+# [B, chunk, T, T] probabilities held at once.
+_KL_HEAD_CHUNK = 8
+
+
+def softmax_scale(config: GLMConfig) -> float:
+    """(P + R)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN scaling (DeepSeek-V3)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rs = config.rope_scaling
+    if rs is not None and rs.get("mscale_all_dim"):
+        m = yarn_mscale(float(rs["factor"]), float(rs["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    """Causal multi-head latent attention of decoder layer `layer`, with the DSA indexer when
+    the config sets index_topk (none on "shared" layers)."""
+
+    def __init__(self, config: GLMConfig, layer: int) -> None:
+        super().__init__()
+        D, N = config.hidden_size, config.num_attention_heads
+        self.n_heads = N
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
+        qk, bias = self.nope + self.rope, config.attention_bias
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, N * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, N * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_rank, N * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(N * self.v_dim, D, bias=bias)
+        self.scale = softmax_scale(config)
+        self.sparse = config.uses_dsa
+        self.topk = config.index_topk
+        full = self.sparse and config.layer_indexer_type(layer) == "full"
+        self.indexer = Indexer(config) if full else None
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_TR: torch.Tensor,
+        sin_TR: torch.Tensor,
+        topk_BTK: torch.Tensor | None = None,
+        with_kl: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(output [B, T, D], the kept keys [B, T, K] for a following "shared" layer (None when
+        dense), the indexer's KL loss when `with_kl` and this layer has a trained indexer)."""
+        B, T, _ = x_BTD.shape
+        N, P, R = self.n_heads, self.nope, self.rope
+        if hasattr(self, "q_proj"):
+            q_lat_BTQ, q_BTNH = None, self.q_proj(x_BTD)
+        else:
+            q_lat_BTQ = self.q_a_layernorm(self.q_a_proj(x_BTD))
+            q_BTNH = self.q_b_proj(q_lat_BTQ)
+        q_BTNH = q_BTNH.view(B, T, N, P + R)
+        kv_lat_BTL, k_rope_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_rank, R], -1)
+        kv_BTNW = self.kv_b_proj(self.kv_a_layernorm(kv_lat_BTL)).view(B, T, N, P + self.v_dim)
+        k_nope_BTNP, v_BTNV = kv_BTNW.split([P, self.v_dim], -1)
+        q_rope_BTNR = apply_interleaved_rope(q_BTNH[..., P:], cos_TR, sin_TR)
+        k_rope_BT1R = apply_interleaved_rope(k_rope_BTR.unsqueeze(2), cos_TR, sin_TR)
+        q_BNTH = torch.cat([q_BTNH[..., :P], q_rope_BTNR], -1).transpose(1, 2)
+        k_BNTH = torch.cat([k_nope_BTNP, k_rope_BT1R.expand(B, T, N, R)], -1).transpose(1, 2)
+        v_BNTV = v_BTNV.transpose(1, 2)
+
+        scores_BTS = kl = None
+        if self.indexer is not None:
+            scores_BTS = self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR)
+            topk_BTK = select_topk(scores_BTS, self.topk)
+        elif self.sparse and topk_BTK is None:
+            raise ValueError("a 'shared' DSA layer needs the kept keys of a previous layer")
+        if self.sparse and self.topk < T:
+            mask_B1TS = sparse_mask(topk_BTK, T)
+            o_BNTV = F.scaled_dot_product_attention(
+                q_BNTH, k_BNTH, v_BNTV, attn_mask=mask_B1TS, scale=self.scale
+            )
+        else:  # every causal key is kept: plain causal attention
+            mask_B1TS = None
+            o_BNTV = F.scaled_dot_product_attention(
+                q_BNTH, k_BNTH, v_BNTV, is_causal=True, scale=self.scale
+            )
+        if with_kl and scores_BTS is not None and self.indexer.trained:
+            if mask_B1TS is None:
+                causal_TS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
+                mask_B1TS = causal_TS[None, None]
+            probs_BTS = self._head_summed_probs(q_BNTH, k_BNTH, mask_B1TS)
+            kl = indexer_kl(scores_BTS, probs_BTS, mask_B1TS[:, 0].expand_as(scores_BTS))
+        out_BTD = self.o_proj(o_BNTV.transpose(1, 2).reshape(B, T, N * self.v_dim))
+        return out_BTD, (topk_BTK if self.sparse else None), kl
+
+    @torch.no_grad()
+    def _head_summed_probs(self, q_BNTH, k_BNTH, mask_B1TS) -> torch.Tensor:
+        """The KL target: float32 attention probabilities summed over heads, L1-normalized."""
+        B, N, T, _ = q_BNTH.shape
+        total_BTS = torch.zeros(B, T, T, dtype=torch.float32, device=q_BNTH.device)
+        for h in range(0, N, _KL_HEAD_CHUNK):
+            logits = q_BNTH[:, h : h + _KL_HEAD_CHUNK].float() @ k_BNTH[
+                :, h : h + _KL_HEAD_CHUNK
+            ].float().transpose(-1, -2)
+            logits = (logits * self.scale).masked_fill(~mask_B1TS, float("-inf"))
+            total_BTS += logits.softmax(-1).sum(1)
+        return total_BTS / total_BTS.sum(-1, keepdim=True)

@@ -1,0 +1,201 @@
+"""Muon's remainder strategies measured on one world: the sweep each rank runs and its rows.
+
+`sweep(cfg)` runs on every rank of a `recipes.bench.world.run_world` world: for every R and
+strategy it builds R FSDP2-sharded matrices (`fixtures.sharded_matrices`) and steps a
+`muon.Muon` on them, strategies interleaved (`timing.rotations`); after each timed step every
+rank orthogonalizes, without communication, as many matrices as it did in the step (the
+overlap reference). Memory: `mem_steps` further steps inside `recipes.memory.MemoryMeter`.
+`aggregate` turns every rank's records into one row per (strategy, R). scripts/bench_remainder.py
+is the command line; `remainder_report` writes the tables, targets and plot.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+
+import torch
+
+from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
+from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
+from recipes.bench.timing import peak_bytes, rotations, timed
+
+__all__ = ["STRATEGIES", "aggregate", "sweep"]
+
+
+def sweep(cfg: dict) -> list[dict]:
+    """One rank of the benchmark world: every R and strategy; this rank's records."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated collectives
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from muon import Muon
+    from muon.newton_schulz import orthogonalize_blocks
+    from recipes.memory import MemoryMeter
+
+    rank = dist.get_rank()
+    cuda = cfg["backend"] == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mesh = init_device_mesh(device.type, (cfg["world_size"],), mesh_dim_names=("fsdp",))
+    meter = MemoryMeter(device)  # before any parameter: cross-thread tracking from the start
+    dtype, ns_dtype = DTYPES[cfg["dtype"]], DTYPES[cfg["ns_dtype"]]
+    rows, cols = cfg["rows"], cfg["cols"]
+    strategies = cfg["strategies"]
+
+    def build(strategy: str, count: int, seed: int) -> Muon:
+        gen = torch.Generator().manual_seed(seed)
+        params = sharded_matrices(
+            [(rows, cols)] * count, mesh, generator=gen, dtype=dtype, device=device
+        )
+        return Muon(params, ns_dtype=ns_dtype, remainder_strategy=strategy, **cfg["ns_variant"])
+
+    def timed_(fn) -> float:
+        return timed(fn, sync=sync)
+
+    records = []
+    for R in cfg["r_values"]:
+        opts = {s: build(s, R, cfg["seed"] + R) for s in strategies}
+        for _ in range(cfg["warmup"]):
+            for s in strategies:
+                opts[s].step()
+        # Newton-Schulz work of the step, without communication: as many matrices as this rank
+        # orthogonalized in the step (padded: idle ranks too, on their zero matrix).
+        ns_inputs = {}
+        for s in strategies:
+            count = int(opts[s].step_stats["muon/matrices"])
+            gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)
+            ns_inputs[s] = [
+                torch.randn(rows, cols, generator=gen).to(device, dtype) for _ in range(count)
+            ]
+
+        g = opts[strategies[0]].param_groups[0]  # the optimizer's own Newton-Schulz settings
+
+        def ns_only(mats, g=g):
+            for m in mats:
+                orthogonalize_blocks(
+                    m,
+                    1,
+                    g["ns_steps"],
+                    g["ns_coefficients"],
+                    ns_dtype,
+                    g["eps"],
+                    algorithm=g["ns_algorithm"],
+                )
+
+        for s in strategies:
+            ns_only(ns_inputs[s])  # warm-up
+        step_s = {s: [] for s in strategies}
+        ns_only_s = {s: [] for s in strategies}
+        ns_in_step_s = {s: [] for s in strategies}
+        wait_s = {s: [] for s in strategies}
+        for s in rotations(strategies, cfg["steps"]):  # fair background load
+            step_s[s].append(timed_(opts[s].step))
+            ns_in_step_s[s].append(opts[s].step_stats["muon/ns_s"])
+            wait_s[s].append(opts[s].step_stats["muon/wait_s"])
+            ns_only_s[s].append(timed_(lambda m=ns_inputs[s]: ns_only(m)))
+        for s in strategies:
+            opt = opts[s]
+            stats = dict(opt.step_stats)
+            peak = peak_bytes(meter, opt.step, cfg["mem_steps"], sync=sync)
+            (mesh_plan, batches) = opt.plans[0]
+            assert len(opt.plans) == 1 and len(batches) == 1, "one remainder batch expected"
+            b = batches[0]
+            assert b.path == s, (b.path, s)
+            me = mesh_plan.fsdp_rank
+            records.append(
+                dict(
+                    rank=rank,
+                    strategy=s,
+                    R=R,
+                    step_s=step_s[s],
+                    ns_in_step_s=ns_in_step_s[s],
+                    ns_only_s=ns_only_s[s],
+                    wait_s=wait_s[s],
+                    peak_delta_bytes=int(peak),
+                    bytes_sent=stats["muon/bytes_sent"],
+                    bytes_recv=stats["muon/bytes_recv"],
+                    ns_matrices=stats["muon/matrices"],
+                    owned=b.matrices_on(me),
+                    matrix_bytes=b.matrix_bytes,
+                    plan_bytes_sent=b.bytes_sent(me),
+                    plan_collective_buffer_bytes=b.collective_buffer_bytes(me),
+                    plan_exchange_buffer_bytes=b.exchange_buffer_bytes(me),
+                    plan_ns_workspace_bytes=b.ns_workspace_bytes(
+                        me, torch.empty(0, dtype=ns_dtype).element_size()
+                    ),
+                )
+            )
+        del opts, ns_inputs
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return records
+
+
+def aggregate(per_rank: list[list[dict]], cfg: dict) -> list[dict]:
+    """One row per (strategy, R) from every rank's records."""
+    W = cfg["world_size"]
+    by_key: dict[tuple[str, int], list[dict]] = {}
+    for records in per_rank:
+        for rec in records:
+            by_key.setdefault((rec["strategy"], rec["R"]), []).append(rec)
+    rows = []
+    for (s, R), recs in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        recs.sort(key=lambda r: r["rank"])
+        n = len(recs[0]["step_s"])
+        step_max = [max(r["step_s"][i] for r in recs) for i in range(n)]
+        busy = [r for r in recs if r["owned"] > 0]
+        idle = [r for r in recs if r["owned"] == 0]
+        ns_only_ms = max(statistics.mean(r["ns_only_s"]) for r in recs) * 1e3
+        ns_in_step_ms = max(statistics.mean(r["ns_in_step_s"]) for r in recs) * 1e3
+        # the rank that spent longest in Newton-Schulz: its wait is the step's exposed comm
+        ns_rank = max(recs, key=lambda r: statistics.mean(r["ns_in_step_s"]))
+        wait_ms = statistics.mean(ns_rank["wait_s"]) * 1e3
+        step_ms = statistics.mean(step_max) * 1e3
+        S = recs[0]["matrix_bytes"]
+        sent = [r["bytes_sent"] for r in recs]
+        plan_sent = [r["plan_bytes_sent"] for r in recs]
+        busiest = max(recs, key=lambda r: (r["peak_delta_bytes"], -r["rank"]))
+        rows.append(
+            dict(
+                strategy=s,
+                R=R,
+                world_size=W,
+                step_ms=step_ms,
+                step_ms_median=statistics.median(step_max) * 1e3,
+                step_ms_stdev=(statistics.stdev(step_max) * 1e3) if n > 1 else 0.0,
+                ns_only_ms=ns_only_ms,
+                ns_in_step_ms=ns_in_step_ms,
+                wait_ms=wait_ms,
+                step_over_ns_only=step_ms / ns_only_ms if ns_only_ms else math.inf,
+                peak_mib=busiest["peak_delta_bytes"] / MiB,
+                busy_peak_mib=max(r["peak_delta_bytes"] for r in busy) / MiB,
+                idle_peak_mib=(max(r["peak_delta_bytes"] for r in idle) / MiB) if idle else None,
+                busy_ranks=len(busy),
+                idle_ranks=len(idle),
+                matrix_mib=S / MiB,
+                bytes_sent_max=max(sent),
+                bytes_sent_total=sum(sent),
+                plan_bytes_sent_max=max(plan_sent),
+                plan_bytes_sent_total=sum(plan_sent),
+                bytes_match_plan=sent == plan_sent,
+                bytes_lower_bound_total=2 * R * S * (W - 1) / W,
+                plan_collective_buffer_mib_busy=max(r["plan_collective_buffer_bytes"] for r in busy)
+                / MiB,
+                plan_exchange_buffer_mib_busy=max(r["plan_exchange_buffer_bytes"] for r in busy)
+                / MiB,
+                plan_ns_workspace_mib_busy=max(r["plan_ns_workspace_bytes"] for r in busy) / MiB,
+                plan_exchange_buffer_mib_idle=(
+                    max(r["plan_exchange_buffer_bytes"] for r in idle) / MiB if idle else None
+                ),
+            )
+        )
+    return rows

@@ -1,0 +1,216 @@
+"""The report of scripts/bench_remainder.py: targets (PASS/MISS), markdown tables, plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recipes.bench.fixtures import MiB
+
+LABELS = {
+    "agrs": "agrs",
+    "pad_all2all": "padded all-to-all",
+    "ragged_all_to_all": "ragged all-to-all",
+}
+
+
+def _row(rows: list[dict], s: str, R: int) -> dict | None:
+    return next((r for r in rows if r["strategy"] == s and r["R"] == R), None)
+
+
+def _fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def evaluate_targets(rows: list[dict], cfg: dict) -> list[dict]:
+    """The benchmark's targets, each with its measured figures and PASS/MISS."""
+    rs = cfg["r_values"]
+    strategies = cfg["strategies"]
+    out = []
+
+    def add(name: str, ok: bool | None, detail: str) -> None:
+        out.append(
+            dict(
+                target=name,
+                status="n/a" if ok is None else ("PASS" if ok else "MISS"),
+                detail=detail,
+            )
+        )
+
+    # 1. ragged idle-rank peak <= 10% of its busy-rank peak (upstream GPU figures, R=2: 48 / 648 MB)
+    if "ragged_all_to_all" in strategies:
+        r_eval = 2 if 2 in rs else rs[0]
+        row = _row(rows, "ragged_all_to_all", r_eval)
+        ratios = {
+            r["R"]: r["idle_peak_mib"] / r["busy_peak_mib"]
+            for r in rows
+            if r["strategy"] == "ragged_all_to_all" and r["idle_peak_mib"] is not None
+        }
+        ratio = ratios.get(r_eval)
+        span = ", ".join(f"R={k}: {v:.1%}" for k, v in sorted(ratios.items()))
+        add(
+            "ragged idle-rank peak <= 10% of busy-rank peak",
+            None if ratio is None else ratio <= 0.10,
+            f"R={r_eval}: idle {_fmt(row and row['idle_peak_mib'], 2)} MiB / busy "
+            f"{_fmt(row and row['busy_peak_mib'], 2)} MiB = "
+            f"{'-' if ratio is None else f'{ratio:.1%}'} (all R: {span})",
+        )
+    # 2. padded peak flat in R
+    if "pad_all2all" in strategies and len(rs) > 1:
+        peaks = [_row(rows, "pad_all2all", R)["peak_mib"] for R in rs]
+        ratio = max(peaks) / min(peaks)
+        add(
+            "padded all-to-all peak flat in R (max/min <= 1.1)",
+            ratio <= 1.1,
+            f"max {max(peaks):.2f} / min {min(peaks):.2f} MiB = {ratio:.3f}x",
+        )
+    # 3. agrs peak grows with R
+    if "agrs" in strategies and len(rs) > 1:
+        lo, hi = _row(rows, "agrs", rs[0]), _row(rows, "agrs", rs[-1])
+        ratio = hi["peak_mib"] / lo["peak_mib"]
+        add(
+            f"agrs peak at R={rs[-1]} >= 2.5x its peak at R={rs[0]}",
+            ratio >= 2.5,
+            f"{hi['peak_mib']:.2f} / {lo['peak_mib']:.2f} MiB = {ratio:.2f}x "
+            "(upstream GPU figures: 3.2x)",
+        )
+    # 4. ragged step time <= padded step time
+    if {"pad_all2all", "ragged_all_to_all"} <= set(strategies):
+        pairs = [(R, _row(rows, "ragged_all_to_all", R), _row(rows, "pad_all2all", R)) for R in rs]
+        worse = [(R, a, b) for R, a, b in pairs if a["step_ms"] > b["step_ms"]]
+        detail = ", ".join(f"R={R}: {a['step_ms']:.1f} vs {b['step_ms']:.1f}" for R, a, b in pairs)
+        add("ragged step time <= padded step time (every R)", not worse, f"ms {detail}")
+    # 5. measured bytes == plan; ragged at the lower bound
+    mism = [f"{r['strategy']} R={r['R']}" for r in rows if not r["bytes_match_plan"]]
+    add(
+        "measured bytes per rank == plan.bytes_sent (every rank, strategy, R)",
+        not mism,
+        "all equal" if not mism else "differ: " + ", ".join(mism),
+    )
+    if "ragged_all_to_all" in strategies:
+        rag = [r for r in rows if r["strategy"] == "ragged_all_to_all"]
+        off = [r for r in rag if r["bytes_sent_total"] != r["bytes_lower_bound_total"]]
+        detail = ", ".join(
+            f"R={r['R']}: {r['bytes_sent_total'] / MiB:.3f} MiB" for r in rag[:3]
+        ) + (" ..." if len(rag) > 3 else "")
+        add(
+            "ragged total bytes == 2*R*S*(W-1)/W",
+            not off,
+            detail if not off else "off at " + ", ".join(f"R={r['R']}" for r in off),
+        )
+    # 6. overlap: step <= 1.2x the busiest rank's NS-only time
+    for s in strategies:
+        srows = [r for r in rows if r["strategy"] == s]
+        worst = max(srows, key=lambda r: r["step_over_ns_only"])
+        add(
+            f"{s}: step <= 1.2x NS-only time of busiest rank (every R)",
+            worst["step_over_ns_only"] <= 1.2,
+            f"worst R={worst['R']}: {worst['step_ms']:.1f} / {worst['ns_only_ms']:.1f} ms = "
+            f"{worst['step_over_ns_only']:.2f}x; all R: "
+            + ", ".join(f"{r['step_over_ns_only']:.2f}" for r in srows),
+        )
+    return out
+
+
+def markdown(rows: list[dict], targets: list[dict], cfg: dict, machine: str) -> str:
+    strategies = cfg["strategies"]
+    W = cfg["world_size"]
+    lines = [
+        f"World size {W} ({cfg['backend']}), {cfg['rows']}x{cfg['cols']} {cfg['dtype']} matrices "
+        f"({rows[0]['matrix_mib']:.2f} MiB each), one remainder batch of R, NS "
+        f"{cfg['ns_dtype']} 5 steps {cfg['ns_variant'] or 'default variant'}, mean of "
+        f"{cfg['steps']} steps (slowest rank) after "
+        f"{cfg['warmup']} warm-up; peak = MemoryMeter peak_delta of the optimizer step, max over "
+        f"ranks. {machine}",
+        "",
+        "| R | " + " | ".join(f"{s} ms / peak MiB" for s in strategies) + " |",
+        "|---|" + "---|" * len(strategies),
+    ]
+    for R in cfg["r_values"]:
+        cells = []
+        for s in strategies:
+            r = _row(rows, s, R)
+            cells.append(f"{r['step_ms']:.2f} / {r['peak_mib']:.2f}")
+        lines.append(f"| {R} | " + " | ".join(cells) + " |")
+    r2 = 2 if 2 in cfg["r_values"] else cfg["r_values"][0]
+    lines += [
+        "",
+        f"| R={r2} | ms/step | busy rank MiB | idle rank MiB |",
+        "|---|---|---|---|",
+    ]
+    for s in strategies:
+        r = _row(rows, s, r2)
+        lines.append(
+            f"| {LABELS[s]} | {r['step_ms']:.2f} | {r['busy_peak_mib']:.2f} | "
+            f"{_fmt(r['idle_peak_mib'], 2)} |"
+        )
+    lines += [
+        "",
+        "Measured vs plan (bytes per rank = max over ranks; plan buffers for the busiest rank:"
+        " collective receive buffer, exchange buffers alive at once, NS workspace; NS-only ="
+        " the busiest rank's NS without communication, NS in step / wait = its"
+        " step_stats muon/ns_s / muon/wait_s; step/NS = step ms / NS-only ms):",
+        "",
+        "| strategy | R | sent KiB/rank | plan KiB/rank | total KiB | = plan | coll. buf MiB "
+        "| exch. buf MiB | NS ws MiB | busy peak MiB | idle peak MiB | NS-only ms "
+        "| NS in step ms | wait ms | step/NS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in strategies:
+        for R in cfg["r_values"]:
+            r = _row(rows, s, R)
+            lines.append(
+                f"| {s} | {R} | {r['bytes_sent_max'] / 1024:.0f} | "
+                f"{r['plan_bytes_sent_max'] / 1024:.0f} | {r['bytes_sent_total'] / 1024:.0f} | "
+                f"{'yes' if r['bytes_match_plan'] else 'NO'} | "
+                f"{r['plan_collective_buffer_mib_busy']:.2f} | "
+                f"{r['plan_exchange_buffer_mib_busy']:.2f} | "
+                f"{r['plan_ns_workspace_mib_busy']:.2f} | {r['busy_peak_mib']:.2f} | "
+                f"{_fmt(r['idle_peak_mib'], 2)} | {r['ns_only_ms']:.1f} | "
+                f"{r['ns_in_step_ms']:.1f} | {r['wait_ms']:.1f} | "
+                f"{r['step_over_ns_only']:.2f} |"
+            )
+    lines += ["", "Targets:", ""]
+    for t in targets:
+        lines.append(f"- {t['status']}: {t['target']}: {t['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], cfg: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s in cfg["strategies"]:
+        srows = sorted((r for r in rows if r["strategy"] == s), key=lambda r: r["R"])
+        rs = [r["R"] for r in srows]
+        (line,) = ax_t.plot(rs, [r["step_ms"] for r in srows], marker="o", label=LABELS[s])
+        ax_m.plot(
+            rs,
+            [r["busy_peak_mib"] for r in srows],
+            marker="o",
+            color=line.get_color(),
+            label=f"{LABELS[s]} (busy rank)",
+        )
+        idle = [(r["R"], r["idle_peak_mib"]) for r in srows if r["idle_peak_mib"] is not None]
+        if idle:
+            ax_m.plot(
+                *zip(*idle, strict=True),
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{LABELS[s]} (idle rank)",
+            )
+    ax_t.set(xlabel="remainder size R", ylabel="ms per optimizer step", title="step time")
+    ax_m.set(xlabel="remainder size R", ylabel="peak MiB in the step", title="peak memory")
+    for ax in (ax_t, ax_m):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"Muon remainder strategies: W={cfg['world_size']} ({cfg['backend']}), "
+        f"{cfg['rows']}x{cfg['cols']} {cfg['dtype']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

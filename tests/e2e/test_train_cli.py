@@ -1,0 +1,87 @@
+"""`python train.py` at the command line: --help renders the schema, and bad input (a bad
+value, an invalid or colliding sweep) fails with one message before any rank starts."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from recipes import config as schema
+from tests.train_cli import train_py
+
+
+def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return train_py(list(args), cwd, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "optim.remainder_strategy=agsr",
+            "expected one of [agrs, pad_all2all, ragged_all_to_all, auto]",
+        ),
+        ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
+        ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
+        ("data.seq_len=999999999", "data.seq_len=999999999: exceeds the model's max_position"),
+        ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),
+        (
+            "+model.overrides.n_routed_experts=6 mesh.ep=4",
+            "mesh.ep=4: n_routed_experts (6) must be divisible by ep (4); allowed ep: [1, 2]",
+        ),
+    ],
+)
+@pytest.mark.slow
+def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
+    proc = _train_py(*override.split(), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    assert proc.stderr.count(expected) == 1 and "Traceback" not in proc.stderr  # one message
+    assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
+    assert not list(tmp_path.iterdir())  # not even the empty run dir Hydra made
+
+
+@pytest.mark.slow
+def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
+    """`--help` renders the schema for the composed config: Muon's keys by default, AdamW's
+    (and no Muon key) with optim=adamw."""
+    proc = _train_py("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    strategy = next(line for line in lines if line.startswith("optim.remainder_strategy = "))
+    assert "[agrs, pad_all2all, ragged_all_to_all, auto]" in strategy
+    assert "# Muon exchange for batches smaller than the FSDP group" in strategy
+    assert any(line.startswith("optim.nesterov = true  [true, false]  # ") for line in lines)
+    keys = {line.split(" = ")[0] for line in lines if line[:1].islower() and "  # " in line}
+    assert keys == {line.split(" = ")[0] for line in schema.describe()}
+    assert "optim: adamw, muon" in lines and "Powered by Hydra" not in proc.stdout
+    assert not any(line.startswith("schema") for line in lines)
+    adamw = _train_py("--help", "optim=adamw", cwd=tmp_path)
+    assert adamw.returncode == 0, adamw.stderr
+    optim = {
+        line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
+    }
+    assert optim == {f"optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")}
+    assert "optim.lr = 0.003  # " in adamw.stdout
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path):
+    """`a/b` and `a_b` give one directory name: the sweep fails before its first job; so does
+    a sweep with one invalid job."""
+    for source in (tmp_path / "a" / "b", tmp_path / "a_b"):
+        source.mkdir(parents=True)
+        (source / "m.py").write_text("x = 1\n" * 100)  # longer than one sample
+    proc = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert (
+        "sweep jobs [data.path=a/b" in proc.stderr
+        and "would share the run directory" in proc.stderr
+    )
+    proc = _train_py("-m", "optim.lr=0.1,nan", cwd=tmp_path)
+    assert (
+        "sweep job [optim.lr=nan" in proc.stderr and "optim.lr=nan: must be a finite" in proc.stderr
+    )
+    assert "[rank" not in proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written

@@ -1,0 +1,275 @@
+"""The docs stay true: what README.md and docs/*.md state about the config, the files, the
+scripts, the defaults and the import rules is checked against the code.
+
+- every `key=value` they write composes against the schema (Hydra's own `hydra.*` keys and
+  placeholders such as `<dir>` are checked for the key only);
+- every repository path they name exists, every markdown link resolves;
+- every script under scripts/ is named in README.md and answers --help
+  (tests/e2e/test_docs_scripts.py: a subprocess);
+- every default they state (`key` (value), `option` (default) in a group table, "(default N)",
+  the keyword defaults of a `Muon(...)` / `param_groups(...)` call) equals the code's;
+- docs/design.md's layout names every muon/ module and its import rules are the imports found.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recipes import config as schema
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SECTIONS = {f.name for f in dataclasses.fields(schema.Config)}
+GROUPS = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()} - {"hydra"}
+#: an override in a code span or a command line: [+~]key=value, key dotted or a group name
+OVERRIDE = re.compile(r"(?<![\w.$/-])([+~]?)([a-z_]+(?:\.[a-z_0-9<>]+)*)=([^\s`|)]*)")
+#: a repository path in a code span: a file with its extension, or a folder with its slash
+PATH = re.compile(
+    r"`((?:scripts|docs|conf|recipes|muon|models|tests)/(?:[\w./<>*-]*\.\w+|[\w./<>*-]*/)"
+    r"|train\.py)[`:]"
+)
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def _code_spans(text: str) -> list[str]:
+    """Inline code spans and fenced blocks, where the docs write commands and keys."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return blocks + inline
+
+
+def _overrides() -> list[tuple[str, str, str, str]]:
+    """(doc, prefix, key, value) of every override the docs write."""
+    found = []
+    for doc in DOCS:
+        for span in _code_spans(_text(doc)):
+            if "=" not in span or span.lstrip().startswith(("from ", "import ")):
+                continue
+            for prefix, key, value in OVERRIDE.findall(span):
+                value = value.rstrip("\\:,;")  # a table's escaped `\|`, a line's end
+                top = key.split(".")[0]
+                ours = (top in SECTIONS and "." in key) or (top in GROUPS and "." not in key)
+                if ours or top == "hydra":
+                    found.append((doc.name, prefix, key, value))
+    return sorted(set(found))
+
+
+@cache
+def _composed(overrides: tuple[str, ...]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+
+
+def _placeholder(value: str) -> bool:
+    return value in ("", "...") or "<" in value or value.startswith(("$", "{"))
+
+
+@pytest.mark.parametrize("doc, prefix, key, value", _overrides(), ids=lambda x: str(x))
+def test_every_override_in_the_docs_composes(doc, prefix, key, value):
+    if key.split(".")[0] == "hydra":  # a Hydra option: the key must exist in Hydra's config
+        launcher = ("hydra/launcher=slurm",) if key.startswith("hydra.launcher.") else ()
+        node = OmegaConf.select(_composed(launcher), key, default="__missing__")
+        assert node != "__missing__" or prefix == "+", f"{doc}: {key} is not a Hydra option"
+        return
+    optim = (
+        ("optim=adamw",)
+        if key.startswith("optim.")
+        and key.split(".")[1]
+        in {f.name for f in dataclasses.fields(schema.AdamWOptimConfig)}
+        - {f.name for f in dataclasses.fields(schema.MuonOptimConfig)}
+        else ()
+    )
+    if "<" in key:  # `+model.overrides.<GLMConfig field>=...`: the part before the placeholder
+        parent = key.split(".<")[0]
+        assert OmegaConf.select(_composed(()), parent.lstrip("+"), default=None) is not None
+        return
+    if _placeholder(value):
+        cfg = _composed(optim)
+        found = key in GROUPS or OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
+        assert found or prefix == "+", f"{doc}: {key} is not a key of the schema"
+        return
+    for one in value.split(",") if "[" not in value else [value]:  # a sweep: every value
+        _composed((*optim, f"{prefix}{key}={one}"))  # raises naming the key and allowed values
+
+
+def test_every_path_in_the_docs_exists():
+    missing = []
+    for doc in DOCS:
+        text = _text(doc)
+        for name in PATH.findall(text):
+            name = name.rstrip(".,:")
+            if "<" in name or "*" in name:
+                pattern = re.sub(r"<[^>]*>", "*", name)
+                if not list(ROOT.glob(pattern)):
+                    missing.append(f"{doc.name}: {name}")
+            elif not (ROOT / name).exists():
+                missing.append(f"{doc.name}: {name}")
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if not link.startswith(("http://", "https://")) and not (doc.parent / link).exists():
+                missing.append(f"{doc.name}: link {link}")
+    assert not missing, missing
+
+
+def _default(key: str):
+    value = OmegaConf.select(_composed(()), key)
+    return value.value if hasattr(value, "value") else value
+
+
+def _same(stated: str, actual) -> bool:
+    stated = stated.strip("`'\" ")
+    if isinstance(actual, bool) or actual is None:
+        return stated == {True: "true", False: "false", None: "null"}[actual]
+    if isinstance(actual, int | float):
+        try:
+            return float(stated) == float(actual)
+        except ValueError:
+            return False
+    return stated == str(actual)
+
+
+def test_every_stated_default_equals_the_code():
+    wrong = []
+    defaults_list = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "train.yaml").defaults)
+    group_defaults = {k: v for d in defaults_list if isinstance(d, dict) for k, v in d.items()}
+    for doc in DOCS:
+        text = _text(doc)
+        # `key` (value...: a schema key followed by its value in parentheses
+        for key, stated in re.findall(r"`([a-z_]+\.[a-z_.]+)` \((`[^`]+`|[-\d.e]+)[:),]", text):
+            if key.split(".")[0] in SECTIONS and not _same(stated, _default(key)):
+                wrong.append(f"{doc.name}: {key} ({stated}); the schema: {_default(key)}")
+        # a group table row: | `group=` | `option` (default), ...
+        for group, options in re.findall(r"^\| `(\w+)=` \| ([^|]+)\|", text, re.M):
+            stated = re.findall(r"`(\w+)` \(default", options)
+            if stated and stated != [group_defaults.get(group)]:
+                wrong.append(
+                    f"{doc.name}: {group}= default {stated}; conf/train.yaml: "
+                    f"{group_defaults.get(group)}"
+                )
+        # `name` (default N): a Muon argument
+        for name, stated in re.findall(r"`(\w+)` \(default ([\w.]+)\)", text):
+            actual = _muon_defaults().get(name, "__unknown__")
+            if actual == "__unknown__" or not _same(stated, actual):
+                wrong.append(f"{doc.name}: {name} (default {stated}); Muon: {actual}")
+        for call, args in re.findall(r"\b(Muon|param_groups)\((.*?)\)(?:`|\s*#|\n)", text, re.S):
+            listed = _keyword_values(args)
+            if re.search(r"(^|,)\s*\.\.\.\s*,", args) or len(listed) < 3:
+                continue  # `Muon(..., ns_algorithm="standard")`: an example, not the defaults
+            defaults = _muon_defaults() if call == "Muon" else _param_groups_defaults()
+            for name, stated, choices in listed:
+                if not stated:  # `Muon(..., ns_coefficients=)`: names the argument only
+                    continue
+                if name not in defaults:
+                    wrong.append(f"{doc.name}: {call}({name}=...) is not an argument")
+                elif not _same_python(stated, defaults[name]):
+                    wrong.append(f"{doc.name}: {call}({name}={stated}); the code: {defaults[name]}")
+                elif len(choices) > 1 and set(choices) != set(_CHOICES.get(name, choices)):
+                    wrong.append(
+                        f"{doc.name}: {call}({name}={' | '.join(choices)}); the choices: "
+                        f"{', '.join(_CHOICES[name])}"
+                    )
+    assert not wrong, "\n".join(wrong)
+
+
+@cache
+def _muon_defaults() -> dict:
+    from muon import Muon
+
+    params = inspect.signature(Muon.__init__).parameters
+    return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def _param_groups_defaults() -> dict:
+    from muon import param_groups
+
+    params = inspect.signature(param_groups).parameters
+    return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    from muon.groups import ROUTER_CHOICES
+    from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+    from muon.optimizer import ADJUST_LR
+    from muon.plan import REMAINDER_CHOICES
+
+    return {
+        "remainder_strategy": REMAINDER_CHOICES,
+        "ns_algorithm": NS_ALGORITHMS,
+        "ns_coefficients": (*NS_COEFFICIENTS, "[(a, b, c), ...]"),
+        "adjust_lr": ADJUST_LR,
+        "router": ROUTER_CHOICES,
+    }
+
+
+_CHOICES = _choices()
+
+
+def _keyword_values(args: str) -> list[tuple[str, str, list[str]]]:
+    """(name, first value, all listed values) of each `name=value | value ...` argument."""
+    out = []
+    parts = re.split(r",\s*(?=\w+=)", re.sub(r"\s+", " ", args))
+    for part in parts:
+        m = re.match(r"\s*(\w+)=(.*)", part)
+        if not m:
+            continue
+        values = [v.strip().strip("'\"") for v in m.group(2).rstrip(", ").split(" | ")]
+        out.append((m.group(1), m.group(2).split(" | ")[0].strip(), values))
+    return out
+
+
+def _same_python(stated: str, actual) -> bool:
+    stated = stated.rstrip(", ")
+    try:
+        return ast.literal_eval(stated) == actual or (
+            isinstance(actual, tuple) and list(ast.literal_eval(stated)) == list(actual)
+        )
+    except (ValueError, SyntaxError):
+        return stated == repr(actual) or stated == str(actual)
+
+
+def _third_party_imports(package: str) -> set[str]:
+    found = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"__future__", package}
+
+
+def test_design_layout_and_import_rules_hold():
+    """docs/design.md names every muon/ module in its layout, and its import rules are the
+    imports the packages make: muon imports torch only, models torch and safetensors, neither
+    imports the other, and nothing in the libraries imports scripts/."""
+    design = _text(ROOT / "docs" / "design.md")
+    layout = re.search(r"## Layout.*?```(.*?)```", design, re.S).group(1)
+    for module in sorted((ROOT / "muon").glob("*.py")):
+        if module.name != "__init__.py":
+            assert f"  {module.name}" in layout, f"docs/design.md's layout omits muon/{module.name}"
+    for low, high in re.findall(r"(\d+) to (\d+) lines", design):  # a stated line budget holds
+        longer = [
+            f"{p.relative_to(ROOT)}: {n}"
+            for package in ("muon", "models", "recipes", "scripts")
+            for p in (ROOT / package).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > int(high)
+        ]
+        assert not longer, f"docs/design.md says {low} to {high} lines: {longer}"
+    rules = " ".join(re.search(r"## Who may import whom(.*?)\n## ", design, re.S).group(1).split())
+    assert _third_party_imports("muon") == {"torch"} and "`muon/` imports torch" in rules
+    assert _third_party_imports("models") == {"torch", "safetensors"}
+    assert "`models/` imports torch and safetensors" in rules
+    for package in ("muon", "models", "recipes"):
+        assert "scripts" not in _third_party_imports(package), package

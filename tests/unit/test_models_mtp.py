@@ -1,0 +1,154 @@
+"""Multi-token prediction and DSA indexer training on one device: the MTP loss trains and its
+gradients reach the MTP layers; without it the next-token path is that of a model without MTP
+layers; a frozen indexer stays bit-identical and holds no optimizer state; the KL mode lowers
+the KL and leaves the main model's gradients as in frozen mode."""
+
+import pytest
+import torch
+
+from models.glm import GLMForCausalLM, get_preset
+from muon import Muon, param_groups
+
+SEQ = 40  # > mla_tiny's index_topk (16): the attention is sparse
+
+
+def _batch(seed: int = 0, batch: int = 2):
+    """A learnable stream: short random motifs repeated, so two tokens ahead is predictable."""
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(0, 256, (batch, 6), generator=g)
+    ids = motif.repeat(1, (SEQ + 1) // 6 + 1)[:, : SEQ + 1]
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _model(preset: str, **overrides) -> GLMForCausalLM:
+    model = GLMForCausalLM(get_preset(preset, **overrides))
+    model.init_weights(0)
+    return model
+
+
+def _objective(terms: dict, weight: float) -> torch.Tensor:
+    total = terms["loss"] + weight * terms.get("mtp_loss", 0.0)
+    return total + terms.get("indexer_kl", 0.0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mla_tiny"])
+def test_mtp_loss_decreases_and_reaches_mtp_params(preset):
+    model = _model(preset, num_mtp_layers=1)
+    x, y = _batch()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    mtp_losses = []
+    for step in range(6):
+        terms = model(x, y)
+        _objective(terms, 0.3).backward()
+        if step == 0:
+            for name, p in model.model.mtp_layers.named_parameters():
+                assert p.grad is not None and p.grad.abs().max() > 0, name
+        opt.step()
+        opt.zero_grad()
+        mtp_losses.append(terms["mtp_loss"].item())
+    assert mtp_losses[-1] < 0.8 * mtp_losses[0], mtp_losses
+
+
+def test_mtp_target_is_two_tokens_ahead():
+    """Depth 1 reads t_{i+1} and predicts t_{i+2}: a model whose MTP head copies its input
+    embedding would get the loss of predicting t_{i+1}; the last position has no target."""
+    model = _model("tiny", num_mtp_layers=2)
+    x, y = _batch(batch=1)
+    seen = {}
+
+    def capture(module, args, out):
+        seen.setdefault(module, args[1].detach())
+
+    for layer in model.model.mtp_layers:
+        layer.register_forward_hook(capture)
+    with torch.no_grad():
+        model(x, y)
+    emb = model.model.embed_tokens.weight
+    for k, layer in enumerate(model.model.mtp_layers, start=1):
+        # Position i of depth k embeds input_ids[i + k] (wrapped at the end, where no loss).
+        torch.testing.assert_close(seen[layer][0, : SEQ - k], emb[x[0, k:]], rtol=0, atol=0)
+
+
+def test_mtp_weight_zero_matches_no_mtp_layers():
+    """with_mtp=False (train.mtp_loss_weight=0) from the same main weights: the same next-token
+    losses and main gradients, bit for bit, over a few optimizer steps."""
+    with_mtp = _model("mla_tiny", num_mtp_layers=1)
+    without = _model("mla_tiny", num_mtp_layers=0)
+    main = {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("model.mtp_")}
+    without.load_state_dict(main, strict=True)
+    x, y = _batch(1)
+    curves = []
+    for model in (with_mtp, without):
+        params = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_")]
+        opt = torch.optim.AdamW(params, lr=3e-3)
+        losses = []
+        for _ in range(3):
+            terms = model(x, y, with_mtp=False)
+            assert "mtp_loss" not in terms
+            _objective(terms, 0.0).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(terms["loss"].item())
+        curves.append(losses)
+    assert curves[0] == curves[1]
+    for k, v in without.state_dict().items():
+        assert torch.equal(with_mtp.state_dict()[k], v), k
+
+
+def test_frozen_indexer_is_bit_identical_and_not_in_optimizer():
+    model = _model("mla_tiny", indexer_training="frozen")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
+    assert frozen and all(not p.requires_grad for n, p in model.named_parameters() if n in frozen)
+    groups = param_groups(model)
+    grouped = {n for g in groups for n in g["param_names"]}
+    assert grouped.isdisjoint(frozen)
+    assert grouped | set(frozen) == {n for n, _ in model.named_parameters()}
+    opt = Muon(groups, lr=0.02, ns_dtype="float32")
+    x, y = _batch(2)
+    for _ in range(3):
+        terms = model(x, y)
+        assert "indexer_kl" not in terms
+        _objective(terms, 0.3).backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+            assert p.grad is None and p not in opt.state, n
+    assert model.model.layers[0].self_attn.q_b_proj.weight in opt.state  # the rest trains
+
+
+def _grads(model, x, y) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    _objective(model(x, y), 0.3).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_kl_mode_lowers_kl_and_keeps_main_gradients():
+    kl_model = _model("mla_tiny")
+    with torch.no_grad():  # peaked attention (random init is near uniform, KL ~1e-5)
+        for layer in kl_model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(30.0)
+    frozen = _model("mla_tiny", indexer_training="frozen")
+    frozen.load_state_dict(kl_model.state_dict())
+    x, y = _batch(3)
+    g_kl, g_frozen = _grads(kl_model, x, y), _grads(frozen, x, y)
+    indexer = {n for n in g_kl if ".indexer." in n}
+    assert indexer and all(g_kl[n].abs().max() > 0 for n in indexer)
+    assert set(g_kl) - indexer == set(g_frozen)
+    # The KL reads detached inputs and a no-grad target, so it adds nothing to the main
+    # parameters' gradients: the same float32 operations run in both modes, hence equal up
+    # to at most the reordering of one final accumulation (1 ulp ~ 1.2e-7 relative).
+    for n, g in g_frozen.items():
+        torch.testing.assert_close(g_kl[n], g, rtol=2.5e-7, atol=1e-12, msg=n)
+    # Training the indexer alone lowers its KL toward the attention distribution.
+    params = [p for n, p in kl_model.named_parameters() if ".indexer." in n]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    kls = []
+    for _ in range(10):
+        terms = kl_model(x, y)
+        terms["indexer_kl"].backward()
+        opt.step()
+        opt.zero_grad()
+        kls.append(terms["indexer_kl"].item())
+    assert kls[-1] < 0.5 * kls[0], kls
