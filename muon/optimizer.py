@@ -48,7 +48,9 @@ from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
 from muon.validate import (
+    ADJUST_LR,
     MUON_ONLY_KEYS,
+    NS_DTYPES,
     check_group_keys,
     check_loaded_groups,
     dtype_name,
@@ -56,6 +58,8 @@ from muon.validate import (
     plan_keys,
     validate_group,
 )
+
+__all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
 
 
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
@@ -103,7 +107,7 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
-        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 128 rows
+        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 256 rows
             and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
         normuon: normalize each orthogonalized block by a running second moment per row (per
@@ -234,14 +238,8 @@ class Muon(torch.optim.Optimizer):
         skipped silently: refuse to step instead."""
         now = [tuple(map(id, g["params"])) for g in self.param_groups]
         if now != self._planned_params:
-            changed = next(
-                (
-                    i
-                    for i, (a, b) in enumerate(zip(now, self._planned_params, strict=False))
-                    if a != b
-                ),
-                min(len(now), len(self._planned_params)),
-            )
+            planned = self._planned_params + [None] * len(now)  # groups appended by hand too
+            changed = next((i for i, ids in enumerate(now) if ids != planned[i]), len(now))
             raise RuntimeError(
                 f"Muon: param_groups[{changed}]['params'] changed after the optimizer was "
                 "planned; add parameters with add_param_group (on every rank), which plans "

@@ -23,8 +23,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from models.glm.config import PRESET_NAMES
 from muon.groups import ROUTER_CHOICES
 from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+from muon.optimizer import ADJUST_LR, NS_DTYPES
 from muon.plan import REMAINDER_CHOICES
-from muon.validate import ADJUST_LR, NS_DTYPES
 
 
 class ConfigError(ValueError):
@@ -192,7 +192,7 @@ class MuonOptimConfig(OptimConfig):
     )
     ns_algorithm: NsAlgorithm = _f(
         NsAlgorithm.auto,
-        "auto: Gram Newton-Schulz on rectangular blocks of >= 128 rows and columns; gram: on "
+        "auto: Gram Newton-Schulz on rectangular blocks of >= 256 rows and columns; gram: on "
         "every block where it needs fewer FLOPs; standard: never",
     )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")

@@ -287,6 +287,7 @@ def _contracts_world():
 CASES = (
     *(f"shard1 {s}" for s in STRATEGIES),
     *(f"shard00 {s}" for s in STRATEGIES),
+    *(f"expert3d{what} aware={a}" for a in (True, False) for what in ("", " blocks")),
     "add_param_group",
     *(f"grad None {what} {s}" for s in STRATEGIES for what in ("untouched", "parity")),
     "disagree",
@@ -320,7 +321,7 @@ def test_contract(contracts, label):
             assert "group 0 param 2" in value and f"3 of {W} ranks" in value, value
         elif label.startswith("dtypes"):
             assert value <= 1.0, f"rank {rank}: {value}"
-        elif "untouched" in label or label == "disagree moved":
+        elif "untouched" in label or label == "disagree moved" or "blocks" in label:
             assert value == 0.0, f"rank {rank}: {value}"
         else:
             assert value < TOL, f"rank {rank}: {value}"

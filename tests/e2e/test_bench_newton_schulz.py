@@ -25,12 +25,13 @@ def test_bench_writes_tables_and_plots(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["shapes"] == res["shapes"]
     # the summary the docs quote is the one computed from these results, one line per shape and
     # comparison: every shape, Polar Express vs fixed, one per learning rate, the step world,
-    # and the crossover line when Gram was faster anywhere (its wording is not tested)
+    # the crossover line when Gram was faster anywhere (its wording is not tested) and the
+    # ill-conditioned blocks' line
     tables = (tmp_path / "tables.md").read_text()
     lines = bench.summary(res)
     assert all(line in tables for line in lines)
     faster = any(r["ratio"] < 1 for r in res["crossover"])
-    assert len(lines) == len(bench.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster
+    assert len(lines) == len(bench.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster + 1
     assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
     assert len(res["conditioning"]) == 2 * len(bench.CONDITIONING)
     assert "Ill-conditioned bf16 blocks (5 cases" in tables

@@ -315,8 +315,8 @@ def test_choice_lists_are_the_libraries_own():
     from models.glm.config import PRESET_NAMES
     from muon.groups import ROUTER_CHOICES
     from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+    from muon.optimizer import ADJUST_LR, NS_DTYPES
     from muon.plan import REMAINDER_CHOICES
-    from muon.validate import ADJUST_LR, NS_DTYPES
 
     pairs = [
         (schema.RemainderStrategy, REMAINDER_CHOICES),

@@ -201,8 +201,8 @@ def _param_groups_defaults() -> dict:
 def _choices() -> dict[str, tuple[str, ...]]:
     from muon.groups import ROUTER_CHOICES
     from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
+    from muon.optimizer import ADJUST_LR
     from muon.plan import REMAINDER_CHOICES
-    from muon.validate import ADJUST_LR
 
     return {
         "remainder_strategy": REMAINDER_CHOICES,
