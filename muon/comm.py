@@ -39,9 +39,9 @@ def _a2a(out, inp, out_splits, in_splits, group):
 def _ns_block_bytes(b, ns_itemsize: int) -> int:
     """Newton-Schulz temporaries of one block: X and the next X, plus the square m x m
     matrices alive at once: A = X X^T and B for the standard iteration; Gram Newton-Schulz
-    keeps two more (the output check's R and Q; `recipes.memory` measures +2 m^2 on bf16
-    256 x 768 and 64 x 192 blocks)."""
-    rows, cols = b.block_rows, b.block_cols
+    keeps two more (R and Q; `recipes.memory` measures +2 m^2 on bf16 256 x 768 and 64 x 192
+    blocks)."""
+    rows, cols = b.block_shape
     small = min(rows, cols)
     squares = 4 if effective_algorithm(rows, cols, b.ns_steps, b.ns_algorithm) == "gram" else 2
     return (2 * rows * cols + squares * small * small) * ns_itemsize

@@ -39,22 +39,25 @@ from torch.distributed.tensor import DTensor
 
 from muon.cost import LinkModel
 from muon.grads import grad_census
-from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
+from muon.layout import from_rows, moved_shape, to_rows
+from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
+from muon.validate import (
+    ADJUST_LR,
+    MUON_ONLY_KEYS,
+    NS_DTYPES,
+    check_group_keys,
+    check_loaded_groups,
+    dtype_name,
+    group_algorithm,
+    plan_keys,
+    validate_group,
+)
 
-ADJUST_LR = ("match_rms_adamw", "original", "none")
-ALGORITHMS = ("muon", "adamw")
-NS_DTYPES = ("bfloat16", "float32", "float16")
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in NS_DTYPES:
-        raise ValueError(f"ns_dtype: expected one of {sorted(NS_DTYPES)}, got {dtype!r}")
-    return name
+__all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
 
 
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
@@ -90,7 +93,9 @@ class Muon(torch.optim.Optimizer):
             than the parameter (the result is the same, since Newton-Schulz casts first).
         eps: floor of the Frobenius norm Newton-Schulz divides by.
         adjust_lr: "match_rms_adamw", "original" or "none" (see `adjusted_lr`).
-        betas, adamw_eps: defaults of AdamW groups.
+        betas, adamw_eps, adamw_lr: defaults of AdamW groups. An AdamW group without its own
+            `lr` takes `adamw_lr` (3e-3, `muon.param_groups`' default), never Muon's `lr`: the
+            two work on different scales (Muon's update has unit singular values).
         remainder_strategy: how a batch smaller than its FSDP group is exchanged: "agrs",
             "pad_all2all", "ragged_all_to_all", or "auto" (per batch, the lowest modelled time
             whose planned per-rank peak fits `memory_budget`; see `muon.plan.choose_remainder`).
@@ -104,12 +109,13 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
-        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 128 rows
+        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 256 rows
             and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
-    in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
+    in Newton-Schulz and in waiting (on CUDA device time, from events: `muon.stats`);
+    `plan.ns_flops_per_rank` the planned NS work of every rank.
     """
 
     def __init__(
@@ -127,6 +133,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: str = "match_rms_adamw",
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        adamw_lr: float = 3e-3,
         remainder_strategy: str = "pad_all2all",
         enable_all2all: bool = True,
         max_inflight: int = 3,
@@ -153,7 +160,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
         if memory_budget is not None and not memory_budget > 0:
             raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
-        self._adamw_defaults = {"betas": tuple(betas), "eps": adamw_eps}
+        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(betas), "eps": adamw_eps}
         defaults = dict(
             lr=lr,
             algorithm="muon",
@@ -162,7 +169,7 @@ class Muon(torch.optim.Optimizer):
             weight_decay=weight_decay,
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
-            ns_dtype=_dtype_name(ns_dtype),
+            ns_dtype=dtype_name(ns_dtype),
             ns_algorithm=ns_algorithm,
             eps=eps,
             adjust_lr=adjust_lr,
@@ -193,6 +200,35 @@ class Muon(torch.optim.Optimizer):
             memory_budget=self.memory_budget,
             link=self._link,
         )
+        self._planned_params = [tuple(map(id, g["params"])) for g in self.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
+        would load; re-plans (collectively, as the constructor) when planning keys changed."""
+        check_loaded_groups(self.param_groups, state_dict)
+        before = plan_keys(self.param_groups)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                for key in MUON_ONLY_KEYS:
+                    g.pop(key, None)
+            else:
+                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        if plan_keys(self.param_groups) != before:
+            self._plan()
+
+    def _check_params_unchanged(self) -> None:
+        """Parameters appended to (or removed from) a group's list after planning would be
+        skipped silently: refuse to step instead."""
+        now = [tuple(map(id, g["params"])) for g in self.param_groups]
+        if now != self._planned_params:
+            planned = self._planned_params + [None] * len(now)  # groups appended by hand too
+            changed = next((i for i, ids in enumerate(now) if ids != planned[i]), len(now))
+            raise RuntimeError(
+                f"Muon: param_groups[{changed}]['params'] changed after the optimizer was "
+                "planned; add parameters with add_param_group (on every rank), which plans "
+                "them and creates their state"
+            )
 
     @property
     def plans(self) -> list[tuple[MeshCommPlan, list[BatchPlan]]]:
@@ -201,54 +237,35 @@ class Muon(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- groups and validation
     def add_param_group(self, param_group: dict) -> None:
-        algorithm = param_group.setdefault("algorithm", "muon")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
-        if algorithm == "adamw":
-            for key, value in self._adamw_defaults.items():
-                param_group.setdefault(key, value)
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._validate_group(group)
-        if hasattr(self, "plan"):  # after construction: state and plans for the new group
-            self._init_state()
-            self._plan()
-
-    def _validate_group(self, g: dict) -> None:
-        if not g["lr"] > 0:
-            raise ValueError(f"lr: must be > 0, got {g['lr']}")
-        if g["weight_decay"] < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
-        if g["algorithm"] == "adamw":
-            b1, b2 = g["betas"]
-            if not (0 <= b1 < 1 and 0 <= b2 < 1):
-                raise ValueError(f"betas: each must be in [0, 1), got {g['betas']}")
-            if not g["eps"] > 0:
-                raise ValueError(f"eps: must be > 0, got {g['eps']}")
-            return
-        if not 0 <= g["momentum"] < 1:
-            raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
-        if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
-            raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
-        if g["adjust_lr"] not in ADJUST_LR:
-            raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
-        resolve_coefficients(g["ns_coefficients"])
-        check_algorithm(g["ns_algorithm"])
-        g["ns_dtype"] = _dtype_name(g["ns_dtype"])
-        blocks = g["num_blocks"]
-        names = g.get("param_names") or [None] * len(g["params"])
-        for p, name in zip(g["params"], names, strict=True):
-            label = name or f"shape {tuple(p.shape)}"
-            if p.ndim < 2:
-                raise ValueError(
-                    f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
-                    "put vectors in an algorithm='adamw' group"
-                )
-            if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
-                raise ValueError(
-                    f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
-                    f"of {label}"
-                )
+        """Add a group (see the class docstring for its keys). Everything is checked before the
+        optimizer changes: a rejected group leaves groups, state and plan as they were."""
+        check_group_keys(param_group, f"param group {len(self.param_groups)}")
+        algorithm = group_algorithm(param_group)
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params: a set has no order (ranks would plan differently); use a list")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        extra = self._adamw_defaults if algorithm == "adamw" else {}
+        group = {**self.defaults, **extra, **param_group, "params": params, "algorithm": algorithm}
+        if algorithm == "adamw":  # Muon's defaults mean nothing to an AdamW group
+            for key in MUON_ONLY_KEYS:
+                group.pop(key, None)
+        validate_group(group)
+        planned = hasattr(self, "plan")
+        n_groups, known = len(self.param_groups), set(self.state)
+        super().add_param_group(group)  # its own checks (duplicates, leaves) append nothing
+        if algorithm == "adamw":  # torch filled Muon's defaults in again
+            for key in MUON_ONLY_KEYS:
+                self.param_groups[-1].pop(key, None)
+        if planned:  # after construction: state and plans for the new group
+            try:
+                self._init_state()
+                self._plan()
+            except Exception:
+                del self.param_groups[n_groups:]
+                for p in [p for p in self.state if p not in known]:
+                    del self.state[p]
+                raise
 
     def _init_state(self) -> None:
         """Create every parameter's state now, so all ranks have the same checkpoint keys."""
@@ -269,6 +286,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params_unchanged()
         finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
@@ -278,7 +296,7 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
-        stats = StepStats()
+        stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
@@ -317,7 +335,8 @@ class Muon(torch.optim.Optimizer):
         ortho = partial(
             _orthogonalize,
             block_rows=b.block_rows,
-            moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
+            block_shape=b.block_shape,
+            moved_shape=moved_shape(b.global_shape, b.shard_tensor_dim),
             dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
             coefficients=g0["ns_coefficients"],
@@ -358,12 +377,15 @@ class Muon(torch.optim.Optimizer):
     @staticmethod
     def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
-        rows = b.global_shape[0] // g["num_blocks"]
-        cols = math.prod(b.global_shape) // b.global_shape[0]
+        if len(b.global_shape) > 2:  # each dim-0 slice is a block
+            rows, cols = b.block_shape
+        else:
+            rows = b.global_shape[0] // g["num_blocks"]
+            cols = math.prod(b.global_shape) // b.global_shape[0]
         lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        x.add_(_from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
+        x.add_(from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
@@ -380,8 +402,8 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         if out is None:
             update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-            return _to_rows(update, shard_dim)
-        target = _from_rows(out, buf, shard_dim)
+            return to_rows(update, shard_dim)
+        target = from_rows(out, buf, shard_dim)
         if not g["nesterov"]:
             target.copy_(buf)
         elif target.dtype == buf.dtype:
@@ -391,27 +413,6 @@ class Muon(torch.optim.Optimizer):
         return out
 
 
-def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
-    if dim != 0:
-        t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
-
-
-def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_to_rows` for a tensor shaped like `like`."""
-    if dim == 0:
-        return rows.view(like.shape)
-    shape = list(like.shape)
-    moved = [shape[dim]] + shape[:dim] + shape[dim + 1 :]
-    return rows.view(moved).movedim(0, dim)
-
-
-def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    """`shape` with `dim` moved first: the layout `_to_rows` exchanges."""
-    return (shape[dim], *shape[:dim], *shape[dim + 1 :])
-
-
 def _orthogonalize(
     m: torch.Tensor,
     block_rows,
@@ -419,28 +420,29 @@ def _orthogonalize(
     coefficients,
     dtype,
     eps,
+    block_shape=(),
     moved_shape=(),
     dim=0,
     algorithm="",
 ) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
+    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0,
+    each orthogonalized as a `block_shape` matrix.
 
     With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
     """
+    kw = dict(algorithm=algorithm)
     if dim == 0:
+        if block_shape[0] != block_rows:  # a >2-D parameter: one [d1, d2 * ...] block per row
+            x = m.reshape(-1, *block_shape)
+            return newton_schulz(x, steps, coefficients, dtype, eps, **kw).reshape(m.shape)
         return orthogonalize_blocks(
-            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
+            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, **kw
         )
     x = m.reshape(moved_shape).movedim(0, dim)
     shape = x.shape
-    o = orthogonalize_blocks(
-        x.reshape(shape[0], -1),
-        shape[0] // block_rows,
-        steps,
-        coefficients,
-        dtype,
-        eps,
-        algorithm=algorithm,
-    )
+    if len(shape) > 2:
+        o = newton_schulz(x.reshape(-1, *block_shape), steps, coefficients, dtype, eps, **kw)
+    else:
+        o = orthogonalize_blocks(x, shape[0] // block_rows, steps, coefficients, dtype, eps, **kw)
     return o.view(shape).movedim(dim, 0).reshape(m.shape)

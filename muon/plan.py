@@ -133,6 +133,15 @@ class BatchPlan:
         return self.fsdp_visible_rows * self.other_numel // (self.block_rows * self.num_blocks)
 
     @property
+    def block_shape(self) -> tuple[int, int]:
+        """The `[rows, cols]` matrix one block is orthogonalized as: `block_rows` rows of the
+        parameter's dim 0 by the rest; for a parameter of more than two dims, each dim-0 slice
+        `[d1, d2 * ...]` (`block_rows` is then 1)."""
+        if len(self.global_shape) > 2:
+            return self.global_shape[1], math.prod(self.global_shape[2:])
+        return self.block_rows, self.block_cols
+
+    @property
     def blocks_per_unit(self) -> int:
         return 1 if self.path == "subgroup" else self.num_blocks
 
@@ -156,10 +165,8 @@ class BatchPlan:
         return self.shard_sizes[fsdp_rank] * self.other_numel * self.wire_itemsize
 
     def block_flops(self) -> int:
-        """Newton-Schulz FLOPs of one `[block_rows, block_cols]` block (`muon.cost`)."""
-        return block_flops(
-            self.block_rows, self.block_cols, steps=self.ns_steps, algorithm=self.ns_algorithm
-        )
+        """Newton-Schulz FLOPs of one `block_shape` block (`muon.cost`)."""
+        return block_flops(*self.block_shape, steps=self.ns_steps, algorithm=self.ns_algorithm)
 
     # the path object in `muon.comm` owns every cost; these forward to it
     @property

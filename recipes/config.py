@@ -185,7 +185,7 @@ class MuonOptimConfig(OptimConfig):
     )
     ns_algorithm: NsAlgorithm = _f(
         NsAlgorithm.auto,
-        "auto: Gram Newton-Schulz on rectangular blocks of >= 128 rows and columns; gram: on "
+        "auto: Gram Newton-Schulz on rectangular blocks of >= 256 rows and columns; gram: on "
         "every block where it needs fewer FLOPs; standard: never",
     )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
