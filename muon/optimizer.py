@@ -9,7 +9,8 @@ a sliding window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
-    O = NS(U) per block;  p <- p * (1 - lr * wd) - adjusted_lr * O
+    O = NS(U) per block (NorMuon, `normuon=True`: O <- normalize(O, v), `muon.normuon`)
+    p <- p * (1 - lr * wd) - adjusted_lr * O
 with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols)),
 "match_rms_adamw" lr * 0.2 * sqrt(max(rows, cols)), "none" lr.
 
@@ -35,12 +36,13 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from muon import normuon
+from muon.blocks import local as _local
+from muon.blocks import orthogonalize as _orthogonalize
 from muon.cost import LinkModel
 from muon.grads import grad_census
 from muon.layout import from_rows, moved_shape, to_rows
-from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
@@ -67,10 +69,6 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
     if adjust_lr == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     return lr
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Muon(torch.optim.Optimizer):
@@ -112,6 +110,10 @@ class Muon(torch.optim.Optimizer):
         ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 256 rows
             and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
+        normuon: normalize each orthogonalized block by a running second moment per row (per
+            column for wide blocks) with a Frobenius rescale (NorMuon, `muon.normuon`); the
+            moments are state `normuon_v`, float32 `[num_blocks, rows or cols]` per parameter.
+        normuon_beta2: the second moment's EMA coefficient, in [0, 1).
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
     in Newton-Schulz and in waiting (on CUDA device time, from events: `muon.stats`);
@@ -141,6 +143,8 @@ class Muon(torch.optim.Optimizer):
         memory_budget: int | None = None,
         link: LinkModel | tuple | None = None,
         ns_algorithm: str = "auto",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
     ) -> None:
         if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
@@ -174,6 +178,9 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             adjust_lr=adjust_lr,
             num_blocks=1,
+            split_sizes=None,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
         )
         self.remainder_strategy = remainder_strategy
         self.enable_all2all = enable_all2all
@@ -192,6 +199,8 @@ class Muon(torch.optim.Optimizer):
 
     def _plan(self) -> None:
         """(Re)build the step plan from the current groups (collective, see `muon.planner`)."""
+        if hasattr(self, "plan"):  # owners may move: every copy of NorMuon's moments current
+            normuon.sync(self)
         self.plan = build_step_plan(
             self.param_groups,
             remainder_strategy=self.remainder_strategy,
@@ -201,11 +210,18 @@ class Muon(torch.optim.Optimizer):
             link=self._link,
         )
         self._planned_params = [tuple(map(id, g["params"])) for g in self.param_groups]
+        normuon.init_state(self)
+
+    def state_dict(self) -> dict:
+        """The state dict, with NorMuon's moments made equal on every rank first (collective
+        when NorMuon is on: call it on every rank, as DCP's `get_state_dict` does)."""
+        normuon.sync(self)
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
-        check_loaded_groups(self.param_groups, state_dict)
+        check_loaded_groups(self.param_groups, state_dict, self.state)
         before = plan_keys(self.param_groups)
         super().load_state_dict(state_dict)
         for g in self.param_groups:
@@ -343,18 +359,20 @@ class Muon(torch.optim.Optimizer):
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
             algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
+            post=normuon.post_for(self, params, b),
+            heights=b.split_sizes,
         )
         stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
-            for p, g in params:
+            first, count = b.exchange.unit_blocks(b, mp.fsdp_rank)
+            for j, (p, g) in enumerate(params):
                 if id(p) in self._gradless:
                     continue
                 shard = self._momentum_step(p, g, mp.shard_tensor_dim)
                 if shard.numel():
-                    shard = stats.orthogonalize(
-                        ortho, shard, "local", shard.size(0) // b.block_rows
-                    )
-                self._apply(p, g, shard, b)
+                    units = [(j, first, count)]
+                    shard = stats.orthogonalize(ortho, shard, "local", count, units=units)
+                self._apply(p, g, shard, b, mp.fsdp_rank)
             return
         path = b.exchange
         like = _local(self.state[params[0][0]]["momentum_buffer"])
@@ -372,20 +390,33 @@ class Muon(torch.optim.Optimizer):
         # 3. apply the orthogonalized shards
         for (p, g), o in zip(params, results, strict=True):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
-                self._apply(p, g, o, b)
+                self._apply(p, g, o, b, mp.fsdp_rank)
 
     @staticmethod
-    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
+    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
             rows, cols = b.block_shape
         else:
-            rows = b.global_shape[0] // g["num_blocks"]
-            cols = math.prod(b.global_shape) // b.global_shape[0]
-        lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
+            rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        x.add_(from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
+        update = from_rows(o, x, b.shard_tensor_dim)
+        if not b.split_sizes:
+            x.add_(update, alpha=-adjusted_lr(g["lr"], g["adjust_lr"], rows, cols))
+            return
+        # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
+        heights = torch.tensor(b.split_sizes)
+        row_height = heights.repeat_interleave(heights)
+        if b.shard_tensor_dim == 0 and b.fsdp_size > 1:
+            start = sum(b.shard_sizes[:fsdp_rank])
+            row_height = row_height[start : start + x.shape[0]]
+        for h in sorted(set(b.split_sizes)):
+            rows = (row_height == h).nonzero().view(-1).to(x.device)
+            if rows.numel():
+                lr = adjusted_lr(g["lr"], g["adjust_lr"], h, cols)
+                # the update may arrive in a narrower wire dtype; add_ would promote it too
+                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lr)
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
@@ -411,38 +442,3 @@ class Muon(torch.optim.Optimizer):
         else:  # a narrower wire dtype: round the way Newton-Schulz's own cast would
             target.copy_(grad.lerp(buf, mu))
         return out
-
-
-def _orthogonalize(
-    m: torch.Tensor,
-    block_rows,
-    steps,
-    coefficients,
-    dtype,
-    eps,
-    block_shape=(),
-    moved_shape=(),
-    dim=0,
-    algorithm="",
-) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0,
-    each orthogonalized as a `block_shape` matrix.
-
-    With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
-    Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
-    """
-    kw = dict(algorithm=algorithm)
-    if dim == 0:
-        if block_shape[0] != block_rows:  # a >2-D parameter: one [d1, d2 * ...] block per row
-            x = m.reshape(-1, *block_shape)
-            return newton_schulz(x, steps, coefficients, dtype, eps, **kw).reshape(m.shape)
-        return orthogonalize_blocks(
-            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, **kw
-        )
-    x = m.reshape(moved_shape).movedim(0, dim)
-    shape = x.shape
-    if len(shape) > 2:
-        o = newton_schulz(x.reshape(-1, *block_shape), steps, coefficients, dtype, eps, **kw)
-    else:
-        o = orthogonalize_blocks(x, shape[0] // block_rows, steps, coefficients, dtype, eps, **kw)
-    return o.view(shape).movedim(dim, 0).reshape(m.shape)

@@ -112,6 +112,7 @@ def build_step_plan(
                     index=len(params),
                     global_shape=tuple(p.shape),
                     num_blocks=param_blocks(tuple(p.shape), g["num_blocks"], name or ""),
+                    split_sizes=g.get("split_sizes") or (),
                     dtype=str(p.dtype).removeprefix("torch."),
                     itemsize=p.element_size(),
                     wire_dtype=str(wire_dtype(p.dtype, ns_dtype)).removeprefix("torch."),

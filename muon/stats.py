@@ -59,10 +59,12 @@ class StepStats:
             work.wait()
 
     def orthogonalize(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, path: str, blocks: int
+        self, fn: Callable, x: torch.Tensor, path: str, blocks: int, units: list | None = None
     ) -> torch.Tensor:
+        """`fn(x)`, or `fn(x, units=units)` when given (whose blocks `x` holds), timed, counting
+        `blocks` orthogonalized on `path`."""
         with self._span("ns_s"):
-            out = fn(x)
+            out = fn(x) if units is None else fn(x, units=units)
         self.matrices[path] += blocks
         return out
 

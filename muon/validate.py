@@ -33,6 +33,9 @@ MUON_GROUP_KEYS: tuple[str, ...] = (
     "eps",
     "adjust_lr",
     "num_blocks",
+    "split_sizes",
+    "normuon",
+    "normuon_beta2",
 )
 #: keys of an algorithm="adamw" group
 ADAMW_GROUP_KEYS: tuple[str, ...] = (
@@ -130,11 +133,16 @@ def validate_group(g: dict) -> None:
         raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
     if g["adjust_lr"] not in ADJUST_LR:
         raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
+    if not isinstance(g["normuon"], bool):
+        raise ValueError(f"normuon: must be a bool, got {g['normuon']!r}")
+    if not 0 <= _number(g, "normuon_beta2") < 1:
+        raise ValueError(f"normuon_beta2: must be in [0, 1), got {g['normuon_beta2']}")
     if not _number(g, "eps") > 0:
         raise ValueError(f"eps: must be > 0, got {g['eps']}")
     resolve_coefficients(g["ns_coefficients"])
     check_algorithm(g["ns_algorithm"])
     g["ns_dtype"] = dtype_name(g["ns_dtype"])
+    _normalize_splits(g)
     blocks = g["num_blocks"]
     names = names or [None] * len(g["params"])
     for p, name in zip(g["params"], names, strict=True):
@@ -144,6 +152,14 @@ def validate_group(g: dict) -> None:
                 f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
                 "put vectors in an algorithm='adamw' group"
             )
+        splits = g["split_sizes"]
+        if splits is not None:
+            if p.ndim != 2 or sum(splits) != p.shape[0]:
+                raise ValueError(
+                    f"split_sizes: {len(splits)} blocks of {sum(splits)} rows in all; {label} "
+                    f"has {p.shape[0]} rows (dim 0) and must be 2-D"
+                )
+            continue
         param_blocks(tuple(p.shape), blocks, label)
 
 
@@ -174,10 +190,36 @@ def param_blocks(shape: tuple[int, ...], num_blocks, label: str) -> int:
     return shape[0]
 
 
+def _normalize_splits(g: dict) -> None:
+    """`split_sizes` (row counts of blocks of unequal heights along dim 0) as a tuple, or None;
+    equal sizes become `num_blocks`, their special case. `num_blocks` then counts the blocks."""
+    splits = g.get("split_sizes")
+    if splits is None:
+        g["split_sizes"] = None
+        return
+    if isinstance(splits, (str, bytes)) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in splits
+    ):
+        raise ValueError(f"split_sizes: expected a sequence of positive ints, got {splits!r}")
+    splits = tuple(splits)
+    if g["num_blocks"] not in (1, len(splits)):
+        raise ValueError(
+            f"num_blocks: {g['num_blocks']} disagrees with split_sizes ({len(splits)} blocks); "
+            "give one of them"
+        )
+    if len(set(splits)) == 1:  # equal blocks: the num_blocks path (local, sub-group, ...)
+        g["split_sizes"], g["num_blocks"] = None, len(splits)
+    else:
+        g["split_sizes"], g["num_blocks"] = splits, len(splits)
+
+
+#: optimizer state kept per block rather than per element (`muon.normuon`)
+PER_BLOCK_STATE: tuple[str, ...] = ("normuon_v",)
 #: group keys the step plan is built from (`muon.planner.build_step_plan`)
 PLAN_KEYS: tuple[str, ...] = (
     "algorithm",
     "num_blocks",
+    "split_sizes",
     "ns_steps",
     "ns_coefficients",
     "ns_dtype",
@@ -192,11 +234,12 @@ def plan_keys(groups: list[dict]) -> list[tuple]:
     return [tuple(repr(g.get(k)) for k in PLAN_KEYS) for g in groups]
 
 
-def check_loaded_groups(groups: list[dict], state_dict: dict) -> None:
+def check_loaded_groups(groups: list[dict], state_dict: dict, current: dict | None = None) -> None:
     """Validate a state dict against the optimizer's current `groups` before anything is loaded:
     every saved group's keys and values (as if added with its current parameters), its
     algorithm (a Muon and an AdamW parameter keep different state), and the shape of every
-    saved state tensor. Raises ValueError naming the group and key."""
+    saved state tensor (the parameter's, or for per-block state such as NorMuon's moments that of
+    the `current` optimizer state). Raises ValueError naming the group and key."""
     saved = state_dict.get("param_groups")
     if not isinstance(saved, list) or len(saved) != len(groups):
         n = len(saved) if isinstance(saved, list) else saved
@@ -225,8 +268,16 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> None:
             raise ValueError(f"{where}: {e}") from e
         for j, (idx, p) in enumerate(zip(s["params"], g["params"], strict=True)):
             for key, value in state.get(idx, {}).items():
-                if key != "step" and torch.is_tensor(value) and value.shape != p.shape:
+                if key == "step" or not torch.is_tensor(value):
+                    continue
+                expected, what = p.shape, "the parameter"
+                if key in PER_BLOCK_STATE:  # one row per block, not the parameter's shape
+                    here = (current or {}).get(p, {}).get(key)
+                    if here is None:
+                        continue
+                    expected, what = here.shape, "this optimizer's"
+                if value.shape != expected:
                     raise ValueError(
                         f"{where} param {j}: state {key!r} has shape {tuple(value.shape)}, "
-                        f"the parameter {tuple(p.shape)}"
+                        f"{what} {tuple(expected)}"
                     )

@@ -6,7 +6,8 @@
 The workspace shows the runs of one W&B group (the `strategies` experiment's runs, one per
 `optim.remainder_strategy`) grouped by that config key, so every panel draws one line (mean,
 min/max band) per strategy: step and optimizer time of the slowest rank, waiting on
-collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, loss, and
+collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, loss, the
+largest attention logit (QK-clip's S, overall and per layer), and
 bar charts of the run summaries (peaks: train.py defines max summaries for memory and time).
 Every metric key here is one that `train.py` logs (`tests/e2e/test_wandb.py` checks them against
 a real offline run). `--dry-run` prints the panels and needs neither the network nor a login;
@@ -66,6 +67,8 @@ PANELS: tuple[Panel, ...] = (
     ),  # fmt: skip
     Panel("Training", "loss", ("loss",)),
     Panel("Training", "tokens/s", ("tokens_per_s",)),
+    Panel("Attention", "max pre-softmax logit, all layers (QK-clip's S)", ("attn/max_logit",)),
+    Panel("Attention", "max logit per layer", regex=r"attn/max_logit/layer_\d+"),
     Panel(
         "Summaries",
         "peak memory per run (MiB)",

@@ -22,7 +22,7 @@ def _w(*shape, seed=0):
     "group, key, names",
     [
         ({"num_experts": 4}, "num_experts", ["num_blocks"]),
-        ({"split_sizes": [16, 16]}, "split_sizes", list(MUON_GROUP_KEYS)),
+        ({"split_size": [16, 16]}, "split_size", list(MUON_GROUP_KEYS)),  # a typo
         ({"algorithm": "adamw", "maximize": True}, "maximize", list(ADAMW_GROUP_KEYS)),
         ({"algorithm": "adamw", "amsgrad": True}, "amsgrad", list(ADAMW_GROUP_KEYS)),
         ({"algorithm": "adamw", "weight_decy": 0.1}, "weight_decy", list(ADAMW_GROUP_KEYS)),
