@@ -28,7 +28,10 @@ from muon.newton_schulz import effective_algorithm
 from muon.stats import StepStats
 
 Shards = list[torch.Tensor]
-Orthogonalize = Callable[[torch.Tensor], torch.Tensor]
+#: `ortho(x, units=units)`: orthogonalize `x`, the rows of `units` stacked; each unit is
+#: (parameter index j in the batch, its first block, its block count), in row order
+Units = list[tuple[int, int, int]]
+Orthogonalize = Callable[[torch.Tensor, Units], torch.Tensor]
 Task = Generator[None, None, Shards]
 
 
@@ -39,12 +42,17 @@ def _a2a(out, inp, out_splits, in_splits, group):
 def _ns_block_bytes(b, ns_itemsize: int) -> int:
     """Newton-Schulz temporaries of one block: X and the next X, plus the square m x m
     matrices alive at once: A = X X^T and B for the standard iteration; Gram Newton-Schulz
-    keeps two more (the output check's R and Q; `recipes.memory` measures +2 m^2 on bf16
-    256 x 768 and 64 x 192 blocks)."""
-    rows, cols = b.block_rows, b.block_cols
+    keeps two more (R and Q; `recipes.memory` measures +2 m^2 on bf16 256 x 768 and 64 x 192
+    blocks)."""
+    rows, cols = b.block_shape
     small = min(rows, cols)
     squares = 4 if effective_algorithm(rows, cols, b.ns_steps, b.ns_algorithm) == "gram" else 2
     return (2 * rows * cols + squares * small * small) * ns_itemsize
+
+
+def _owned_matrices(self, b, r: int) -> Units:
+    """The whole matrices rank `r` owns (the units of the pad and agrs paths)."""
+    return [(j, 0, b.num_blocks) for j, o in enumerate(b.owners) if o == r]
 
 
 class Local:
@@ -53,10 +61,24 @@ class Local:
 
     collectives = 0
 
-    def blocks_on(self, b, r: int) -> int:
+    def units(self, b, r: int) -> Units:
+        """Every parameter's blocks in this rank's shard: each rank orthogonalizes its own."""
+        first, count = self.unit_blocks(b, r)
+        return [(j, first, count) for j in range(b.size)] if count else []
+
+    def unit_blocks(self, b, r: int) -> tuple[int, int]:
+        """(first block, block count) of this rank's shard of each parameter."""
         if b.fsdp_size == 1:
-            return b.size * b.num_blocks
-        return b.size * (b.shard_sizes[r] // b.block_rows)
+            return 0, b.num_blocks
+        start = sum(b.shard_sizes[:r])
+        if b.split_sizes:  # the plan made shard edges block edges
+            edges = [sum(b.split_sizes[:i]) for i in range(b.num_blocks + 1)]
+            first = edges.index(start)
+            return first, edges.index(start + b.shard_sizes[r]) - first
+        return start // b.block_rows, b.shard_sizes[r] // b.block_rows
+
+    def blocks_on(self, b, r: int) -> int:
+        return b.size * self.unit_blocks(b, r)[1]
 
     def bytes_sent(self, b, r: int) -> int:
         return 0
@@ -93,6 +115,16 @@ class OwnerAllToAll:
     def view(self, b, r: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """(shard sizes, owners, my index) in the exchange group's coordinates."""
         return b.shard_sizes, b.owners, r
+
+    def units(self, b, r: int) -> Units:
+        """The units this rank assembles, in the row order it orthogonalizes them."""
+        _, owners, me = self.view(b, r)
+        first, count = self.unit_blocks(b, r)
+        return [(j, first, count) for j, o in enumerate(owners) if o == me]
+
+    def unit_blocks(self, b, r: int) -> tuple[int, int]:
+        """(first block, block count) of one unit: a whole FSDP-visible matrix."""
+        return 0, b.num_blocks
 
     # ------------------------------------------------------------------------------ cost
     def _figures(self, b, r: int) -> tuple[int, int, int, int]:
@@ -158,7 +190,9 @@ class OwnerAllToAll:
             pieces = [p.view(m, sizes[r], C) for r, p in enumerate(recv.split(recv_splits))]
             # one owned unit arrives contiguous (source ranks in row order); several interleave
             units = recv.view(N, C) if m == 1 else torch.cat(pieces, dim=1).view(m * N, C)
-            result = stats.orthogonalize(ortho, units, self.label, m * b.blocks_per_unit)
+            result = stats.orthogonalize(
+                ortho, units, self.label, m * b.blocks_per_unit, units=self.units(b, fsdp_rank)
+            )
             del units
             if m == 1:
                 back = result.reshape(-1)
@@ -191,6 +225,10 @@ class Subgroup(OwnerAllToAll):
         owners = tuple(o - g * k for o in b.owners[g * n : (g + 1) * n])
         return b.shard_sizes[g * k : (g + 1) * k], owners, r % k
 
+    def unit_blocks(self, b, r: int) -> tuple[int, int]:
+        # sub-group g (FSDP ranks g*k .. g*k+k-1) holds block g of the FSDP-visible matrix
+        return r // b.subgroup_size, 1
+
 
 class PadAllToAll:
     """Pad the batch with zero matrices to W and every shard to c rows: a uniform all-to-all.
@@ -200,6 +238,8 @@ class PadAllToAll:
     """
 
     collectives = 2
+
+    units = _owned_matrices
 
     def _padded(self, b) -> int:
         return b.padded_shard_rows * b.other_numel * b.wire_itemsize
@@ -237,7 +277,10 @@ class PadAllToAll:
         del work  # a finished Work still references its buffers
         if fsdp_rank in b.owners:  # a padding slot holds zeros: nothing to orthogonalize
             matrix = full.view(-1, b.other_numel)[:N]  # rows past N arrived as padding
-            matrix.copy_(stats.orthogonalize(ortho, matrix, "pad_all2all", b.num_blocks))
+            owned = self.units(b, fsdp_rank)
+            matrix.copy_(
+                stats.orthogonalize(ortho, matrix, "pad_all2all", b.num_blocks, units=owned)
+            )
             del matrix
         work = _a2a(send, full, None, None, group)
         stats.moved("pad_all2all", sent=moved, recv=moved)
@@ -256,6 +299,8 @@ class Agrs:
     """
 
     collectives = 2
+
+    units = _owned_matrices
 
     def _padded(self, b) -> int:
         return b.padded_shard_rows * b.other_numel * b.wire_itemsize
@@ -297,7 +342,13 @@ class Agrs:
         del work  # a finished Work still references its buffers
         slab = gathered.view(W, n, c, C)
         results = {
-            j: stats.orthogonalize(ortho, slab[:, j].reshape(W * c, C)[:N], "agrs", b.num_blocks)
+            j: stats.orthogonalize(
+                ortho,
+                slab[:, j].reshape(W * c, C)[:N],
+                "agrs",
+                b.num_blocks,
+                units=[(j, 0, b.num_blocks)],
+            )
             for j in range(n)
             if b.owners[j] == fsdp_rank
         }

@@ -2,6 +2,8 @@
 
 A module declares, as plain data:
   `orthogonal_blocks = {"gate_up_proj": 2 * E}`  independent matrices stacked along dim 0
+  `orthogonal_splits = {"weight": (P, R) * N}`   rows of its blocks along dim 0 (Muon Split:
+                                                 per-head blocks, used with `muon_split=True`)
   `param_roles = {"weight": "head"}`             "embedding" | "head" | "router"
 `nn.Embedding` weights count as "embedding" without a declaration. A frozen parameter
 (`requires_grad` False, e.g. a DSA indexer that is not trained) joins no group: it gets no
@@ -27,23 +29,27 @@ def param_groups(
     adamw_weight_decay: float = 0.0,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
+    muon_split: bool = False,
 ) -> list[dict]:
     """Muon groups (one per block count) for hidden matrices; one AdamW group for the rest.
 
     Matrices go to Muon; embeddings, the output head, norms, biases and other vectors go to AdamW;
-    the router weight goes where `router` says. Every trainable parameter lands in exactly one
+    the router weight goes where `router` says. With `muon_split`, matrices whose module
+    declares `orthogonal_splits` are orthogonalized block by block (equal blocks as `num_blocks`,
+    unequal ones as `split_sizes`). Every trainable parameter lands in exactly one
     group (frozen ones in none), and
     each group carries `param_names` for error messages and the cross-rank plan check.
     """
     if router not in ROUTER_CHOICES:
         raise ValueError(f"router: {router!r} is not one of {ROUTER_CHOICES}")
     placed: dict[int, str] = {}
-    muon: dict[int, tuple[list, list]] = {}
+    muon: dict[tuple, tuple[list, list]] = {}
     adamw: tuple[list, list] = ([], [])
     for mod_name, module in model.named_modules():
         blocks = getattr(module, "orthogonal_blocks", {}) or {}
+        splits = getattr(module, "orthogonal_splits", {}) or {}
         roles = getattr(module, "param_roles", {}) or {}
-        for key in list(blocks) + list(roles):
+        for key in list(blocks) + list(splits) + list(roles):
             if not hasattr(module, key) or not isinstance(getattr(module, key), torch.Tensor):
                 raise ValueError(
                     f"{type(module).__name__} at {mod_name or '<root>'} declares metadata for "
@@ -64,7 +70,14 @@ def param_groups(
                 to_muon = router == "muon" and p.ndim >= 2
             placed[id(p)] = name
             if to_muon:
-                names, params = muon.setdefault(int(blocks.get(pname, 1)), ([], []))
+                sizes = tuple(splits[pname]) if muon_split and pname in splits else None
+                if sizes is not None and len(set(sizes)) == 1:  # equal: the num_blocks case
+                    key = (len(sizes), None)
+                elif sizes is not None:
+                    key = (len(sizes), sizes)
+                else:
+                    key = (int(blocks.get(pname, 1)), None)
+                names, params = muon.setdefault(key, ([], []))
             else:
                 names, params = adamw
             names.append(name)
@@ -80,8 +93,11 @@ def param_groups(
             lr=lr,
             weight_decay=weight_decay,
             num_blocks=blocks,
+            **({"split_sizes": sizes} if sizes else {}),
         )
-        for blocks, (names, params) in sorted(muon.items())
+        for (blocks, sizes), (names, params) in sorted(
+            muon.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())
+        )
     ]
     if adamw[1]:
         groups.append(

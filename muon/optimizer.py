@@ -9,7 +9,8 @@ a sliding window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
-    O = NS(U) per block;  p <- p * (1 - lr * wd) - adjusted_lr * O
+    O = NS(U) per block (NorMuon, `normuon=True`: O <- normalize(O, v), `muon.normuon`)
+    p <- p * (1 - lr * wd) - adjusted_lr * O
 with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols)),
 "match_rms_adamw" lr * 0.2 * sqrt(max(rows, cols)), "none" lr.
 
@@ -35,26 +36,30 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from muon import normuon
+from muon.blocks import local as _local
+from muon.blocks import orthogonalize as _orthogonalize
 from muon.cost import LinkModel
 from muon.grads import grad_census
-from muon.newton_schulz import check_algorithm, orthogonalize_blocks, resolve_coefficients
+from muon.layout import from_rows, moved_shape, to_rows
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
+from muon.validate import (
+    ADJUST_LR,
+    MUON_ONLY_KEYS,
+    NS_DTYPES,
+    check_group_keys,
+    check_loaded_groups,
+    dtype_name,
+    group_algorithm,
+    plan_keys,
+    validate_group,
+)
 
-ADJUST_LR = ("match_rms_adamw", "original", "none")
-ALGORITHMS = ("muon", "adamw")
-NS_DTYPES = ("bfloat16", "float32", "float16")
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in NS_DTYPES:
-        raise ValueError(f"ns_dtype: expected one of {sorted(NS_DTYPES)}, got {dtype!r}")
-    return name
+__all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
 
 
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
@@ -64,10 +69,6 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
     if adjust_lr == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     return lr
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Muon(torch.optim.Optimizer):
@@ -90,7 +91,9 @@ class Muon(torch.optim.Optimizer):
             than the parameter (the result is the same, since Newton-Schulz casts first).
         eps: floor of the Frobenius norm Newton-Schulz divides by.
         adjust_lr: "match_rms_adamw", "original" or "none" (see `adjusted_lr`).
-        betas, adamw_eps: defaults of AdamW groups.
+        betas, adamw_eps, adamw_lr: defaults of AdamW groups. An AdamW group without its own
+            `lr` takes `adamw_lr` (3e-3, `muon.param_groups`' default), never Muon's `lr`: the
+            two work on different scales (Muon's update has unit singular values).
         remainder_strategy: how a batch smaller than its FSDP group is exchanged: "agrs",
             "pad_all2all", "ragged_all_to_all", or "auto" (per batch, the lowest modelled time
             whose planned per-rank peak fits `memory_budget`; see `muon.plan.choose_remainder`).
@@ -104,12 +107,17 @@ class Muon(torch.optim.Optimizer):
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.
-        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 128 rows
+        ns_algorithm: "auto" (the default: Gram Newton-Schulz on blocks of at least 256 rows
             and columns where it needs fewer FLOPs, the standard iteration elsewhere), "gram"
             (wherever it needs fewer FLOPs) or "standard"; see `muon.newton_schulz`.
+        normuon: normalize each orthogonalized block by a running second moment per row (per
+            column for wide blocks) with a Frobenius rescale (NorMuon, `muon.normuon`); the
+            moments are state `normuon_v`, float32 `[num_blocks, rows or cols]` per parameter.
+        normuon_beta2: the second moment's EMA coefficient, in [0, 1).
 
     After a step, `step_stats` holds this rank's bytes, blocks and batches per path and its time
-    in Newton-Schulz and in waiting; `plan.ns_flops_per_rank` the planned NS work of every rank.
+    in Newton-Schulz and in waiting (on CUDA device time, from events: `muon.stats`);
+    `plan.ns_flops_per_rank` the planned NS work of every rank.
     """
 
     def __init__(
@@ -127,6 +135,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: str = "match_rms_adamw",
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        adamw_lr: float = 3e-3,
         remainder_strategy: str = "pad_all2all",
         enable_all2all: bool = True,
         max_inflight: int = 3,
@@ -134,6 +143,8 @@ class Muon(torch.optim.Optimizer):
         memory_budget: int | None = None,
         link: LinkModel | tuple | None = None,
         ns_algorithm: str = "auto",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
     ) -> None:
         if remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
@@ -153,7 +164,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
         if memory_budget is not None and not memory_budget > 0:
             raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
-        self._adamw_defaults = {"betas": tuple(betas), "eps": adamw_eps}
+        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(betas), "eps": adamw_eps}
         defaults = dict(
             lr=lr,
             algorithm="muon",
@@ -162,11 +173,14 @@ class Muon(torch.optim.Optimizer):
             weight_decay=weight_decay,
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
-            ns_dtype=_dtype_name(ns_dtype),
+            ns_dtype=dtype_name(ns_dtype),
             ns_algorithm=ns_algorithm,
             eps=eps,
             adjust_lr=adjust_lr,
             num_blocks=1,
+            split_sizes=None,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
         )
         self.remainder_strategy = remainder_strategy
         self.enable_all2all = enable_all2all
@@ -185,6 +199,8 @@ class Muon(torch.optim.Optimizer):
 
     def _plan(self) -> None:
         """(Re)build the step plan from the current groups (collective, see `muon.planner`)."""
+        if hasattr(self, "plan"):  # owners may move: every copy of NorMuon's moments current
+            normuon.sync(self)
         self.plan = build_step_plan(
             self.param_groups,
             remainder_strategy=self.remainder_strategy,
@@ -193,6 +209,42 @@ class Muon(torch.optim.Optimizer):
             memory_budget=self.memory_budget,
             link=self._link,
         )
+        self._planned_params = [tuple(map(id, g["params"])) for g in self.param_groups]
+        normuon.init_state(self)
+
+    def state_dict(self) -> dict:
+        """The state dict, with NorMuon's moments made equal on every rank first (collective
+        when NorMuon is on: call it on every rank, as DCP's `get_state_dict` does)."""
+        normuon.sync(self)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
+        would load; re-plans (collectively, as the constructor) when planning keys changed."""
+        check_loaded_groups(self.param_groups, state_dict, self.state)
+        before = plan_keys(self.param_groups)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                for key in MUON_ONLY_KEYS:
+                    g.pop(key, None)
+            else:
+                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        if plan_keys(self.param_groups) != before:
+            self._plan()
+
+    def _check_params_unchanged(self) -> None:
+        """Parameters appended to (or removed from) a group's list after planning would be
+        skipped silently: refuse to step instead."""
+        now = [tuple(map(id, g["params"])) for g in self.param_groups]
+        if now != self._planned_params:
+            planned = self._planned_params + [None] * len(now)  # groups appended by hand too
+            changed = next((i for i, ids in enumerate(now) if ids != planned[i]), len(now))
+            raise RuntimeError(
+                f"Muon: param_groups[{changed}]['params'] changed after the optimizer was "
+                "planned; add parameters with add_param_group (on every rank), which plans "
+                "them and creates their state"
+            )
 
     @property
     def plans(self) -> list[tuple[MeshCommPlan, list[BatchPlan]]]:
@@ -201,54 +253,35 @@ class Muon(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- groups and validation
     def add_param_group(self, param_group: dict) -> None:
-        algorithm = param_group.setdefault("algorithm", "muon")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
-        if algorithm == "adamw":
-            for key, value in self._adamw_defaults.items():
-                param_group.setdefault(key, value)
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._validate_group(group)
-        if hasattr(self, "plan"):  # after construction: state and plans for the new group
-            self._init_state()
-            self._plan()
-
-    def _validate_group(self, g: dict) -> None:
-        if not g["lr"] > 0:
-            raise ValueError(f"lr: must be > 0, got {g['lr']}")
-        if g["weight_decay"] < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
-        if g["algorithm"] == "adamw":
-            b1, b2 = g["betas"]
-            if not (0 <= b1 < 1 and 0 <= b2 < 1):
-                raise ValueError(f"betas: each must be in [0, 1), got {g['betas']}")
-            if not g["eps"] > 0:
-                raise ValueError(f"eps: must be > 0, got {g['eps']}")
-            return
-        if not 0 <= g["momentum"] < 1:
-            raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
-        if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
-            raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
-        if g["adjust_lr"] not in ADJUST_LR:
-            raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
-        resolve_coefficients(g["ns_coefficients"])
-        check_algorithm(g["ns_algorithm"])
-        g["ns_dtype"] = _dtype_name(g["ns_dtype"])
-        blocks = g["num_blocks"]
-        names = g.get("param_names") or [None] * len(g["params"])
-        for p, name in zip(g["params"], names, strict=True):
-            label = name or f"shape {tuple(p.shape)}"
-            if p.ndim < 2:
-                raise ValueError(
-                    f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
-                    "put vectors in an algorithm='adamw' group"
-                )
-            if not (isinstance(blocks, int) and blocks >= 1 and p.shape[0] % blocks == 0):
-                raise ValueError(
-                    f"num_blocks: {blocks} must be a positive divisor of the {p.shape[0]} rows "
-                    f"of {label}"
-                )
+        """Add a group (see the class docstring for its keys). Everything is checked before the
+        optimizer changes: a rejected group leaves groups, state and plan as they were."""
+        check_group_keys(param_group, f"param group {len(self.param_groups)}")
+        algorithm = group_algorithm(param_group)
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params: a set has no order (ranks would plan differently); use a list")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        extra = self._adamw_defaults if algorithm == "adamw" else {}
+        group = {**self.defaults, **extra, **param_group, "params": params, "algorithm": algorithm}
+        if algorithm == "adamw":  # Muon's defaults mean nothing to an AdamW group
+            for key in MUON_ONLY_KEYS:
+                group.pop(key, None)
+        validate_group(group)
+        planned = hasattr(self, "plan")
+        n_groups, known = len(self.param_groups), set(self.state)
+        super().add_param_group(group)  # its own checks (duplicates, leaves) append nothing
+        if algorithm == "adamw":  # torch filled Muon's defaults in again
+            for key in MUON_ONLY_KEYS:
+                self.param_groups[-1].pop(key, None)
+        if planned:  # after construction: state and plans for the new group
+            try:
+                self._init_state()
+                self._plan()
+            except Exception:
+                del self.param_groups[n_groups:]
+                for p in [p for p in self.state if p not in known]:
+                    del self.state[p]
+                raise
 
     def _init_state(self) -> None:
         """Create every parameter's state now, so all ranks have the same checkpoint keys."""
@@ -269,6 +302,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params_unchanged()
         finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
@@ -278,7 +312,7 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
-        stats = StepStats()
+        stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
@@ -317,25 +351,28 @@ class Muon(torch.optim.Optimizer):
         ortho = partial(
             _orthogonalize,
             block_rows=b.block_rows,
-            moved_shape=_moved_shape(b.global_shape, b.shard_tensor_dim),
+            block_shape=b.block_shape,
+            moved_shape=moved_shape(b.global_shape, b.shard_tensor_dim),
             dim=b.shard_tensor_dim,
             steps=g0["ns_steps"],
             coefficients=g0["ns_coefficients"],
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
             algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
+            post=normuon.post_for(self, params, b),
+            heights=b.split_sizes,
         )
         stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
-            for p, g in params:
+            first, count = b.exchange.unit_blocks(b, mp.fsdp_rank)
+            for j, (p, g) in enumerate(params):
                 if id(p) in self._gradless:
                     continue
                 shard = self._momentum_step(p, g, mp.shard_tensor_dim)
                 if shard.numel():
-                    shard = stats.orthogonalize(
-                        ortho, shard, "local", shard.size(0) // b.block_rows
-                    )
-                self._apply(p, g, shard, b)
+                    units = [(j, first, count)]
+                    shard = stats.orthogonalize(ortho, shard, "local", count, units=units)
+                self._apply(p, g, shard, b, mp.fsdp_rank)
             return
         path = b.exchange
         like = _local(self.state[params[0][0]]["momentum_buffer"])
@@ -353,17 +390,33 @@ class Muon(torch.optim.Optimizer):
         # 3. apply the orthogonalized shards
         for (p, g), o in zip(params, results, strict=True):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
-                self._apply(p, g, o, b)
+                self._apply(p, g, o, b, mp.fsdp_rank)
 
     @staticmethod
-    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan) -> None:
+    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
         """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
-        rows = b.global_shape[0] // g["num_blocks"]
-        cols = math.prod(b.global_shape) // b.global_shape[0]
-        lr = adjusted_lr(g["lr"], g["adjust_lr"], rows, cols)
+        if len(b.global_shape) > 2:  # each dim-0 slice is a block
+            rows, cols = b.block_shape
+        else:
+            rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         x = _local(p)
         x.mul_(1 - g["lr"] * g["weight_decay"])
-        x.add_(_from_rows(o, x, b.shard_tensor_dim), alpha=-lr)
+        update = from_rows(o, x, b.shard_tensor_dim)
+        if not b.split_sizes:
+            x.add_(update, alpha=-adjusted_lr(g["lr"], g["adjust_lr"], rows, cols))
+            return
+        # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
+        heights = torch.tensor(b.split_sizes)
+        row_height = heights.repeat_interleave(heights)
+        if b.shard_tensor_dim == 0 and b.fsdp_size > 1:
+            start = sum(b.shard_sizes[:fsdp_rank])
+            row_height = row_height[start : start + x.shape[0]]
+        for h in sorted(set(b.split_sizes)):
+            rows = (row_height == h).nonzero().view(-1).to(x.device)
+            if rows.numel():
+                lr = adjusted_lr(g["lr"], g["adjust_lr"], h, cols)
+                # the update may arrive in a narrower wire dtype; add_ would promote it too
+                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lr)
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
@@ -380,8 +433,8 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         if out is None:
             update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-            return _to_rows(update, shard_dim)
-        target = _from_rows(out, buf, shard_dim)
+            return to_rows(update, shard_dim)
+        target = from_rows(out, buf, shard_dim)
         if not g["nesterov"]:
             target.copy_(buf)
         elif target.dtype == buf.dtype:
@@ -389,58 +442,3 @@ class Muon(torch.optim.Optimizer):
         else:  # a narrower wire dtype: round the way Newton-Schulz's own cast would
             target.copy_(grad.lerp(buf, mu))
         return out
-
-
-def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """`[..., d, ...]` -> `[d, C]`: the sharded dim first, the rest flattened."""
-    if dim != 0:
-        t = t.movedim(dim, 0)
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous()
-
-
-def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_to_rows` for a tensor shaped like `like`."""
-    if dim == 0:
-        return rows.view(like.shape)
-    shape = list(like.shape)
-    moved = [shape[dim]] + shape[:dim] + shape[dim + 1 :]
-    return rows.view(moved).movedim(0, dim)
-
-
-def _moved_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    """`shape` with `dim` moved first: the layout `_to_rows` exchanges."""
-    return (shape[dim], *shape[:dim], *shape[dim + 1 :])
-
-
-def _orthogonalize(
-    m: torch.Tensor,
-    block_rows,
-    steps,
-    coefficients,
-    dtype,
-    eps,
-    moved_shape=(),
-    dim=0,
-    algorithm="",
-) -> torch.Tensor:
-    """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0.
-
-    With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
-    Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
-    """
-    if dim == 0:
-        return orthogonalize_blocks(
-            m, m.size(0) // block_rows, steps, coefficients, dtype, eps, algorithm=algorithm
-        )
-    x = m.reshape(moved_shape).movedim(0, dim)
-    shape = x.shape
-    o = orthogonalize_blocks(
-        x.reshape(shape[0], -1),
-        shape[0] // block_rows,
-        steps,
-        coefficients,
-        dtype,
-        eps,
-        algorithm=algorithm,
-    )
-    return o.view(shape).movedim(dim, 0).reshape(m.shape)

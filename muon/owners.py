@@ -44,7 +44,7 @@ def assign_owners(plans: Plans, *, world_size: int) -> tuple[Plans, list[int], i
                     for r, g in enumerate(ranks):
                         loads[g] += b.ns_flops_on(r if mp.sharded else 0)
                 continue
-            cost = b.blocks_per_unit * b.block_flops()
+            cost = b.block_flops() if b.path == "subgroup" else b.blocks_flops()
             for q in range(len(groups)):
                 for u in range(b.units):
                     if b.path == "subgroup":
@@ -161,7 +161,7 @@ def useful_ns_flops(plans: Plans) -> int:
     total = 0
     for mp, batches in plans:
         groups = len(mp.all_groups) if mp.sharded else 1
-        total += sum(b.size * b.num_blocks * b.block_flops() for b in batches) * groups
+        total += sum(b.size * b.blocks_flops() for b in batches) * groups
     return total
 
 

@@ -70,6 +70,8 @@ class ParamMeta:
     #: dtype on the wire: the Newton-Schulz dtype when it is narrower, since Newton-Schulz
     #: casts its input first and its output is exact in the wider dtype
     wire_dtype: str
+    #: rows of each block along dim 0 when they are unequal (`num_blocks` of them), else ()
+    split_sizes: tuple[int, ...] = ()
     ns_steps: int = 5
     #: "standard" or "gram" (`muon.newton_schulz`): what the cost and workspace models count
     ns_algorithm: str = "standard"
@@ -107,6 +109,8 @@ class BatchPlan:
     subgroup_size: int = 1
     fsdp_size: int = 1
     group_ranks: tuple[int, ...] = field(default=(), compare=False)
+    #: rows of each block of one matrix when they are unequal (Muon Split), else ()
+    split_sizes: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -123,14 +127,41 @@ class BatchPlan:
 
     @property
     def block_rows(self) -> int:
-        """Rows of one block: blocks are runs of the parameter's dim 0 (a matrix sharded on
-        another dim is orthogonalized in its own `[dim 0, rest]` layout)."""
+        """Rows of one block (the tallest with `split_sizes`): blocks are runs of the parameter's
+        dim 0 (a matrix sharded on another dim is orthogonalized in its own `[dim 0, rest]`
+        layout)."""
+        if self.split_sizes:
+            return max(self.split_sizes)
         rows = self.fsdp_visible_rows if self.shard_tensor_dim == 0 else self.global_shape[0]
         return rows // self.num_blocks
 
     @property
+    def block_heights(self) -> tuple[int, ...]:
+        """Rows of every block of one FSDP-visible matrix, in dim-0 order."""
+        return self.split_sizes or (self.block_rows,) * self.num_blocks
+
+    @property
     def block_cols(self) -> int:
-        return self.fsdp_visible_rows * self.other_numel // (self.block_rows * self.num_blocks)
+        return math.prod(self.global_shape) // self.global_shape[0]
+
+    def blocks_flops(self, first: int = 0, count: int | None = None) -> int:
+        """Newton-Schulz FLOPs of blocks first .. first+count-1 of one matrix (default all)."""
+        heights = self.block_heights[first : None if count is None else first + count]
+        if not self.split_sizes:
+            return len(heights) * self.block_flops()
+        return sum(
+            block_flops(h, self.block_cols, steps=self.ns_steps, algorithm=self.ns_algorithm)
+            for h in heights
+        )
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """The `[rows, cols]` matrix one block is orthogonalized as: `block_rows` rows of the
+        parameter's dim 0 by the rest; for a parameter of more than two dims, each dim-0 slice
+        `[d1, d2 * ...]` (`block_rows` is then 1)."""
+        if len(self.global_shape) > 2:
+            return self.global_shape[1], math.prod(self.global_shape[2:])
+        return self.block_rows, self.block_cols
 
     @property
     def blocks_per_unit(self) -> int:
@@ -156,10 +187,8 @@ class BatchPlan:
         return self.shard_sizes[fsdp_rank] * self.other_numel * self.wire_itemsize
 
     def block_flops(self) -> int:
-        """Newton-Schulz FLOPs of one `[block_rows, block_cols]` block (`muon.cost`)."""
-        return block_flops(
-            self.block_rows, self.block_cols, steps=self.ns_steps, algorithm=self.ns_algorithm
-        )
+        """Newton-Schulz FLOPs of one `block_shape` block (`muon.cost`)."""
+        return block_flops(*self.block_shape, steps=self.ns_steps, algorithm=self.ns_algorithm)
 
     # the path object in `muon.comm` owns every cost; these forward to it
     @property
@@ -173,7 +202,9 @@ class BatchPlan:
         return self.exchange.blocks_on(self, fsdp_rank)
 
     def ns_flops_on(self, fsdp_rank: int) -> int:
-        return self.matrices_on(fsdp_rank) * self.block_flops()
+        if not self.split_sizes:
+            return self.matrices_on(fsdp_rank) * self.block_flops()
+        return sum(self.blocks_flops(f, c) for _, f, c in self.exchange.units(self, fsdp_rank))
 
     def bytes_sent(self, fsdp_rank: int) -> int:
         """Bytes this rank sends for the batch, both directions, counted from the plan."""
@@ -224,7 +255,8 @@ def plan_batches(
     """
     buckets: dict[tuple, list[ParamMeta]] = {}
     for p in params:
-        buckets.setdefault((p.global_shape, p.num_blocks, p.dtype, p.ns_settings), []).append(p)
+        key = (p.global_shape, p.num_blocks, p.split_sizes, p.dtype, p.ns_settings)
+        buckets.setdefault(key, []).append(p)
     out: list[BatchPlan] = []
     for members in buckets.values():
         common = _bucket_fields(members, mesh_plan)
@@ -246,6 +278,11 @@ def _bucket_fields(members: list[ParamMeta], mp: MeshCommPlan) -> dict:
     p = members[0]
     shape, num_blocks = p.global_shape, p.num_blocks
     d = mp.shard_tensor_dim if mp.sharded else 0
+    if p.split_sizes and mp.non_fsdp_shard_factor > 1:
+        raise ValueError(
+            f"Muon: shape {shape} with split_sizes is sharded {mp.non_fsdp_shard_factor}-way "
+            "outside FSDP (EP); blocks of unequal heights need the whole dim 0 in one FSDP group"
+        )
     if shape[d] % mp.non_fsdp_shard_factor or num_blocks % mp.non_fsdp_shard_factor:
         raise ValueError(
             f"Muon: shape {shape} with {num_blocks} blocks is sharded "
@@ -266,6 +303,7 @@ def _bucket_fields(members: list[ParamMeta], mp: MeshCommPlan) -> dict:
         ns_algorithm=p.ns_algorithm,
         fsdp_size=mp.fsdp_size,
         group_ranks=mp.group_ranks,
+        split_sizes=p.split_sizes,
     )
 
 
@@ -276,7 +314,12 @@ def _cut_bucket(
         return [BatchPlan("local", indices, **common)]
     w, sizes, d = mp.fsdp_size, common["shard_sizes"], common["shard_tensor_dim"]
     blocks, visible = common["num_blocks"], common["fsdp_visible_rows"]
-    if expert_aware and blocks > 1 and d == 0:
+    splits = common["split_sizes"]
+    if expert_aware and splits and d == 0:
+        # every shard a run of whole blocks: each rank orthogonalizes its own, no exchange
+        if set(_cumsum(sizes)) <= set(_cumsum(splits)):
+            return [BatchPlan("local", indices, **common)]
+    elif expert_aware and blocks > 1 and d == 0:
         block_rows, chunk = visible // blocks, sizes[0]
         if chunk % block_rows == 0:
             return [BatchPlan("local", indices, **common)]
@@ -306,6 +349,14 @@ def _cut_bucket(
         else:
             path = strategy
         out.append(BatchPlan(path, batch, **common))
+    return out
+
+
+def _cumsum(sizes) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        total += n
+        out.append(total)
     return out
 
 
@@ -345,4 +396,5 @@ def fingerprint(
         h.update(repr((mp.sharded, mp.fsdp_size, mp.non_fsdp_shard_factor)).encode())
         for b in batches:
             h.update(repr((b.path, b.param_indices, b.global_shape, b.dtype)).encode())
+            h.update(repr(b.split_sizes).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1

@@ -29,6 +29,7 @@ from muon.plan import (
     plan_batches,
     resolve_mesh_comm_plan,
 )
+from muon.validate import param_blocks
 
 
 @dataclass
@@ -48,7 +49,11 @@ class StepPlan:
 
 
 def wire_dtype(param_dtype: torch.dtype, ns_dtype: torch.dtype) -> torch.dtype:
-    """The dtype matrices travel in: the Newton-Schulz dtype when it is not wider."""
+    """The dtype matrices travel in: the Newton-Schulz dtype when it is not wider, except float16
+    for a wider parameter, whose range would flush or overflow the unnormalized momentum
+    (Newton-Schulz normalizes before casting to float16, `muon.newton_schulz`)."""
+    if ns_dtype == torch.float16 and param_dtype != torch.float16:
+        return param_dtype
     return ns_dtype if ns_dtype.itemsize <= param_dtype.itemsize else param_dtype
 
 
@@ -106,7 +111,8 @@ def build_step_plan(
                 ParamMeta(
                     index=len(params),
                     global_shape=tuple(p.shape),
-                    num_blocks=g["num_blocks"],
+                    num_blocks=param_blocks(tuple(p.shape), g["num_blocks"], name or ""),
+                    split_sizes=g.get("split_sizes") or (),
                     dtype=str(p.dtype).removeprefix("torch."),
                     itemsize=p.element_size(),
                     wire_dtype=str(wire_dtype(p.dtype, ns_dtype)).removeprefix("torch."),

@@ -71,6 +71,9 @@ NsAlgorithm = _choices("NsAlgorithm", NS_ALGORITHMS)
 RouterOptim = _choices("RouterOptim", ROUTER_CHOICES)
 
 
+#: optim.muon_split (recipes.parallel.muon_split_on): auto = on for MLA, off for GQA
+MUON_SPLIT = ("auto", "on", "off")
+MuonSplit = _choices("MuonSplit", MUON_SPLIT)
 AdjustLr = _choices("AdjustLr", ADJUST_LR)
 
 
@@ -167,6 +170,10 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "decoupled weight decay of the Muon groups (all for adamw)")
     betas: list[float] = _f(lambda: [0.9, 0.95], "AdamW betas", True)
     eps: float = _f(1e-8, "AdamW epsilon")
+    qk_clip_tau: float | None = _f(
+        None, "QK-clip: rescale W_q/W_k of heads whose max attention logit exceeds it; null: off"
+    )
+    qk_clip_alpha: float = _f(0.5, "QK-clip: W_q takes eta^alpha, W_k eta^(1-alpha), in [0, 1]")
 
 
 @dataclass
@@ -185,7 +192,7 @@ class MuonOptimConfig(OptimConfig):
     )
     ns_algorithm: NsAlgorithm = _f(
         NsAlgorithm.auto,
-        "auto: Gram Newton-Schulz on rectangular blocks of >= 128 rows and columns; gram: on "
+        "auto: Gram Newton-Schulz on rectangular blocks of >= 256 rows and columns; gram: on "
         "every block where it needs fewer FLOPs; standard: never",
     )
     adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
@@ -202,6 +209,15 @@ class MuonOptimConfig(OptimConfig):
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
+    normuon: bool = _f(
+        False, "NorMuon: per-row (wide blocks: per-column) second-moment normalization after NS"
+    )
+    normuon_beta2: float = _f(0.95, "NorMuon second-moment EMA coefficient, in [0, 1)")
+    muon_split: MuonSplit = _f(
+        MuonSplit.auto,
+        "Muon Split: orthogonalize attention projections per head block; auto: on for MLA "
+        "(as GLM-5), off for GQA",
+    )
 
 
 @dataclass
@@ -299,6 +315,11 @@ class MetricsConfig:
     )
     progress: bool = _f(
         True, "tqdm progress bar on rank 0 (when attached to a terminal)", same_run=True
+    )
+    attn_max_logit: bool = _f(
+        True,
+        "log attn/max_logit (an extra no-grad Q K^T per layer); on with optim.qk_clip_tau",
+        same_run=True,
     )
 
 
@@ -582,12 +603,17 @@ def _validate_optim_option(cfg: DictConfig) -> None:
             f"optim.name={name} (this config composed optim={composed}); "
             f"allowed: {', '.join(OPTIM_SCHEMAS)}",
         )
+    if optim.qk_clip_tau is not None:
+        _positive(cfg, "optim.qk_clip_tau")
+    if not 0.0 <= optim.qk_clip_alpha <= 1.0:
+        raise _fail("optim.qk_clip_alpha", optim.qk_clip_alpha, "must be in [0, 1]")
     if name != OptimName.muon:
         return
     _positive(cfg, "optim.adamw_lr", "optim.ns_steps", "optim.max_inflight")
     _positive(cfg, "optim.adamw_weight_decay", allow_zero=True)
-    if not 0.0 <= optim.momentum < 1.0:
-        raise _fail("optim.momentum", optim.momentum, "must be in [0, 1)")
+    for key in ("momentum", "normuon_beta2"):
+        if not 0.0 <= optim[key] < 1.0:
+            raise _fail(f"optim.{key}", optim[key], "must be in [0, 1)")
 
 
 def _validate_data(cfg: DictConfig) -> None:

@@ -87,6 +87,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         adamw_weight_decay=o.adamw_weight_decay,
         adamw_betas=tuple(o.betas),
         adamw_eps=o.eps,
+        muon_split=muon_split_on(str(o.muon_split), model),
     )
     return Muon(
         groups,
@@ -104,8 +105,24 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         remainder_strategy=str(o.remainder_strategy),
         enable_all2all=o.enable_all2all,
         max_inflight=o.max_inflight,
+        normuon=o.normuon,
+        normuon_beta2=o.normuon_beta2,
         memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
     )
+
+
+def records_max_logits(cfg: DictConfig) -> bool:
+    """Whether training forwards record attention max logits: for `attn/max_logit`
+    (`metrics.attn_max_logit`) or because QK-clip needs them (`optim.qk_clip_tau` set)."""
+    return bool(cfg.metrics.attn_max_logit) or cfg.optim.qk_clip_tau is not None
+
+
+def muon_split_on(choice: str, model: torch.nn.Module) -> bool:
+    """`optim.muon_split`: on, off, or auto = on for MLA attention (GLM-5 trains it so) and off
+    for GQA (docs/attention_muon.md has the measurement behind that default)."""
+    if choice == "auto":
+        return getattr(getattr(model, "config", None), "attention", "gqa") == "mla"
+    return choice == "on"
 
 
 def lr_lambda(cfg: DictConfig):

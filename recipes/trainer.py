@@ -42,7 +42,14 @@ from recipes.metrics import (
     memory_extremes,
     remainder_metrics,
 )
-from recipes.parallel import build_model, build_optimizer, describe_model, lr_lambda, model_config
+from recipes.parallel import (
+    build_model,
+    build_optimizer,
+    describe_model,
+    lr_lambda,
+    model_config,
+    records_max_logits,
+)
 
 log = logging.getLogger("recipes")
 
@@ -109,6 +116,9 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.params = _groups_by_algorithm(self.opt)
         self.clipped = self.params["adamw"] + (self.params["muon"] if cfg.train.clip_muon else [])
+        self.qk_clip_tau = cfg.optim.qk_clip_tau
+        self.max_logits = records_max_logits(cfg)
+        self.model.record_max_logits(self.max_logits)
         if self.rank == 0:
             files = token_files(cfg.data)  # builds the stdlib corpus once per machine
         dist.barrier()
@@ -232,7 +242,21 @@ class Trainer:
                 self.opt.step()
         norms = {f"grad_norm/{k}": v**0.5 for k, v in sq.items()}
         norms["grad_norm"] = sum(sq.values()) ** 0.5
+        if self.max_logits:
+            norms.update(self._qk_clip())
         return skipped, norms
+
+    def _qk_clip(self) -> dict[str, float]:
+        """Collective (one MAX all-reduce): the step's max attention logits, then QK-clip of the
+        updated weights when `optim.qk_clip_tau` is set; returns the attn/ metrics."""
+        logits_LN = self.model.take_max_logits()
+        out = {"attn/max_logit": logits_LN.max().item()}
+        for i, value in enumerate(logits_LN.amax(dim=1).tolist()):
+            out[f"attn/max_logit/layer_{i:02d}"] = value
+        if self.qk_clip_tau is not None:
+            alpha = self.cfg.optim.qk_clip_alpha
+            out["attn/qk_clipped"] = float(self.model.qk_clip_(logits_LN, self.qk_clip_tau, alpha))
+        return out
 
     def train_step(self, measure: bool) -> dict[str, float]:
         """One optimizer step; returns this rank's metrics (memory figures when measured)."""

@@ -23,7 +23,12 @@ Sections (all in one run, so the ratios come from one machine state):
    variant, seed (`--train-seeds`) and learning rate (`--train-lrs`: the variants put singular
    values at different heights, so one lr can favour one of them) on this Python's standard
    library as bytes; the mean loss curves and the final losses per seed.
-4. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
+4. Ill-conditioned bf16 blocks (`conditioning`): the standard iteration and the default
+   (`ns_algorithm="auto"`) on 512x1536 and 1024x3072 blocks with singular values log-spaced
+   over a condition number of 1e2-1e4 (and a rank-deficient one): the output's largest singular
+   value, how many exceed the band plus bf16 slack, the distance to the polar factor and the
+   time. These shapes follow `--cond-scale`, not `--scale`: they are where Gram left the band.
+5. The W=4 optimizer step: a gloo world, FSDP2-sharded 1:3 matrices, `muon.Muon.step` per
    variant (interleaved), with the quality of the applied update (lr 1, no momentum, so the
    update is the orthogonalized gradient).
 
@@ -48,6 +53,8 @@ import torch
 
 from muon.newton_schulz import (
     GRAM_MIN_ROWS,
+    NS_COEFFICIENTS,
+    band_top,
     effective_algorithm,
     newton_schulz,
     ns_flops,
@@ -75,9 +82,8 @@ VARIANTS = {
     "polar_express sym": dict(coefficients="polar_express", symmetric=True),
     "polar_express gram": dict(coefficients="polar_express", algorithm="gram"),
     "polar_express gram sym": dict(coefficients="polar_express", algorithm="gram", symmetric=True),
-    "polar_express gram r1,3": dict(
-        coefficients="polar_express", algorithm="gram", restarts=(1, 3)
-    ),
+    # one restart, before step 2 (the default restarts are muon.newton_schulz.GRAM_RESTARTS)
+    "polar_express gram r2": dict(coefficients="polar_express", algorithm="gram", restarts=(2,)),
     "fixed gram": dict(coefficients="fixed", algorithm="gram"),
     "polar_express fp32": dict(coefficients="polar_express", dtype=torch.float32),
     "polar_express gram fp32": dict(
@@ -95,7 +101,7 @@ OPT_VARIANTS = {
 }
 DEFAULT = "polar_express auto"
 BULK = 1e-3
-SECTIONS = ("train", "step", "crossover", "quality")  # what --skip may name
+SECTIONS = ("train", "step", "crossover", "quality", "conditioning")  # what --skip may name
 
 
 def _shapes(text: str) -> list[tuple[str, int, int, int]]:
@@ -145,6 +151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-shape", default="384x1152", help="matrix shape of the step world")
     p.add_argument("--step-count", type=int, default=8, help="matrices in the step world")
     p.add_argument("--step-repeats", type=int, default=5, help="timed steps per variant")
+    p.add_argument(
+        "--cond-scale", type=int, default=1, help="divide the ill-conditioned blocks' dims"
+    )
     p.add_argument(
         "--skip",
         type=_names(SECTIONS, "--skip"),
@@ -243,7 +252,7 @@ def bench_shapes(args) -> list[dict]:
             )
     std = {(r["shape"], r["variant"]): r for r in rows}
     for r in rows:  # Gram against the standard iteration with the same coefficients
-        base_name = r["variant"].replace(" sym", "").replace(" r1,3", "")
+        base_name = r["variant"].replace(" sym", "").replace(" r2", "")
         same = std.get((r["shape"], base_name.replace(" gram", "")))
         if same is not None:
             r["time_vs_standard_same_coefs"] = r["ms_per_block"] / same["ms_per_block"]
@@ -314,6 +323,61 @@ def crossover(args) -> list[dict]:
                 auto=effective_algorithm(m, 3 * m, 5, "auto"),
             )
         )
+    return rows
+
+
+# (rows, cols, condition number, rank or None): section 4's ill-conditioned blocks
+CONDITIONING = [
+    (512, 1536, 1e2, None),
+    (512, 1536, 1e3, None),
+    (512, 1536, 1e4, None),
+    (512, 1536, 1e2, 128),
+    (1024, 3072, 1e2, None),
+]
+#: bf16 slack beyond the band (tests/unit/test_newton_schulz.py)
+BF16_SLACK = 0.04
+
+
+def _ill_conditioned(m, n, cond, rank, gen):
+    """[m, n] with random singular vectors and singular values log-spaced from 1 to 1/cond
+    (those after `rank` zero), and its polar factor."""
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(n, m, generator=gen))
+    s = torch.logspace(0, -math.log10(cond), m)
+    r = m if rank is None else rank
+    s[r:] = 0
+    return (U * s) @ V.T, U[:, :r] @ V[:, :r].T
+
+
+def conditioning(args) -> list[dict]:
+    """Section 4: the standard iteration vs the default on ill-conditioned bf16 blocks."""
+    clock, gen, rows = _timer(args.device), torch.Generator().manual_seed(2), []
+    top = band_top(NS_COEFFICIENTS["polar_express"], 5) + BF16_SLACK
+    for m, n, cond, rank in CONDITIONING:
+        k = args.cond_scale
+        m, n, rank = m // k, n // k, rank and rank // k
+        G, polar = _ill_conditioned(m, n, cond, rank, gen)
+        G, polar = G.to(args.device), polar.to(args.device)
+        fns = {
+            a: (lambda a=a, G=G: newton_schulz(G, coefficients="polar_express", algorithm=a))
+            for a in ("standard", "auto")
+        }
+        times = _interleaved(clock, fns, args.repeats, per_call=1)
+        for a, f in fns.items():
+            O = f().float()
+            sv = torch.linalg.svdvals(O)
+            rows.append(
+                dict(
+                    block=f"{m}x{n}",
+                    condition=f"{cond:g}" + ("" if rank is None else f", rank {rank}"),
+                    algorithm=a,
+                    sigma_max=sv.max().item(),
+                    above_band=int((sv > top).sum()),
+                    polar_dist=((O - polar).norm() / polar.norm()).item(),
+                    ms=times[a] * 1e3,
+                    time_vs_standard=times[a] / times["standard"],
+                )
+            )
     return rows
 
 
@@ -527,6 +591,22 @@ def summary(res: dict) -> list[str]:
             f"- Polar Express vs fixed, same 5 steps: lower orthogonality error on "
             f"{len(pe_better)} of {len(compared)} shapes."
         )
+    if res.get("conditioning"):
+        c = res["conditioning"]
+        auto, std = (
+            [r for r in c if r["algorithm"] == "auto"],
+            [r for r in c if r["algorithm"] == "standard"],
+        )
+        left = sum(r["above_band"] > 0 for r in auto)
+        lines.append(
+            f"- Ill-conditioned bf16 blocks ({len(auto)} cases, condition 1e2-1e4, one "
+            f"rank-deficient): the default leaves the band on {left} "
+            f"(largest singular value at most {max(r['sigma_max'] for r in auto):.3f}; standard "
+            f"{max(r['sigma_max'] for r in std):.3f}), distance to the polar factor "
+            f"{statistics.mean(r['polar_dist'] for r in auto):.4f} vs "
+            f"{statistics.mean(r['polar_dist'] for r in std):.4f} (mean), "
+            f"{statistics.mean(r['time_vs_standard'] for r in auto):.2f}x the standard's time."
+        )
     if "train" in res:
         t, base = res["train"], next(iter(OPT_VARIANTS))
         for lr in t["lrs"]:
@@ -590,6 +670,25 @@ def markdown(res: dict) -> str:
                     ("gram ms/block", "gram_ms", ".3f"),
                     ("gram / standard", "ratio", ".2f"),
                     ("auto runs", "auto", ""),
+                ],
+            ),
+        ]
+    if res.get("conditioning"):
+        parts += [
+            "",
+            "### Ill-conditioned bf16 blocks: standard vs the default (Polar Express)",
+            "",
+            markdown_table(
+                res["conditioning"],
+                [
+                    ("block", "block", ""),
+                    ("condition", "condition", ""),
+                    ("ns_algorithm", "algorithm", ""),
+                    ("sigma_max", "sigma_max", ".3f"),
+                    (f"above band + {BF16_SLACK}", "above_band", ""),
+                    ("dist to polar", "polar_dist", ".4f"),
+                    ("ms/block", "ms", ".1f"),
+                    ("vs standard", "time_vs_standard", ".2f"),
                 ],
             ),
         ]
@@ -720,6 +819,8 @@ def main(argv=None) -> dict:
     res["shapes"] = bench_shapes(args)
     if "crossover" not in skip:
         res["crossover"] = crossover(args)
+    if "conditioning" not in skip:
+        res["conditioning"] = conditioning(args)
     print("timing done", flush=True)
     if "train" not in skip:
         res["train"], momentum = train(args)

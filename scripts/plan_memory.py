@@ -87,11 +87,13 @@ def build_model(
     return model, config, meshes
 
 
-def build_optimizer(model, strategy: str, expert_aware: bool, router: str, ns_dtype, **kw):
+def build_optimizer(
+    model, strategy: str, expert_aware: bool, router: str, ns_dtype, muon_split=False, **kw
+):
     """`muon.Muon` over `muon.param_groups(model)`, exactly as the recipe builds it."""
     import muon
 
-    groups = muon.param_groups(model, router=router)
+    groups = muon.param_groups(model, router=router, muon_split=muon_split)
     return muon.Muon(
         groups,
         remainder_strategy=strategy,
@@ -156,7 +158,7 @@ class ShapeGroup:
     @property
     def key(self) -> tuple:
         b = self.batches[0]
-        return (self.mesh_index, b.global_shape, b.num_blocks, b.itemsize)
+        return (self.mesh_index, b.global_shape, b.num_blocks, b.split_sizes, b.itemsize)
 
     @property
     def params(self) -> int:
@@ -179,7 +181,7 @@ def shape_groups(plans: list[tuple[MeshCommPlan, list[BatchPlan]]]) -> list[Shap
     out: list[ShapeGroup] = []
     for i, (mp, batches) in enumerate(plans):
         for b in batches:
-            key = (i, b.global_shape, b.num_blocks, b.itemsize)
+            key = (i, b.global_shape, b.num_blocks, b.split_sizes, b.itemsize)
             if out and out[-1].key == key:
                 out[-1].batches.append(b)
             else:
@@ -231,6 +233,7 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
             "non_fsdp_shard_factor": base.mesh.non_fsdp_shard_factor,
             "shape": list(b0.global_shape),
             "num_blocks": b0.num_blocks,
+            "split_sizes": list(b0.split_sizes),
             "fsdp_visible_rows": b0.fsdp_visible_rows,
             "itemsize": b0.itemsize,
             "params": base.params,
@@ -291,6 +294,34 @@ def ns_figures(opt, fwd_bwd: float) -> dict:
     return fig
 
 
+def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: float) -> dict:
+    """This rank's cost of the attention knobs: NorMuon's moments (bytes of `normuon_v` state),
+    QK-clip's recording (one more causal Q K^T per layer and sequence, no backward)
+    and its one MAX all-reduce of [layers, heads] float32 per step."""
+    state = sum(
+        st["normuon_v"].to_local().numel() * 4
+        if hasattr(st["normuon_v"], "to_local")
+        else st["normuon_v"].numel() * 4
+        for st in opt.state.values()
+        if "normuon_v" in st
+    )
+    if config.attention == "mla":
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    else:
+        qk = config.head_dim_resolved
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    from models.glm.qk_clip import recording_flops
+
+    record = layers * tokens_per_rank / seq_len * recording_flops(seq_len, heads, qk)
+    return {
+        "normuon_state_bytes": state,
+        "qk_clip_record_flops": record,
+        "qk_clip_record_share": record / fwd_bwd if fwd_bwd else None,
+        "qk_clip_allreduce_bytes": layers * heads * 4,
+        "seq_len": seq_len,
+    }
+
+
 def active_parameters(model, config) -> int:
     """Parameters one token passes through: all, less the routed experts it is not sent to."""
     routed = sum(
@@ -323,6 +354,13 @@ def _render(header: list[str], rows: list[list[str]], left: set[int]) -> list[st
         ).rstrip()
 
     return [line(header), "-" * len(line(header)), *map(line, rows)]
+
+
+def _blocks(g: dict) -> str:
+    """The group's block count; blocks of unequal heights (Muon Split) as count + distinct rows."""
+    if not g.get("split_sizes"):
+        return str(g["num_blocks"])
+    return f"{g['num_blocks']} ({'/'.join(map(str, sorted(set(g['split_sizes']))))} rows)"
 
 
 def _merge(batches: list) -> str:
@@ -380,7 +418,7 @@ def format_report(report: dict) -> str:
                     [
                         str(i) if first else "",
                         "x".join(map(str, g["shape"])) if first else "",
-                        str(g["num_blocks"]) if first else "",
+                        _blocks(g) if first else "",
                         str(g["params"]) if first else "",
                         _merge(st["batches"]),
                         str(st["remainder"]),
@@ -445,6 +483,17 @@ def format_report(report: dict) -> str:
         lines.append(
             f"  comm group g (per-rank lists in --json): ranks {g[:4]}... ({len(g)} ranks)"
         )
+    att = report.get("attention")
+    if att:
+        share = att["qk_clip_record_share"]
+        lines += [
+            "",
+            f"attention knobs, rank {meta['rank']}: NorMuon moments "
+            f"{fmt_bytes(att['normuon_state_bytes'])} (with --normuon); QK-clip / attn/max_logit "
+            f"recording {att['qk_clip_record_flops'] / 1e12:.2f} TFLOP per step at sequences of "
+            f"{att['seq_len']} ({share:.2%} of forward+backward), one MAX all-reduce of "
+            f"{fmt_bytes(att['qk_clip_allreduce_bytes'])}",
+        ]
     if budget is not None:
         over = report["over_budget"]
         lines.append(f"over budget ({fmt_bytes(budget)}): {len(over)}")
@@ -493,6 +542,9 @@ def plan(
     budget_gib: float | None = None,
     strategies: tuple[str, ...] = REMAINDER_CHOICES,
     tokens_per_step: int = TOKENS_PER_STEP,
+    muon_split: bool = False,
+    normuon: bool = False,
+    seq_len: int = 4096,
     overrides: dict | None = None,
 ) -> dict:
     """Build the optimizer plans in a fake world and return the report as plain data
@@ -513,6 +565,8 @@ def plan(
                 expert_aware,
                 router,
                 DTYPES[ns_dtype],
+                muon_split=muon_split,
+                normuon=normuon,
                 nesterov=nesterov,
                 max_inflight=max_inflight,
                 ns_algorithm=ns_algorithm,
@@ -525,6 +579,9 @@ def plan(
         param_tensors = sum(len(g["params"]) for g in first.param_groups)
         ns_itemsize = DTYPES[ns_dtype].itemsize
         report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
+        report["attention"] = attention_figures(
+            next(iter(opts.values())), config, tokens_per_step // world_size, seq_len, fwd_bwd
+        )
         efsdp = meshes.efsdp
     finally:
         if created:
@@ -547,6 +604,8 @@ def plan(
         build_s=build_s,
         tokens_per_step=tokens_per_step,
         active_parameters=active,
+        muon_split=muon_split,
+        normuon=normuon,
         param_tensors=param_tensors,
         overrides=dict(overrides or {}),
     )
@@ -595,6 +654,12 @@ def main(argv: list[str] | None = None) -> int:
         default=TOKENS_PER_STEP,
         help="tokens per training step, for the NS share of a step (default 4M)",
     )
+    ap.add_argument(
+        "--muon-split",
+        action="store_true",
+        help="Muon Split: attention projections per head block (optim.muon_split=on)",
+    )
+    ap.add_argument("--normuon", action="store_true", help="NorMuon on (its moments as state)")
     ap.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
     ap.add_argument(
         "--step", action="store_true", help="also the whole-step per-rank memory estimate"
@@ -631,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
         budget_gib=args.budget_gib,
         strategies=tuple(args.strategy or REMAINDER_CHOICES),
         tokens_per_step=args.tokens_per_step,
+        muon_split=args.muon_split,
+        normuon=args.normuon,
+        seq_len=args.seq_len,
         overrides=overrides,
     )
     print(format_report(report))

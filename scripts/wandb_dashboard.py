@@ -7,8 +7,9 @@ The workspace shows the runs of one W&B group (the `strategies` experiment's run
 `optim.remainder_strategy`) grouped by that config key, so every panel draws one line (mean,
 min/max band) per strategy: step and optimizer time of the slowest rank, waiting on
 collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, training
-and held-out loss, and bar charts of the run summaries (peaks: train.py defines max summaries
-for memory and time). `--by optim.name --group optimizers` shows the optimizer study instead.
+and held-out loss, the largest attention logit (QK-clip's S, overall and per layer), and bar
+charts of the run summaries (peaks: train.py defines max summaries for memory and time).
+`--by optim.name --group optimizers` shows the optimizer study instead.
 Every metric key here is one that `train.py` logs (`tests/e2e/test_wandb.py` checks them against
 a real offline run). `--dry-run` prints the panels and needs neither the network nor a login;
 without it the workspace is saved through the W&B API (`wandb login` first) and its URL printed.
@@ -68,6 +69,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Training", "loss", ("loss",)),
     Panel("Training", "held-out loss (eval.every steps and the end)", ("val/loss",)),
     Panel("Training", "tokens/s", ("tokens_per_s",)),
+    Panel("Attention", "max pre-softmax logit, all layers (QK-clip's S)", ("attn/max_logit",)),
+    Panel("Attention", "max logit per layer", regex=r"attn/max_logit/layer_\d+"),
     Panel(
         "Summaries",
         "peak memory per run (MiB)",

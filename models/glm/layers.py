@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
+from models.glm.qk_clip import MaxLogitRecorder
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +110,11 @@ def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch
     return torch.cat([out, rest], dim=-1)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query attention with partial RoPE and optional per-head QK RMSNorm."""
+class Attention(MaxLogitRecorder, nn.Module):
+    """Causal grouped-query attention with partial RoPE and optional per-head QK RMSNorm.
+
+    With `record_max_logits` on, training forwards keep each head's largest pre-softmax logit in
+    `max_logits_N` (`models.glm.qk_clip`; `GLMForCausalLM.take_max_logits` collects them)."""
 
     def __init__(self, config: GLMConfig) -> None:
         super().__init__()
@@ -125,6 +129,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv_heads * K, bias=bias)
         self.v_proj = nn.Linear(D, self.n_kv_heads * K, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * K, D, bias=False)
+        # Muon Split (optim.muon_split): each head's rows of q, k and v a block of their own
+        self.q_proj.orthogonal_splits = {"weight": (K,) * self.n_heads}
+        self.k_proj.orthogonal_splits = {"weight": (K,) * self.n_kv_heads}
+        self.v_proj.orthogonal_splits = {"weight": (K,) * self.n_kv_heads}
         if config.use_qk_norm:
             self.q_norm = RMSNorm(K, config.rms_norm_eps)
             self.k_norm = RMSNorm(K, config.rms_norm_eps)
@@ -144,8 +152,10 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         k_BTNK = k_BTMK.repeat_interleave(rep, dim=2)
         v_BTNK = v_BTMK.repeat_interleave(rep, dim=2)
+        q_BNTK, k_BNTK = q_BTNK.transpose(1, 2), k_BTNK.transpose(1, 2)
+        self.record(q_BNTK, k_BNTK, self.head_dim**-0.5)
         o_BNTK = F.scaled_dot_product_attention(
-            q_BTNK.transpose(1, 2), k_BTNK.transpose(1, 2), v_BTNK.transpose(1, 2), is_causal=True
+            q_BNTK, k_BNTK, v_BTNK.transpose(1, 2), is_causal=True
         )
         return self.o_proj(o_BNTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

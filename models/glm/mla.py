@@ -24,6 +24,7 @@ from torch import nn
 from models.glm.config import GLMConfig
 from models.glm.indexer import Indexer, indexer_kl, select_topk, sparse_mask
 from models.glm.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
+from models.glm.qk_clip import MaxLogitRecorder
 
 # The latent norms' eps is fixed in GLM-5 (as in transformers), independent of rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -42,9 +43,10 @@ def softmax_scale(config: GLMConfig) -> float:
     return scale
 
 
-class MLAttention(nn.Module):
+class MLAttention(MaxLogitRecorder, nn.Module):
     """Causal multi-head latent attention of decoder layer `layer`, with the DSA indexer when
-    the config sets index_topk (none on "shared" layers)."""
+    the config sets index_topk (none on "shared" layers). Records max logits for QK-clip as
+    `Attention` does (`models.glm.qk_clip`)."""
 
     def __init__(self, config: GLMConfig, layer: int) -> None:
         super().__init__()
@@ -63,6 +65,11 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_rank, N * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(N * self.v_dim, D, bias=bias)
+        # Muon Split (optim.muon_split, GLM-5): the row blocks orthogonalized on their own
+        q = self.q_proj if config.q_lora_rank is None else self.q_b_proj
+        q.orthogonal_splits = {"weight": (self.nope, self.rope) * N}
+        self.kv_a_proj_with_mqa.orthogonal_splits = {"weight": (self.kv_rank, self.rope)}
+        self.kv_b_proj.orthogonal_splits = {"weight": (self.nope, self.v_dim) * N}
         self.scale = softmax_scale(config)
         self.sparse = config.uses_dsa
         self.topk = config.index_topk
@@ -112,6 +119,7 @@ class MLAttention(nn.Module):
             o_BNTV = F.scaled_dot_product_attention(
                 q_BNTH, k_BNTH, v_BNTV, is_causal=True, scale=self.scale
             )
+        self.record(q_BNTH, k_BNTH, self.scale, mask_B1TS)  # QK-clip's max logits
         if with_kl and scores_BTS is not None and self.indexer.trained:
             if mask_B1TS is None:
                 causal_TS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()

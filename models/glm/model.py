@@ -27,7 +27,9 @@ from models.glm import init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
 from models.glm.mla import MLAttention
-from models.glm.moe import FusedExperts, MoE, Router, recomputing
+from models.glm.moe import FusedExperts, MoE, Router
+from models.glm.qk_clip import clip_attention_
+from models.glm.recompute import recomputing
 
 IGNORE_INDEX = -100  # labels of tokens without a target (cross_entropy's default ignore_index)
 
@@ -227,6 +229,44 @@ class GLMForCausalLM(nn.Module):
             r.e_score_correction_bias += delta_E.to(r.e_score_correction_bias.dtype)
             r.expert_load.zero_()
         return loads_LE
+
+    def attentions(self) -> list[nn.Module]:
+        """The attention of every layer that forward runs (MTP layers excluded)."""
+        return [layer.self_attn for layer in self.model.layers]
+
+    def record_max_logits(self, on: bool) -> None:
+        """Make training forwards record each head's largest attention logit (or stop)."""
+        for attn in self.attentions():
+            attn.record_max_logits = on
+            attn.max_logits_N = None
+
+    @torch.no_grad()
+    def take_max_logits(self) -> torch.Tensor:
+        """Each layer's per-head largest pre-softmax logit since the last call, float32 [L, N]
+        (-inf for a layer that recorded nothing), the maximum over the default process group
+        when one is initialized (one all-reduce: every rank saw other data); then reset."""
+        attns = self.attentions()
+        device = next(self.parameters()).device
+        rows = [
+            a.max_logits_N
+            if a.max_logits_N is not None
+            else torch.full((a.n_heads,), -torch.inf, device=device)
+            for a in attns
+        ]
+        logits_LN = torch.stack(rows)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(logits_LN, op=dist.ReduceOp.MAX)
+        for a in attns:
+            a.max_logits_N = None
+        return logits_LN
+
+    def qk_clip_(self, max_logits_LN: torch.Tensor, tau: float, alpha: float = 0.5) -> int:
+        """QK-clip every layer from `take_max_logits`' result (`models.glm.qk_clip`); returns the
+        number of KV groups (with QK-norm: of layers' groups) clipped."""
+        return sum(
+            clip_attention_(attn, row_N, tau, alpha)
+            for attn, row_N in zip(self.attentions(), max_logits_LN, strict=True)
+        )
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (global sizes; works on meta and on DTensors)."""

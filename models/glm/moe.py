@@ -7,9 +7,6 @@ I expert inner size, L local experts, S rows for the local experts.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,20 +14,7 @@ from torch import nn
 from models.glm.config import GLMConfig
 from models.glm.expert_parallel import routed_experts_forward
 from models.glm.layers import MLP
-
-_recomputing = 0  # > 0 while activation checkpointing re-runs a forward in backward
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """The context of an activation-checkpoint recomputation: routers do not count loads again
-    (the counts feed the load-balancing bias, which must see each token once)."""
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
-        _recomputing -= 1
+from models.glm.recompute import is_recomputing
 
 
 @torch.compiler.disable
@@ -38,7 +22,7 @@ def _count_loads(expert_load: torch.Tensor, idx_NK: torch.Tensor) -> None:
     # Eager even inside a compiled layer: were the recomputation flag read by compiled code,
     # the recomputation would run a differently compiled graph whose saved tensors do not
     # line up with the forward's, and activation checkpointing would use the wrong ones.
-    if not _recomputing:
+    if not is_recomputing():  # the counts feed the load-balancing bias: each token once
         expert_load += torch.bincount(idx_NK.reshape(-1), minlength=expert_load.numel())
 
 

@@ -154,6 +154,7 @@ def _glm_snapshot(trainer) -> dict[str, np.ndarray]:
         if n.endswith("e_score_correction_bias"):
             out[n] = b.numpy().copy()
     names = {id(p): n for n, p in trainer.model.named_parameters()}
+    trainer.opt.state_dict()  # collective: NorMuon's moments current on every rank
     for p, st in trainer.opt.state.items():
         for k, v in st.items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -201,14 +202,16 @@ _RESHARD_RUNS = {
     "tiny": [],
     "mla_kl": ["model.preset=mla_tiny"],
     "mla_frozen": ["model.preset=mla_tiny", "train.indexer_training=frozen"],
+    "tiny_normuon": ["optim.normuon=true"],
 }
 
 
 @pytest.mark.slow
 def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     """The real model and Muon: what 4 ranks at ep=2 saved loads exactly on 2 ranks at ep=1
-    (parameters, router bias, Muon momentum, AdamW moments), and the next step matches; for
-    the GQA and the MLA + DSA + MTP models, with a trained and a frozen indexer."""
+    (parameters, router bias, Muon momentum, AdamW moments, NorMuon's moments), and the next
+    step matches; for the GQA and the MLA + DSA + MTP models, with a trained and a frozen
+    indexer, and GQA with NorMuon."""
     cache = str(tmp_path / "cache")
     dirs = [str(tmp_path / name) for name in _RESHARD_RUNS]
     four = [_glm_config(4, 2, *extra) for extra in _RESHARD_RUNS.values()]
@@ -229,6 +232,12 @@ def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
         # change, the bound 1e-3; bf16 measured 3.8e-2). A stale learning rate after the load
         # (schedule factor 1.0 one step earlier, 0.775 now) would be over 20% of the change off.
         assert_same_step(saved, resumed, after)
+        moments = [v for k, v in saved.items() if k.endswith(":normuon_v")]
+        if name == "tiny_normuon":  # every Muon matrix has moments, and they moved
+            assert len(moments) == sum(k.endswith(":momentum_buffer") for k in saved)
+            assert all(np.abs(v).max() > 0 for v in moments)
+        else:
+            assert not moments, name
         if name.startswith("mla"):
             assert "mtp_loss" in keys and ("indexer_kl" in keys) == (name == "mla_kl"), keys
             indexer = [k for k in saved if ".indexer." in k]

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+import muon.blocks as muon_blocks
 import muon.optimizer as muon_optimizer
 from muon import Muon
 from muon.runtime import AsyncRuntime
@@ -175,13 +176,13 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
             stride=p.stride(),
         )
     seen = []
-    real = muon_optimizer.orthogonalize_blocks
+    real = muon_blocks.orthogonalize_blocks
 
     def spy(m, num_blocks, *args, **kwargs):
         seen.append((tuple(m.shape), num_blocks))
         return real(m, num_blocks, *args, **kwargs)
 
-    muon_optimizer.orthogonalize_blocks = spy
+    muon_blocks.orthogonalize_blocks = spy
     try:
         opt = Muon(
             [{"params": list(holder), "num_blocks": E}],
@@ -190,7 +191,7 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
         )
         opt.step()
     finally:
-        muon_optimizer.orthogonalize_blocks = real
+        muon_blocks.orthogonalize_blocks = real
     batch = opt.plans[0][1][-1]
     return seen, batch.path, batch.fsdp_visible_rows, batch.collective_buffer_bytes(0)
 

@@ -2,7 +2,8 @@
 
 Each case either matches a single-process run of the same optimizer on the same parameters or
 raises a clear error on every rank:
-- fused experts (and 3-D matrices) sharded on a tensor dim other than 0;
+- fused experts (and 3-D expert weights) sharded on a tensor dim other than 0;
+- `[E, out, in]` expert weights under FSDP2 (dim 0 sharded), each slice a block;
 - a hand-built (Shard(0), Shard(0)) expert mesh: the inner (last) split is the comm group;
 - `add_param_group` after construction, for a Muon and an AdamW group;
 - a parameter whose grad is None on every rank stays untouched, state included; ranks that
@@ -26,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon import Muon
@@ -90,12 +92,20 @@ def _groups(params, spec):
     return [dict(kw, params=[params[i] for i in idx]) for kw, idx in spec]
 
 
-def _parity(shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.float32, scale=None):
-    """STEPS steps distributed and single-process on the same groups; returns the max error."""
+def _parity(
+    shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.float32, scale=None, **kw
+):
+    """STEPS steps distributed and single-process on the same groups; returns the max error
+    and the distributed optimizer. `placements=None`: FSDP2's `fully_shard` over `mesh`."""
     init = _tensors(shapes, seed, dtype, scale)
-    params = _dist_params(init, mesh, placements)
+    if placements is None:
+        holder = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
+        fully_shard(holder, mesh=mesh)
+        params = list(holder)
+    else:
+        params = _dist_params(init, mesh, placements)
     ref_params = _dist_params(init, None, None)
-    kw = dict(KW, remainder_strategy=strategy)
+    kw = dict(KW, remainder_strategy=strategy, **kw)
     opt = Muon(_groups(params, spec), **kw)
     ref = Muon(_groups(ref_params, spec), **kw)
     for step in range(STEPS):
@@ -104,15 +114,31 @@ def _parity(shapes, spec, mesh, placements, strategy, *, seed=0, dtype=torch.flo
         _set_grads(ref_params, grads)
         opt.step()
         ref.step()
-    return _max_err(opt, params, ref, ref_params)
+    return _max_err(opt, params, ref, ref_params), opt
 
 
 # --------------------------------------------------------------------------------- cases
 def _shard1_cases(flat):
-    """Fused experts and a 3-D matrix sharded on tensor dim 1 over 4 ranks (2 experts each)."""
+    """Fused experts and a 3-D expert weight (8 blocks of [6, 4]) sharded on tensor dim 1 over
+    4 ranks."""
     shapes = [(16, 12)] * 5 + [(8, 6, 4)] * 2  # a full batch + R=1; dim 1 of 6 -> 2,2,2,0
-    spec = [({BLOCKS: 2}, range(7))]
-    return {f"shard1 {s}": _parity(shapes, spec, flat, [Shard(1)], s) for s in STRATEGIES}
+    spec = [({BLOCKS: 2}, range(5)), ({}, range(5, 7))]
+    return {f"shard1 {s}": _parity(shapes, spec, flat, [Shard(1)], s)[0] for s in STRATEGIES}
+
+
+def _expert3d_cases(flat):
+    """[E, out, in] expert weights under FSDP2 (which shards dim 0, the experts): 8 experts
+    (2 whole slices per rank: local), 3 experts (shards of 1, 1, 1, 0), and the same exchanged
+    as whole matrices (expert_aware=False); each slice is a block."""
+    shapes = [(8, 6, 10)] * 2 + [(3, 6, 10)] * 3
+    spec = [({BLOCKS: 8}, range(2)), ({}, range(2, 5))]
+    out = {}
+    for aware in (True, False):
+        err, opt = _parity(shapes, spec, flat, None, "pad_all2all", seed=11, expert_aware=aware)
+        out[f"expert3d aware={aware}"] = err
+        blocks = {b.num_blocks for _, bs in opt.plans for b in bs}
+        out[f"expert3d blocks aware={aware}"] = 0.0 if blocks == {8, 3} else f"blocks {blocks}"
+    return out
 
 
 def _shard00_cases(_flat):
@@ -124,7 +150,7 @@ def _shard00_cases(_flat):
     spec = [({BLOCKS: 2}, range(6)), ({BLOCKS: 4}, range(6, 8))]
     out = {}
     for s in STRATEGIES:
-        out[f"shard00 {s}"] = _parity(shapes, spec, mesh, [Shard(0), Shard(0)], s)
+        out[f"shard00 {s}"] = _parity(shapes, spec, mesh, [Shard(0), Shard(0)], s)[0]
     return out
 
 
@@ -248,7 +274,8 @@ def _contracts_world():
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        for case in (_shard1_cases, _shard00_cases, _add_group_case, _grad_none_cases, _dtype_case):
+        cases = (_shard1_cases, _expert3d_cases, _shard00_cases, _add_group_case)
+        for case in (*cases, _grad_none_cases, _dtype_case):
             try:  # the errors of every case are reported, not only the first
                 out.update(case(flat))
             except Exception as e:  # noqa: BLE001 - reported by the test with its traceback
@@ -260,6 +287,7 @@ def _contracts_world():
 CASES = (
     *(f"shard1 {s}" for s in STRATEGIES),
     *(f"shard00 {s}" for s in STRATEGIES),
+    *(f"expert3d{what} aware={a}" for a in (True, False) for what in ("", " blocks")),
     "add_param_group",
     *(f"grad None {what} {s}" for s in STRATEGIES for what in ("untouched", "parity")),
     "disagree",
@@ -293,7 +321,7 @@ def test_contract(contracts, label):
             assert "group 0 param 2" in value and f"3 of {W} ranks" in value, value
         elif label.startswith("dtypes"):
             assert value <= 1.0, f"rank {rank}: {value}"
-        elif "untouched" in label or label == "disagree moved":
+        elif "untouched" in label or label == "disagree moved" or "blocks" in label:
             assert value == 0.0, f"rank {rank}: {value}"
         else:
             assert value < TOL, f"rank {rank}: {value}"

@@ -18,19 +18,23 @@ def test_bench_writes_tables_and_plots(tmp_path):
     argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--train-seeds", "2"]
     argv += ["--train-lrs", "0.02", "--step-world", "2"]
     argv += ["--step-shape", "32x96", "--step-count", "2", "--step-repeats", "1"]
+    argv += ["--cond-scale", "4"]  # 128x384 and 256x768: still Gram under "auto"
     res = bench.main([*argv, "--out", str(tmp_path)])
     for name in ("results.json", "tables.md", "newton_schulz.png", "training.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "results.json").read_text())["shapes"] == res["shapes"]
     # the summary the docs quote is the one computed from these results, one line per shape and
     # comparison: every shape, Polar Express vs fixed, one per learning rate, the step world,
-    # and the crossover line when Gram was faster anywhere (its wording is not tested)
+    # the crossover line when Gram was faster anywhere (its wording is not tested) and the
+    # ill-conditioned blocks' line
     tables = (tmp_path / "tables.md").read_text()
     lines = bench.summary(res)
     assert all(line in tables for line in lines)
     faster = any(r["ratio"] < 1 for r in res["crossover"])
-    assert len(lines) == len(bench.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster
+    assert len(lines) == len(bench.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster + 1
     assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
+    assert len(res["conditioning"]) == 2 * len(bench.CONDITIONING)
+    assert "Ill-conditioned bf16 blocks (5 cases" in tables
     timed = [r for r in res["shapes"] if "ms_per_block" in r]
     assert len(timed) == len(bench.GLM_SHAPES) * len(bench.VARIANTS)
     assert all(r["ms_per_block"] > 0 and r["gflop_per_block"] > 0 for r in timed)
@@ -54,7 +58,9 @@ def test_chosen_shapes_and_variants_with_the_share_of_peak(tmp_path, capsys):
     bench = importlib.import_module("bench_newton_schulz")
     argv = ["--scale", "1", "--repeats", "1", "--shapes", "up=64x192x2,sq=48x48"]
     argv += ["--variants", "polar_express,polar_express gram", "--peak-tflops", "0.5"]
-    res = bench.main([*argv, "--skip", "train,step,crossover,quality", "--out", str(tmp_path)])
+    res = bench.main(
+        [*argv, "--skip", "train,step,crossover,quality,conditioning", "--out", str(tmp_path)]
+    )
     rows = res["shapes"]
     assert [(r["shape"], r["dims"], r["batch"], r["variant"]) for r in rows] == [
         ("up", "64x192", 2, "polar_express"),

@@ -332,3 +332,22 @@ def test_indexer_training_flag_frozen_vs_kl():
         text=True,
     )
     assert bad.returncode == 2 and "has no sparse-attention indexer" in bad.stderr
+
+
+@pytest.mark.slow
+def test_glm52_muon_split_and_normuon(tmp_path, glm52_512):
+    """Muon Split on GLM-5.2's MLA: q_b_proj / kv_b_proj / kv_a_proj_with_mqa plan as blocks
+    of unequal heights, their Newton-Schulz work is below whole-matrix Muon's, and the
+    attention knobs' costs are reported."""
+    split = _run_planner(tmp_path, "--strategy", "pad_all2all", "--muon-split", "--normuon")
+    whole = glm52_512  # the default plan: whole matrices, no NorMuon
+    groups = {tuple(g["shape"]): g for g in split["groups"]}
+    assert groups[(64 * 256, 2048)]["split_sizes"][:2] == [192, 64]  # q_b_proj (nope, rope)
+    assert groups[(512 + 64, 6144)]["split_sizes"] == [512, 64]  # kv_a_proj_with_mqa
+    assert not any(g["split_sizes"] for g in whole["groups"])
+    ideal = [r["totals"]["pad_all2all"]["ns"]["ns_flops_ideal"] for r in (split, whole)]
+    assert ideal[0] < ideal[1]  # per-head blocks: fewer FLOPs than the whole matrices
+    att = split["attention"]
+    assert att["normuon_state_bytes"] > 0 and whole["attention"]["normuon_state_bytes"] == 0
+    assert 0 < att["qk_clip_record_share"] < 0.1 and att["qk_clip_allreduce_bytes"] == 78 * 64 * 4
+    assert "128 (64/192 rows)" in split["stdout"]  # the planner prints the blocks' heights

@@ -61,7 +61,8 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     optim = {
         line.split(" = ")[0] for line in adamw.stdout.splitlines() if line.startswith("optim.")
     }
-    assert optim == {f"optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")}
+    shared = ("name", "lr", "weight_decay", "betas", "eps", "qk_clip_tau", "qk_clip_alpha")
+    assert optim == {f"optim.{k}" for k in shared}
     assert "optim.lr = 0.003  # " in adamw.stdout
     assert not list(tmp_path.iterdir())  # nothing written
 

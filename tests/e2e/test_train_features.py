@@ -130,7 +130,9 @@ def _base(cache: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_bf16_run_trains_and_resumes_exactly(tmp_path):
+    """bf16 compute with NorMuon on: its moments are state that resumes bit for bit."""
     args = [*_base(tmp_path / "cache"), "train.param_dtype=bfloat16", "train.steps=4"]
+    args += ["optim.normuon=true"]
     args += ["checkpoint.every=2", "checkpoint.keep=3", "run.name=bf16"]
     _train_py(args, tmp_path)
     first = _metrics(tmp_path, "bf16")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from models.glm import GLMConfig
 from recipes.config import Config, to_plain
 from recipes.metrics import MetricsLog
 from tests import wandb_records
@@ -56,6 +57,7 @@ def sweep(tmp_path_factory) -> dict[str, Path]:
     args += ["train.steps=2", "train.warmup_steps=1", "metrics.memory_every=1"]
     args += ["metrics.progress=false", "data.seq_len=8", "data.batch_size=1"]
     args += ["checkpoint.every=0", "checkpoint.export_hf=false", "logger=wandb"]
+    args += ["optim.qk_clip_tau=0.05"]  # below the tiny model's first logits: both runs clip
     proc = train_py(args, root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     dirs = {d.name: d for d in (root / "default").iterdir()}
@@ -92,10 +94,23 @@ def test_offline_run_holds_system_metrics_commit_and_peak_summaries(sweep):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("optim", ["muon", "adamw"])
+def test_qk_clip_runs_under_both_optimizers_and_logs_max_logits(sweep, optim):
+    lines = [json.loads(x) for x in (sweep[optim] / "metrics.jsonl").read_text().splitlines()]
+    layers = GLMConfig().num_hidden_layers
+    for m in lines:
+        per_layer = [m[f"attn/max_logit/layer_{i:02d}"] for i in range(layers)]
+        assert m["attn/max_logit"] == max(per_layer) > 0
+    # the first step's logits (tiny init, 8 tokens: ~0.09) exceed tau = 0.05, so it clipped
+    assert lines[0]["attn/max_logit"] > 0.05 and lines[0]["attn/qk_clipped"] >= 1
+
+
+@pytest.mark.slow
 def test_adamw_run_carries_no_muon_keys(sweep):
     (offline,) = _offline(sweep["adamw"])
     run = wandb_records.read(offline)
-    assert run.config["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
+    shared = {"name", "lr", "weight_decay", "betas", "eps", "qk_clip_tau", "qk_clip_alpha"}
+    assert run.config["optim"].keys() == shared
     assert run.history and not any(k.startswith("muon/") for row in run.history for k in row)
     assert OmegaConf.load(sweep["adamw"] / "config.yaml").optim.keys() == run.config["optim"].keys()
 
@@ -111,7 +126,9 @@ def test_every_dashboard_key_is_logged_by_a_real_run(sweep):
     for panel in panels:
         if getattr(panel, "metric_regex", None):
             matched = {k for k in logged if re.fullmatch(panel.metric_regex, k)}
-            assert len(matched) == 2, (panel.title, matched)  # one line per rank
+            # one line per rank, or per decoder layer
+            lines = 2 if "rank_" in panel.metric_regex else GLMConfig().num_hidden_layers
+            assert len(matched) == lines, (panel.title, matched)
         elif hasattr(panel, "y"):
             assert set(panel.y) <= logged, (panel.title, set(panel.y) - logged)
         else:  # bar charts read run summaries

@@ -52,8 +52,11 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     plain = schema.to_plain(cfg)
     if plain["optim"]["name"] == "muon":
         assert plain["optim"]["remainder_strategy"] in REMAINDER_STRATEGIES
-    else:  # one schema per optimizer: an AdamW run carries no Muon key
-        assert plain["optim"].keys() == {"name", "lr", "weight_decay", "betas", "eps"}
+    else:  # one schema per optimizer: an AdamW run carries no Muon key (QK-clip is shared)
+        assert plain["optim"].keys() == {
+            *("name", "lr", "weight_decay", "betas", "eps"),
+            *("qk_clip_tau", "qk_clip_alpha"),
+        }
     # What the workers receive round-trips into the typed schema.
     again = schema.from_yaml(OmegaConf.to_yaml(cfg, resolve=True))
     assert schema.to_plain(again) == plain
@@ -142,6 +145,9 @@ def test_compose_rejects(override, expected):
         (["train.inject_nan_at_step=99", "train.steps=5"], "must be in [1, 5]"),
         (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
         (["optim.momentum=1.0"], "optim.momentum=1.0: must be in [0, 1)"),
+        (["optim.normuon_beta2=1.0"], "optim.normuon_beta2=1.0: must be in [0, 1)"),
+        (["optim.qk_clip_tau=0.0"], "optim.qk_clip_tau=0.0: must be > 0"),
+        (["optim=adamw", "optim.qk_clip_alpha=1.5"], "optim.qk_clip_alpha=1.5: must be in [0, 1]"),
         (["data.vocab_size=300"], "does not fit data.dtype=uint8"),
         (["optim.name=adamw"], "optim.name=adamw: the optimizer is chosen with the config group"),
         (["data.vocab_size=100"], "data.vocab_size=100: data.source=stdlib has byte tokens"),
@@ -383,14 +389,42 @@ def test_newton_schulz_knobs_reach_the_optimizer():
     from recipes.parallel import build_optimizer
 
     cfg = _compose(["optim.ns_coefficients=fixed", "optim.ns_algorithm=standard"])
+    cfg.optim.normuon, cfg.optim.normuon_beta2 = True, 0.9
     opt = build_optimizer(cfg, GLMForCausalLM(get_preset("tiny")))
     muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     assert muon and all(
-        (g["ns_coefficients"], g["ns_algorithm"]) == ("fixed", "standard") for g in muon
+        (g["ns_coefficients"], g["ns_algorithm"], g["normuon"], g["normuon_beta2"])
+        == ("fixed", "standard", True, 0.9)
+        for g in muon
     )
+    assert all("normuon_v" in opt.state[p] for g in muon for p in g["params"])
     default = build_optimizer(_compose([]), GLMForCausalLM(get_preset("tiny")))
     assert {
         (g["ns_coefficients"], g["ns_algorithm"])
         for g in default.param_groups
         if g["algorithm"] == "muon"
     } == {("polar_express", "auto")}
+
+
+def test_attention_knobs_reach_the_model_and_optimizer():
+    """metrics.attn_max_logit / optim.qk_clip_tau decide the recording; optim.muon_split which
+    projections are split (auto: MLA only)."""
+    from models.glm import GLMForCausalLM, get_preset
+    from recipes.parallel import build_optimizer, muon_split_on, records_max_logits
+
+    assert records_max_logits(_compose([]))
+    assert not records_max_logits(_compose(["metrics.attn_max_logit=false"]))
+    assert records_max_logits(_compose(["metrics.attn_max_logit=false", "optim.qk_clip_tau=50"]))
+    gqa, mla = GLMForCausalLM(get_preset("tiny")), GLMForCausalLM(get_preset("mla_tiny"))
+    assert not muon_split_on("auto", gqa) and muon_split_on("auto", mla)
+    assert muon_split_on("on", gqa) and not muon_split_on("off", mla)
+    opt = build_optimizer(_compose(["optim.muon_split=on"]), gqa)
+    split = {n for g in opt.param_groups if g.get("num_blocks", 1) > 1 for n in g["param_names"]}
+    assert "model.layers.0.self_attn.q_proj.weight" in split
+    unsplit = build_optimizer(_compose([]), gqa)
+    assert not any(
+        "self_attn" in n
+        for g in unsplit.param_groups
+        if g.get("num_blocks", 1) > 1
+        for n in g["param_names"]
+    )

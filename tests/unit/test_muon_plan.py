@@ -158,8 +158,8 @@ def test_lpt_owners_balance_cost_across_shapes_and_batches():
 
 def test_gram_plans_count_gram_flops_and_workspace():
     """With ns_algorithm="gram" the plan counts the iteration `newton_schulz` runs on each
-    shape: Gram on a 1:3 block (52 m^3 against 70 m^3, two more m x m temporaries), the
-    standard iteration on a square one (Gram needs no fewer FLOPs there)."""
+    shape: Gram on a 1:3 block (58 m^3 against 70 m^3 with the default restarts, two more
+    m x m temporaries), the standard iteration on a square one (no fewer FLOPs there)."""
     from dataclasses import replace
 
     w = 4
@@ -177,7 +177,7 @@ def test_gram_plans_count_gram_flops_and_workspace():
         )
         m = min(shape)
         assert b_std.block_flops() == (70 * m**3 if gram_runs else 5 * 6 * m**3)
-        want = 52 * m**3 if gram_runs else b_std.block_flops()
+        want = 58 * m**3 if gram_runs else b_std.block_flops()
         assert b_gram.block_flops() == want
         extra = 2 * m * m * 2 if gram_runs else 0  # two bf16 m x m matrices
         owner = b_gram.owners[0]

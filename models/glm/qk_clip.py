@@ -1,0 +1,148 @@
+"""QK-clip (Kimi K2's MuonClip): watch each head's largest attention logit, rescale W_q / W_k.
+
+Recording: an attention with `record_max_logits` on keeps, per query head, the largest
+pre-softmax logit q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its
+training forwards saw since the last `take_max_logits`: every micro-batch of a step, but not the
+activation-checkpoint recomputation (`models.glm.recompute`), and not forwards without grad
+(evaluation). It costs one more (causal) Q K^T per layer, without grad, in query chunks
+(`recording_flops`).
+
+Clipping (after the optimizer step, with the maximum over the ranks that saw different data), GQA:
+eta = min(1, tau / S) per KV group, S the largest logit of the group's query heads (Megatron-LM's
+GQA rule): the group's W_q rows (and q biases) scale by eta^alpha, its W_k rows (and k biases) by
+eta^(1 - alpha), so each of its logits scales by eta and the largest lands on tau. V and o_proj
+are untouched. With QK-norm the projections' scale cancels in the norm, so the norm weights,
+shared by every head of the layer, take it instead: q_norm.weight by eta^alpha and k_norm.weight
+by eta^(1 - alpha) with the layer's smallest eta (every head of the layer shrinks by it).
+MLA (`_clip_mla_`): eta per head, q_nope rows by eta^alpha, q_rope rows by eta, k_nope rows by
+eta^(1 - alpha), the shared rotary key untouched (Kimi K2's MuonClip).
+Sharded weights (FSDP2 / EP DTensors) scale their local rows; nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from models.glm.recompute import is_recomputing
+
+#: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
+#: float32 logits (with B * N = 64 and T = 4096: 128 MiB); a chunk reads only the keys up to its
+#: last query, so the recording computes about half of the T x T logits
+QUERY_CHUNK = 128
+
+
+@torch.no_grad()
+def head_max_logits(
+    q_BNTK: torch.Tensor,
+    k_BNTK: torch.Tensor,
+    scale: float,
+    keep_B1TS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest pre-softmax logit of each head, `[N]` float32, over the keys each query may
+    attend: `keep_B1TS` (True = attended, DSA's sparse mask) or, when None, the causal ones."""
+    T = q_BNTK.size(2)
+    k = k_BNTK.float()
+    best = torch.full((q_BNTK.size(1),), -torch.inf, device=q_BNTK.device)
+    keys = torch.arange(T, device=q_BNTK.device)
+    for start in range(0, T, QUERY_CHUNK):
+        q = q_BNTK[:, :, start : start + QUERY_CHUNK].float()
+        end = start + q.size(2)  # keys past the chunk's last query are masked either way
+        s_BNQT = torch.matmul(q, k[:, :, :end].transpose(-1, -2)) * scale
+        if keep_B1TS is None:
+            masked = keys[None, :end] > keys[start:end, None]  # the future
+        else:  # DSA keeps causal keys only
+            masked = ~keep_B1TS[:, :, start:end, :end]
+        s_BNQT.masked_fill_(masked, -torch.inf)
+        best = torch.maximum(best, s_BNQT.amax(dim=(0, 2, 3)))
+    return best
+
+
+class MaxLogitRecorder:
+    """Mixin of the attention modules: `record(q, k, scale, keep)` keeps the per-head maximum of
+    training forwards in `max_logits_N` while `record_max_logits` is on."""
+
+    record_max_logits = False
+    max_logits_N: torch.Tensor | None = None  # per instance once set; never a checkpointed buffer
+
+    @torch.compiler.disable
+    def record(self, q_BNTK, k_BNTK, scale: float, keep_B1TS=None) -> None:
+        """Eager, as the router's load counts: the recomputation flag must not be traced."""
+        if not self.record_max_logits or not torch.is_grad_enabled() or is_recomputing():
+            return
+        best = head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS)
+        prev = self.max_logits_N
+        self.max_logits_N = best if prev is None else torch.maximum(prev, best)
+
+
+def recording_flops(seq_len: int, heads: int, qk_dim: int) -> int:
+    """FLOPs of one sequence's recording in one layer (the chunked causal Q K^T)."""
+    rows = [min(QUERY_CHUNK, seq_len - s) for s in range(0, seq_len, QUERY_CHUNK)]
+    keys = sum(r * (s + r) for s, r in zip(range(0, seq_len, QUERY_CHUNK), rows, strict=True))
+    return 2 * heads * qk_dim * keys
+
+
+def clip_factors(max_logit_N: torch.Tensor, n_kv_heads: int, tau: float) -> torch.Tensor:
+    """eta per KV group, `[M]`: min(1, tau / S) with S the group's largest logit; 1 where S is not
+    finite (a skipped, non-finite step must not zero a weight)."""
+    s_M = max_logit_N.view(n_kv_heads, -1).amax(dim=1)
+    over = torch.isfinite(s_M) & (s_M > tau)
+    return torch.where(over, tau / s_M, torch.ones_like(s_M))
+
+
+def scale_rows_(p: torch.Tensor, scale_rows: torch.Tensor) -> None:
+    """p[i] *= scale_rows[i] along dim 0, in place; a DTensor scales its local rows only (the
+    replicated factors are cut to the parameter's layout locally, without communication)."""
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        full = DTensor.from_local(
+            scale_rows.to(p.to_local().device), mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
+        factors, local = full.redistribute(mesh, p.placements).to_local(), p.to_local()
+    else:
+        factors, local = scale_rows.to(p.device), p.data
+    local.mul_(factors.view(-1, *[1] * (local.ndim - 1)).to(local.dtype))
+
+
+@torch.no_grad()
+def clip_attention_(attn, max_logit_N: torch.Tensor, tau: float, alpha: float) -> int:
+    """Rescale one attention's query/key projections (see the module docstring); returns the
+    number of KV groups (MLA: heads) clipped. Nothing is written when none exceeds tau."""
+    if hasattr(attn, "kv_b_proj"):
+        return _clip_mla_(attn, max_logit_N, tau, alpha)
+    eta_M = clip_factors(max_logit_N, attn.n_kv_heads, tau)
+    clipped = int((eta_M < 1).sum())
+    if not clipped:
+        return 0
+    if attn.q_norm is not None:
+        eta = float(eta_M.min())
+        attn.q_norm.weight.mul_(eta**alpha)
+        attn.k_norm.weight.mul_(eta ** (1 - alpha))
+        return clipped
+    K, rep = attn.head_dim, attn.n_heads // attn.n_kv_heads
+    q_rows = (eta_M**alpha).repeat_interleave(rep * K)  # query head h is in group h // rep
+    k_rows = (eta_M ** (1 - alpha)).repeat_interleave(K)
+    for proj, rows in ((attn.q_proj, q_rows), (attn.k_proj, k_rows)):
+        scale_rows_(proj.weight, rows)
+        if proj.bias is not None:
+            scale_rows_(proj.bias, rows)
+    return clipped
+
+
+def _clip_mla_(attn, max_logit_N: torch.Tensor, tau: float, alpha: float) -> int:
+    """MLA, per head: q_nope rows by eta^alpha, q_rope rows by eta, k_nope rows (in kv_b_proj) by
+    eta^(1 - alpha); the rotary key (kv_a_proj_with_mqa) serves every head and is not touched,
+    nor are v's rows. Each term of the head's logit, q_nope.k_nope + q_rope.k_rope, scales by
+    eta."""
+    eta_N = clip_factors(max_logit_N, attn.n_heads, tau)
+    clipped = int((eta_N < 1).sum())
+    if not clipped:
+        return 0
+    P, R, V = attn.nope, attn.rope, attn.v_dim
+    ones = torch.ones_like(eta_N)
+    q_rows = torch.stack([eta_N**alpha] * P + [eta_N] * R, dim=1).reshape(-1)
+    kv_rows = torch.stack([eta_N ** (1 - alpha)] * P + [ones] * V, dim=1).reshape(-1)
+    q = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
+    scale_rows_(q.weight, q_rows)
+    scale_rows_(attn.kv_b_proj.weight, kv_rows)
+    return clipped

@@ -1,0 +1,160 @@
+"""NorMuon: a second-moment normalization of each orthogonalized block (arXiv 2510.05491).
+
+After O = NS(M) for an `[r, c]` block, one running second moment per row (per column when the
+block is wide, r < c: the axis with more entries, as modded-nanogpt and nanochat choose) scales
+the update so that every row (column) moves at a similar rate, and a Frobenius rescale keeps the
+update's overall size that of O:
+
+    s_i = mean_j O_ij^2                       (j over the other axis)
+    v_i <- beta2 * v_i + (1 - beta2) * s_i
+    U = O / (sqrt(v) + 1e-8);  U <- U * ||O||_F / ||U||_F
+
+`v` is optimizer state: one float32 vector of `state_len(r, c)` entries per block, computed by the
+rank that orthogonalizes the block (it holds the whole block, so the result does not depend on
+the layout). The optimizer keeps `v` replicated over the FSDP group (`muon.optimizer`), in every
+rank's copy up to date for the blocks it owns, and makes the copies equal before a state dict is
+taken or the plan changes (`sync_owned`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from muon.blocks import local as _local
+
+#: added to sqrt(v) before dividing (the paper's and dion's value)
+EPS = 1e-8
+
+
+def per_row(rows: int, cols: int) -> bool:
+    """True when the second moment is kept per row (tall or square blocks), else per column."""
+    return rows >= cols
+
+
+def state_len(rows: int, cols: int) -> int:
+    """Entries of one block's second-moment vector."""
+    return rows if per_row(rows, cols) else cols
+
+
+def normalize(o_BRC: torch.Tensor, v_BL: torch.Tensor, beta2: float) -> torch.Tensor:
+    """NorMuon of a batch of orthogonalized blocks `o_BRC`, updating their float32 second
+    moments `v_BL` in place; returns the normalized blocks in `o_BRC`'s dtype."""
+    rows, cols = o_BRC.shape[-2:]
+    reduce = 2 if per_row(rows, cols) else 1  # the axis averaged over
+    o = o_BRC.float()
+    v_BL.mul_(beta2).add_(o.square().mean(dim=reduce), alpha=1 - beta2)
+    u = o / (v_BL.sqrt() + EPS).unsqueeze(reduce)
+    # a zero block (zero momentum) stays zero instead of 0 / 0
+    scale = o.norm(dim=(1, 2)) / u.norm(dim=(1, 2)).clamp_min(torch.finfo(torch.float32).tiny)
+    return (u * scale[:, None, None]).to(o_BRC.dtype)
+
+
+def sync_owned(tensors: list[torch.Tensor], owned: list[torch.Tensor], group) -> None:
+    """Make every rank's copy of the second moments equal: rows a rank does not own are zeroed,
+    then one SUM all-reduce over `group` gives every rank the owner's value (x + 0 is exact, so
+    the copies are bit-identical to the owner's). `owned[i]` is a bool mask over the blocks
+    (dim 0) of `tensors[i]`; every block has exactly one owner in the group."""
+    if not tensors:
+        return
+    for t, mask in zip(tensors, owned, strict=True):
+        t[~mask] = 0
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+# ------------------------------------------------ the optimizer's side (`muon.optimizer.Muon`)
+def init_state(opt) -> None:
+    """NorMuon's second moments: `[num_blocks, L]` float32 per parameter (L the rows or the
+    columns of a block, `muon.normuon.state_len`), replicated over the FSDP group and sharded
+    on the experts' EP dim, so that DCP saves one copy and reshards it onto any mesh."""
+    for mp, batches in opt.plan.plans:
+        for b in batches:
+            for i in b.param_indices:
+                p, gi = opt.plan.params[i]
+                g = opt.param_groups[gi]
+                if not g.get("normuon"):
+                    continue
+                blocks, cols = g["num_blocks"], math.prod(p.shape[1:])
+                heights = g.get("split_sizes") or (p.shape[0] // blocks,)
+                if p.ndim > 2:  # one [d1, d2 * ...] block per dim-0 slice
+                    blocks, heights, cols = p.shape[0], (p.shape[1],), math.prod(p.shape[2:])
+                length = max(state_len(h, cols) for h in heights)
+                if not isinstance(p, DTensor):
+                    v = torch.zeros(blocks, length, device=p.device)
+                else:
+                    placements = [
+                        Shard(0) if d == mp.ep_mesh_dim else Replicate()
+                        for d in range(p.device_mesh.ndim)
+                    ]
+                    local = torch.zeros(
+                        blocks // mp.non_fsdp_shard_factor, length, device=p.to_local().device
+                    )
+                    v = DTensor.from_local(
+                        local,
+                        p.device_mesh,
+                        placements,
+                        run_check=False,
+                        shape=(blocks, length),
+                        stride=(length, 1),
+                    )
+                opt.state[p].setdefault("normuon_v", v)
+
+
+def sync(opt) -> None:
+    """Give every rank the owners' NorMuon moments (collective over each FSDP group): a
+    rank updates only the blocks it orthogonalizes, so the copies differ between steps."""
+    for mp, batches in opt.plan.plans:
+        if not mp.sharded:
+            continue
+        tensors, owned = [], []
+        for b in batches:
+            for j, i in enumerate(b.param_indices):
+                p, gi = opt.plan.params[i]
+                if not opt.param_groups[gi].get("normuon"):
+                    continue
+                v = _local(opt.state[p]["normuon_v"])
+                mask = torch.zeros(v.size(0), dtype=torch.bool, device=v.device)
+                for unit, first, count in b.exchange.units(b, mp.fsdp_rank):
+                    if unit == j:
+                        mask[first : first + count] = True
+                tensors.append(v)
+                owned.append(mask)
+        sync_owned(tensors, owned, opt.plan.groups[(mp, 0)])
+
+
+def post_for(opt, params: list, b):
+    """NorMuon for the blocks of batch `b` this rank orthogonalizes, or None when no
+    parameter of the batch has it on: `post(O_BRC, blocks)`, `blocks[i]` = (parameter j,
+    block index) of `O_BRC[i]`, normalizes them (`muon.normuon.normalize`) and updates their
+    moments in this rank's copy."""
+    if not any(g.get("normuon") for _, g in params):
+        return None
+
+    def post(o_BRC: torch.Tensor, blocks) -> torch.Tensor:
+        rows, cols = o_BRC.shape[1:]
+        by_param: dict[int, tuple[list, list]] = {}
+        for pos, (j, i) in enumerate(blocks):
+            by_param.setdefault(j, ([], []))[0].append(pos)
+            by_param[j][1].append(i)
+        for j, (pos, idx) in by_param.items():
+            p, g = params[j]
+            if not g.get("normuon") or id(p) in opt._gradless:
+                continue
+            v_all = _local(opt.state[p]["normuon_v"])
+            length = state_len(rows, cols)  # blocks of unequal heights: a prefix of the row
+            pos_t = torch.tensor(pos, device=o_BRC.device)
+            idx_t = torch.tensor(idx, device=v_all.device)
+            v = v_all[idx_t, :length]
+            o_BRC[pos_t] = normalize(o_BRC[pos_t], v, g["normuon_beta2"])
+            v_all[idx_t, :length] = v
+        return o_BRC
+
+    return post
