@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.glm import GLMConfig
+from muon.cost import window_peak_bytes
 
 GiB = 1 << 30
 
@@ -225,21 +226,14 @@ def _unsharded_bytes(module: torch.nn.Module, itemsize: int, ep: int) -> int:
 def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
     """The largest sum of per-batch peaks (exchange buffers + Newton-Schulz workspace + the
     local path's Nesterov input) over `max_inflight` consecutive batches of the optimizer's
-    plans on this rank; 0 for optimizers without plans (AdamW)."""
-    peaks = []
-    for mesh_plan, batches in getattr(opt, "plans", []):
-        r = mesh_plan.fsdp_rank
-        for b in batches:
-            nesterov_input = 0
-            if b.path == "local" and nesterov:
-                # the Nesterov input is built in the parameter's dtype (not the wire dtype)
-                rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
-                nesterov_input = rows * b.other_numel * b.itemsize
-            peaks.append(
-                nesterov_input + b.exchange_buffer_bytes(r) + b.ns_workspace_bytes(r, ns_itemsize)
-            )
-    k = max(1, max_inflight)
-    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
+    plans on this rank (`muon.cost.window_peak_bytes`); 0 for optimizers without plans
+    (AdamW)."""
+    return window_peak_bytes(
+        getattr(opt, "plans", []),
+        ns_itemsize=ns_itemsize,
+        nesterov=nesterov,
+        max_inflight=max_inflight,
+    )
 
 
 def estimate_step_memory(

@@ -3,8 +3,8 @@
 Builds the model on the meta device inside torch's fake process group of `--world-size` ranks,
 parallelizes it with the real `models.glm.parallelize` (EP + FSDP2), and constructs the real
 `muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
-through `muon.plan.BatchPlan`'s analytic methods; nothing here re-models the planning and no
-parameter memory is allocated.
+through the cost model's functions of a `muon.plan.BatchPlan` (`muon.cost`); nothing here
+re-models the planning and no parameter memory is allocated.
 
     python scripts/plan_memory.py --model glm52 --world-size 512 --ep 8
     python scripts/plan_memory.py --model glm52 --world-size 512 --ep 8 --no-expert-aware \
@@ -18,14 +18,14 @@ has none) and an idle rank (one that does not) of the FSDP group:
 - sent:   bytes the rank sends for all the group's batches, both directions (`bytes_sent`)
 - coll:   the largest receive buffer of one collective (`collective_buffer_bytes`); for AGRS
           the all-gather output, the buffer of the GLM-5.2 out-of-memory
-- peak:   the largest per-batch peak: exchange buffers alive at once, NS inputs included
-          (`exchange_buffer_bytes`) + on the local path one parameter's Nesterov input
-          + Newton-Schulz temporaries (`ns_workspace_bytes`)
+- peak:   the largest per-batch peak (`peak_bytes`): exchange buffers alive at once, NS inputs
+          included (`exchange_buffer_bytes`) + on the local path one parameter's Nesterov
+          input + Newton-Schulz temporaries (`ns_workspace_bytes`)
 
 The footer adds, for the `--rank` view, the resident parameter + gradient + optimizer-state
 bytes of the rank's shards and a step bound: the largest sum of per-batch peaks over
-`max_inflight` consecutive batches (the runtime keeps that many alive). `--budget-gib` marks
-every figure above the budget with "!".
+`max_inflight` consecutive batches (`window_peak_bytes`: the runtime keeps that many alive).
+`--budget-gib` marks every figure above the budget with "!".
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from muon import cost
 from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
 
@@ -124,25 +125,6 @@ def resident_bytes(opt) -> int:
 
 
 # --------------------------------------------------------------------------- reading the plans
-def input_bytes(b: BatchPlan, r: int, nesterov: bool) -> int:
-    """NS input the step allocates outside the exchange buffers: on the local path, Nesterov's
-    `grad.lerp(buf)` of the one parameter being stepped (exchanges write their inputs straight
-    into the send buffer, which `exchange_buffer_bytes` counts)."""
-    if b.path != "local" or not nesterov:
-        return 0
-    rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
-    return rows * b.other_numel * b.itemsize
-
-
-def batch_peak(b: BatchPlan, r: int, ns_itemsize: int, nesterov: bool) -> int:
-    """Planned peak bytes of one batch on FSDP rank `r`: inputs + exchange + NS workspace."""
-    return (
-        input_bytes(b, r, nesterov)
-        + b.exchange_buffer_bytes(r)
-        + b.ns_workspace_bytes(r, ns_itemsize)
-    )
-
-
 def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
@@ -171,7 +153,7 @@ class ShapeGroup:
 
     def roles(self, batches: list[BatchPlan]) -> dict[str, int | None]:
         """FSDP ranks that orthogonalize something of `batches` (busy) and that do not (idle)."""
-        work = [sum(b.matrices_on(r) for b in batches) for r in range(self.mesh.fsdp_size)]
+        work = [sum(cost.blocks_on(b, r) for b in batches) for r in range(self.mesh.fsdp_size)]
         busy = next((r for r, n in enumerate(work) if n), None)
         idle = next((r for r, n in enumerate(work) if not n), None)
         return {"busy": busy, "idle": idle}
@@ -198,23 +180,14 @@ def rank_figures(
     return {
         "fsdp_rank": r,
         "global_rank": g.mesh.group_ranks[r] if g.mesh.group_ranks else r,
-        "matrices": sum(b.matrices_on(r) for b in batches),
-        "bytes_sent": sum(b.bytes_sent(r) for b in batches),
-        "collective_buffer_bytes": max(b.collective_buffer_bytes(r) for b in batches),
-        "exchange_buffer_bytes": max(b.exchange_buffer_bytes(r) for b in batches),
-        "ns_workspace_bytes": max(b.ns_workspace_bytes(r, ns_itemsize) for b in batches),
-        "input_bytes": max(input_bytes(b, r, nesterov) for b in batches),
-        "peak_bytes": max(batch_peak(b, r, ns_itemsize, nesterov) for b in batches),
+        "matrices": sum(cost.blocks_on(b, r) for b in batches),
+        "bytes_sent": sum(cost.bytes_sent(b, r) for b in batches),
+        "collective_buffer_bytes": max(cost.collective_buffer_bytes(b, r) for b in batches),
+        "exchange_buffer_bytes": max(cost.exchange_buffer_bytes(b, r) for b in batches),
+        "ns_workspace_bytes": max(cost.ns_workspace_bytes(b, r, ns_itemsize) for b in batches),
+        "input_bytes": max(cost.nesterov_input_bytes(b, r, nesterov) for b in batches),
+        "peak_bytes": max(cost.peak_bytes(b, r, ns_itemsize, nesterov=nesterov) for b in batches),
     }
-
-
-def step_bound(plans, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
-    """Largest sum of per-batch peaks of this rank over `max_inflight` consecutive batches."""
-    peaks = [
-        batch_peak(b, mp.fsdp_rank, ns_itemsize, nesterov) for mp, batches in plans for b in batches
-    ]
-    k = max(1, max_inflight)
-    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
 
 
 def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd: float) -> dict:
@@ -266,12 +239,17 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
     totals = {}
     for s, o in opts.items():
         peaks = [
-            batch_peak(b, mp.fsdp_rank, ns_itemsize, nesterov) for mp, bs in o.plans for b in bs
+            cost.peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
+            for mp, bs in o.plans
+            for b in bs
         ]
+        sent = sum(cost.bytes_sent(b, mp.fsdp_rank) for mp, bs in o.plans for b in bs)
         totals[s] = {
-            "view_bytes_sent": sum(b.bytes_sent(mp.fsdp_rank) for mp, bs in o.plans for b in bs),
+            "view_bytes_sent": sent,
             "view_max_batch_peak_bytes": max(peaks, default=0),
-            "view_step_bound_bytes": step_bound(o.plans, ns_itemsize, nesterov, o.max_inflight),
+            "view_step_bound_bytes": cost.window_peak_bytes(
+                o.plans, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=o.max_inflight
+            ),
             "busy_max_peak_bytes": max(
                 (g["strategies"][s]["group"]["busy"] or {}).get("peak_bytes", 0) for g in groups
             ),
