@@ -318,28 +318,24 @@ def estimate_for_config(
     cfg, *, world_size: int, rank: int = 0, device_type: str = "cuda"
 ) -> StepMemory:
     """The estimate for `cfg` (a composed training config) on `world_size` ranks, seen from
-    `rank`, built in torch's fake process group (joined here if no group exists): the model on
-    the meta device, parallelized and given its optimizer by the recipe's own code.
+    `rank`, built in torch's fake process group (`recipes.parallel.join_fake_world`): the model
+    on the meta device (`recipes.parallel.planning_model`), parallelized and given its
+    optimizer by the recipe's own code.
     `device_type` picks the `auto` dtypes and whether gloo's staging copy counts."""
-    import torch.distributed as dist
+    from recipes.parallel import (
+        build_optimizer,
+        join_fake_world,
+        model_config,
+        planning_model,
+        train_dtypes,
+    )
 
-    from models.glm import GLMForCausalLM
-    from models.glm.parallelize import build_meshes, parallelize
-    from recipes.parallel import build_optimizer, model_config, train_dtypes
-
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    if dist.get_world_size() != world_size:
-        raise ValueError(f"a process group of {dist.get_world_size()} ranks exists")
+    join_fake_world(world_size, rank)
     param_dtype, reduce_dtype = train_dtypes(cfg, torch.device(device_type))
     checkpointing = str(cfg.train.activation_checkpointing) == "full"
-    with torch.device("meta"):
-        model = GLMForCausalLM(model_config(cfg))
-    parallelize(
-        model,
-        build_meshes(world_size, cfg.mesh.ep, "cpu"),
+    model, _ = planning_model(
+        model_config(cfg),
+        ep=cfg.mesh.ep,
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=reduce_dtype,
         activation_checkpointing=checkpointing,

@@ -1,7 +1,8 @@
 """Dry-run Muon planner: per-rank bytes moved and peak buffers at cluster scale, on one CPU.
 
 Builds the model on the meta device inside torch's fake process group of `--world-size` ranks,
-parallelizes it with the real `models.glm.parallelize` (EP + FSDP2), and constructs the real
+parallelizes it with the real `models.glm.parallelize` (EP + FSDP2; both by
+`recipes.parallel.planning_model`, as the whole-step estimate does), and constructs the real
 `muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
 through the cost model's functions of a `muon.plan.BatchPlan` (`muon.cost`); nothing here
 re-models the planning and no parameter memory is allocated.
@@ -38,12 +39,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from models.glm import get_preset
 from muon import cost
 from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
+from recipes.parallel import join_fake_world, planning_model
 
 GiB = 1 << 30
 TOKENS_PER_STEP = 4 << 20
@@ -60,34 +62,6 @@ def fmt_bytes(n: float | None) -> str:
 
 
 # ------------------------------------------------------------------------- building the plans
-def init_fake_world(world_size: int, rank: int) -> bool:
-    """Join a fake process group of `world_size` ranks as `rank`; False if one already exists."""
-    if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
-            raise RuntimeError("plan_memory: a real or differently sized process group exists")
-        return False
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    return True
-
-
-def build_model(
-    model_name: str, world_size: int, ep: int, dtype: torch.dtype, overrides: dict | None = None
-):
-    """The real GLM model on the meta device, parallelized with the real EP + FSDP2 code."""
-    from models.glm import get_preset
-    from models.glm.model import GLMForCausalLM
-    from models.glm.parallelize import build_meshes, parallelize
-
-    config = get_preset(model_name, **(overrides or {}))
-    with torch.device("meta"):
-        model = GLMForCausalLM(config).to(dtype)
-    meshes = build_meshes(world_size, ep, "cpu")
-    parallelize(model, meshes)
-    return model, config, meshes
-
-
 def build_optimizer(
     model, strategy: str, expert_aware: bool, router: str, ns_dtype, muon_split=False, **kw
 ):
@@ -530,9 +504,10 @@ def plan(
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank} is outside the world of {world_size}")
     t0 = time.perf_counter()
-    created = init_fake_world(world_size, rank)
+    created = join_fake_world(world_size, rank)
     try:
-        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype], overrides)
+        config = get_preset(model, **(overrides or {}))
+        net, meshes = planning_model(config, ep=ep, dtype=DTYPES[dtype])
         active = active_parameters(net, config)
         fwd_bwd = 6 * active * tokens_per_step / world_size
         budget = None if budget_gib is None else budget_gib * GiB
@@ -654,8 +629,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = {}
     if args.indexer_training is not None:
-        from models.glm import get_preset
-
         if not get_preset(args.model).uses_dsa:
             ap.error(f"--indexer-training: --model {args.model} has no sparse-attention indexer")
         overrides["indexer_training"] = args.indexer_training
