@@ -239,16 +239,36 @@ OPTIM_SCHEMAS: dict[str, type[OptimConfig]] = {
 @dataclass
 class DataConfig:
     source: DataSource = _f(DataSource.stdlib, "stdlib: this Python's .py files as bytes")
-    path: str | None = _f(None, "tokens: the token file; stdlib: the source dir (None: own)")
-    dtype: TokenDtype = _f(TokenDtype.uint8, "element type of the token file")
-    vocab_size: int = _f(
-        256, "vocabulary size; the model's vocab is set to it (model=hf: at most its)"
+    path: str | None = _f(
+        None,
+        "tokens: a scripts/prepare_data.py directory (or one token file); "
+        "stdlib: the source dir (None: own)",
     )
+    dtype: TokenDtype | None = _f(
+        TokenDtype.uint8, "element type of the token file; None: from the directory's meta.json"
+    )
+    vocab_size: int | None = _f(
+        256,
+        "vocabulary size (the model's vocab is set to it; model=hf: at most its); "
+        "None: from meta.json",
+    )
+    val_fraction: float = _f(0.05, "stdlib: fraction of the files held out for validation")
     cache_dir: str = _f(
         "~/.cache/moe_muon_recipes", "where built token files are kept", same_run=True
     )
     seq_len: int = _f(128, "tokens per sequence")
     batch_size: int = _f(8, "sequences per rank per micro-step")
+
+
+@dataclass
+class EvalConfig:
+    # Evaluation never changes what is trained: its keys stay out of the run directory's name.
+    every: int = _f(
+        50, "evaluate on the validation split every N steps and at the end; 0: never", same_run=True
+    )
+    batches: int = _f(
+        4, "validation batches of data.batch_size per rank at each evaluation", same_run=True
+    )
 
 
 @dataclass
@@ -350,6 +370,7 @@ class Config:
     optim: OptimConfig = _f(MuonOptimConfig, "optimizer (its keys depend on optim.name)", True)
     data: DataConfig = _f(DataConfig, "token stream", True)
     train: TrainConfig = _f(TrainConfig, "training loop", True)
+    eval: EvalConfig = _f(EvalConfig, "held-out evaluation", True)
     metrics: MetricsConfig = _f(MetricsConfig, "metrics and memory sampling", True)
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "checkpoints", True)
     logger: LoggerConfig = _f(LoggerConfig, "experiment logger", True)
@@ -507,8 +528,10 @@ def validate(
     cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
 ) -> None:
     """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
-    config and its layout on the mesh. Raises ConfigError naming the key."""
+    config and its layout on the mesh. Raises ConfigError naming the key. Fills
+    `data.vocab_size` and `data.dtype` from a prepared token directory's meta.json."""
     _finite(cfg)
+    _validate_data(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
     _positive(cfg, "data.vocab_size", "data.seq_len")
     _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
@@ -553,7 +576,6 @@ def validate(
             cfg.data.vocab_size,
             f"does not fit data.dtype={cfg.data.dtype.value} (max {max_token})",
         )
-    _validate_data_path(cfg.data)
     _validate_model(cfg)
     _validate_checkpoint(cfg)
     if check_devices and mesh.device == Device.cuda:
@@ -594,19 +616,85 @@ def _validate_optim_option(cfg: DictConfig) -> None:
             raise _fail(f"optim.{key}", optim[key], "must be in [0, 1)")
 
 
-def _validate_data_path(data: DictConfig) -> None:
-    if data.source == DataSource.tokens:
-        if data.path is None:
-            raise _fail("data.path", None, "data.source=tokens needs a token file")
-        if not Path(os.path.expanduser(data.path)).is_file():
+def _validate_data(cfg: DictConfig) -> None:
+    """The data source's path, its held-out split for `eval`, and the vocab size and dtype:
+    a prepared directory's meta.json fills them, and a value set that contradicts it fails."""
+    data = cfg.data
+    _positive(cfg, "eval.every", allow_zero=True)
+    _positive(cfg, "eval.batches")
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise _fail("data.val_fraction", data.val_fraction, "must be in [0, 1)")
+    if data.source == DataSource.stdlib:
+        if data.path is not None and not Path(os.path.expanduser(data.path)).is_dir():
+            raise _fail("data.path", data.path, "no such source directory of .py files")
+        if cfg.eval.every and data.val_fraction == 0:
+            raise _fail("data.val_fraction", 0.0, "eval.every > 0 needs held-out files")
+    elif data.path is None:
+        raise _fail("data.path", None, "data.source=tokens needs a prepare_data.py directory")
+    elif Path(os.path.expanduser(data.path)).is_dir():
+        _resolve_prepared(cfg)
+    elif not Path(os.path.expanduser(data.path)).is_file():
+        raise _fail(
+            "data.path",
+            data.path,
+            "neither a scripts/prepare_data.py directory (train.bin, val.bin, meta.json) "
+            "nor a token file",
+        )
+    elif cfg.eval.every:
+        raise _fail(
+            "eval.every",
+            cfg.eval.every,
+            f"data.path={data.path} is one token file, with no validation split: prepare a "
+            "directory with scripts/prepare_data.py, or pass eval.every=0",
+        )
+    for key in ("vocab_size", "dtype"):
+        if data[key] is None:
             raise _fail(
-                "data.path",
-                data.path,
-                "no such token file (a flat numpy memmap "
-                f"of {data.dtype.value}, e.g. written by recipes.data.write_tokens)",
+                f"data.{key}",
+                None,
+                "needed for a token file (a scripts/prepare_data.py directory's meta.json "
+                "gives it)",
             )
-    elif data.path is not None and not Path(os.path.expanduser(data.path)).is_dir():
-        raise _fail("data.path", data.path, "no such source directory of .py files")
+
+
+def _resolve_prepared(cfg: DictConfig) -> None:
+    from recipes.data import is_prepared, read_meta
+
+    data = cfg.data
+    if not is_prepared(data.path):
+        raise _fail(
+            "data.path",
+            data.path,
+            "a directory without meta.json: not a finished scripts/prepare_data.py output",
+        )
+    try:
+        meta = read_meta(Path(os.path.expanduser(data.path)))
+    except ValueError as err:
+        raise _fail("data.path", data.path, str(err)) from None
+    for key in ("vocab_size", "dtype"):
+        value = data[key].value if isinstance(data[key], Enum) else data[key]
+        if value is None:
+            data[key] = meta[key]
+        elif value != meta[key]:
+            raise _fail(
+                f"data.{key}",
+                value,
+                f"contradicts {data.path}/meta.json ({key}: {meta[key]}); leave it unset",
+            )
+    val_tokens = meta["splits"].get("val", {}).get("tokens", 0)
+    if cfg.eval.every and not val_tokens:
+        raise _fail(
+            "eval.every",
+            cfg.eval.every,
+            f"{data.path} has no validation tokens (prepare it with --val-fraction > 0), "
+            "or pass eval.every=0",
+        )
+    if cfg.eval.every and val_tokens < data.seq_len + 1:
+        raise _fail(
+            "data.seq_len",
+            data.seq_len,
+            f"a sample is seq_len + 1 tokens; {data.path}'s validation split holds {val_tokens}",
+        )
 
 
 def _validate_model(cfg: DictConfig) -> None:
@@ -687,6 +775,10 @@ def _token_count(data: DictConfig) -> int | None:
             raise _fail("data.path", data.path, "no .py files in this source directory")
         return sum(p.stat().st_size for p in files) + 2 * max(len(files) - 1, 0)  # b"\n\n"
     path = Path(os.path.expanduser(data.path))
+    if path.is_dir():  # a prepare_data.py directory: its training split
+        from recipes.data import PREPARED_FILES
+
+        path = path / PREPARED_FILES["train"]
     itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}[data.dtype.value]
     size = path.stat().st_size
     meta = path.with_suffix(".json")  # written beside it by recipes.data.write_tokens

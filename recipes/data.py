@@ -1,8 +1,14 @@
 """Token streams: flat numpy memmaps of token ids, and a resumable, world-size-free sampler.
 
-The default corpus is this Python's standard library (.py files, as bytes: vocab 256), present
-on every machine. It is built once into `data.cache_dir` as a uint8 memmap (written to a
-temporary name and renamed, so concurrent builders are safe) and reused.
+Two sources, each with a training and a disjoint validation split:
+- `stdlib` (the default): this Python's standard library (.py files, as bytes: vocab 256),
+  present on every machine. The files are split deterministically (by a hash of each relative
+  path, `data.val_fraction` of them held out), and each split is built once into
+  `data.cache_dir` as a uint8 memmap (written to a temporary name and renamed, so concurrent
+  builders are safe) and reused.
+- `tokens`: a directory written by `scripts/prepare_data.py` (`train.bin`, `val.bin`,
+  `meta.json`: tokenizer, vocab size, dtype, counts, bytes per token), or a single token file
+  (training only: no held-out split, so no evaluation).
 
 Sampling: the token file is cut into `seq_len + 1`-token chunks; epoch e visits them in the
 order of a permutation seeded by (seed, e). Sample i of the global stream is chunk
@@ -15,12 +21,29 @@ import hashlib
 import json
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 _SEPARATOR = b"\n\n"
+#: the files of a prepared token directory (`scripts/prepare_data.py`); meta.json is written
+#: last, so a directory without it is not a finished one
+PREPARED_FILES = {"train": "train.bin", "val": "val.bin"}
+META_FILE = "meta.json"
+#: the token dtypes a file may use, smallest first, with the number of ids each holds
+TOKEN_DTYPES = {"uint8": 2**8, "uint16": 2**16, "uint32": 2**32}
+
+
+@dataclass(frozen=True)
+class TokenFiles:
+    """The token files of a data config: training, validation (None: no held-out split) and
+    the UTF-8 bytes per token of the validation text (None: unknown), for bits per byte."""
+
+    train: Path
+    val: Path | None
+    bytes_per_token: float | None
 
 
 def stdlib_dir() -> Path:
@@ -35,6 +58,25 @@ def stdlib_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def split_files(files: list[Path], root: Path, val_fraction: float) -> dict[str, list[Path]]:
+    """Files into {"train", "val"}: the `val_fraction` of them (at least one when the fraction
+    is positive and there are two files or more) with the smallest hash of their relative path.
+    A file's side depends only on its path and the others', not on its content or the machine;
+    both lists keep the order of `files`."""
+    n_val = 0
+    if val_fraction > 0 and len(files) > 1:
+        n_val = min(len(files) - 1, max(1, round(val_fraction * len(files))))
+
+    def digest(p: Path) -> str:
+        return hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest()
+
+    held_out = set(sorted(files, key=digest)[:n_val])
+    return {
+        "train": [p for p in files if p not in held_out],
+        "val": [p for p in files if p in held_out],
+    }
+
+
 def write_tokens(path: Path, tokens: np.ndarray) -> Path:
     """Write a flat token array as a raw memmap, atomically, with a JSON sidecar."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,28 +88,69 @@ def write_tokens(path: Path, tokens: np.ndarray) -> Path:
     return path
 
 
-def build_stdlib_tokens(cache_dir: str, source_dir: str | None = None) -> Path:
-    """Build (once) the byte-level token file of a .py tree; returns its path."""
+def build_stdlib_tokens(
+    cache_dir: str, source_dir: str | None = None, val_fraction: float = 0.05
+) -> dict[str, Path | None]:
+    """Build (once) the byte-level token files of a .py tree's training and validation files;
+    returns {"train": path, "val": path or None (fewer than two files)}."""
     root = Path(source_dir).expanduser() if source_dir else stdlib_dir()
     files = stdlib_files(root)
     if not files:
         raise FileNotFoundError(f"no .py files under {root}")
-    key = hashlib.sha256(str(root).encode())
+    key = hashlib.sha256(f"{root}:{val_fraction!r}".encode())
     for p in files:
         st = p.stat()
         key.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    path = Path(cache_dir).expanduser() / f"stdlib-{key.hexdigest()[:16]}.u8.bin"
-    if path.is_file():
-        return path
-    corpus = _SEPARATOR.join(p.read_bytes() for p in files)
-    return write_tokens(path, np.frombuffer(corpus, dtype=np.uint8))
+    out: dict[str, Path | None] = {}
+    for split, members in split_files(files, root, val_fraction).items():
+        if not members:
+            out[split] = None
+            continue
+        path = Path(cache_dir).expanduser() / f"stdlib-{key.hexdigest()[:16]}.{split}.u8.bin"
+        if not path.is_file():
+            corpus = _SEPARATOR.join(p.read_bytes() for p in members)
+            write_tokens(path, np.frombuffer(corpus, dtype=np.uint8))
+        out[split] = path
+    return out
 
 
-def token_file(data_cfg) -> Path:
-    """The token file a data config names, building the stdlib corpus when needed."""
+def read_meta(directory: Path) -> dict:
+    """The meta.json of a prepared token directory, checked for the keys training reads."""
+    path = Path(directory) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable meta.json ({err})") from None
+    missing = {"vocab_size", "dtype", "splits"} - meta.keys()
+    if missing or meta["dtype"] not in TOKEN_DTYPES:
+        raise ValueError(
+            f"{path}: needs vocab_size, dtype (one of {', '.join(TOKEN_DTYPES)}) and splits; "
+            f"missing {sorted(missing)}, dtype {meta.get('dtype')!r}"
+        )
+    return meta
+
+
+def is_prepared(path: str | Path) -> bool:
+    """A directory holding a finished `scripts/prepare_data.py` output (its meta.json)."""
+    return (Path(path).expanduser() / META_FILE).is_file()
+
+
+def token_files(data_cfg) -> TokenFiles:
+    """The token files a data config names, building the stdlib corpus when needed."""
     if data_cfg.source == "stdlib":
-        return build_stdlib_tokens(data_cfg.cache_dir, data_cfg.path)
-    return Path(data_cfg.path).expanduser()
+        built = build_stdlib_tokens(data_cfg.cache_dir, data_cfg.path, data_cfg.val_fraction)
+        return TokenFiles(built["train"], built["val"], 1.0)  # byte tokens
+    path = Path(data_cfg.path).expanduser()
+    if not is_prepared(path):
+        return TokenFiles(path, None, None)
+    meta = read_meta(path)
+    val = meta["splits"].get("val", {})
+    has_val = val.get("tokens", 0) > 0
+    return TokenFiles(
+        path / PREPARED_FILES["train"],
+        path / PREPARED_FILES["val"] if has_val else None,
+        val.get("bytes", 0) / val["tokens"] if has_val and val.get("bytes") else None,
+    )
 
 
 class TokenStream:

@@ -67,9 +67,10 @@ AUX_LOSSES = ("mtp_loss", "indexer_kl")
 
 
 def summary_rule(key: str) -> str | None:
-    """How a W&B run summarizes a metric: `min` for the losses, `max` for memory and times (so
-    run tables and bar charts show peaks), None (W&B's default: the last value) otherwise."""
-    if key == "loss" or key in AUX_LOSSES:
+    """How a W&B run summarizes a metric: `min` for the training, auxiliary and validation
+    losses, `max` for memory and times (so run tables and bar charts show peaks), None (W&B's
+    default: the last value) otherwise."""
+    if key in ("loss", "val/loss", "val/bpb") or key in AUX_LOSSES:
         return "min"
     if key.startswith("memory/"):
         return "max"
@@ -215,6 +216,7 @@ class Summary:
 
     def __init__(self) -> None:
         self.losses: list[tuple[int, float]] = []
+        self.val: list[tuple[int, float, float | None]] = []  # step, val/loss, val/bpb
         self.aux: dict[str, list[float]] = {}  # mtp_loss, indexer_kl: first and last logged
         self.step_s: list[float] = []
         self.optim_s: list[float] = []
@@ -225,6 +227,8 @@ class Summary:
 
     def add(self, step: int, m: dict[str, float], measured: bool) -> None:
         self.losses.append((step, m["loss"]))
+        if "val/loss" in m:
+            self.val.append((step, m["val/loss"], m.get("val/bpb")))
         for key in AUX_LOSSES:
             if key in m:
                 self.aux.setdefault(key, []).append(m[key])
@@ -260,6 +264,11 @@ class Summary:
                 last_step=self.losses[-1][0],
                 loss_last=self.losses[-1][1],
             )
+        if self.val:
+            out.update(val_step=self.val[-1][0], val_loss=self.val[-1][1])
+            out["val_loss_min"] = min(v[1] for v in self.val)
+            if self.val[-1][2] is not None:
+                out["val_bpb"] = self.val[-1][2]
         for key, values in self.aux.items():
             out[f"{key}_first"], out[f"{key}_last"] = values[0], values[-1]
         return out
@@ -272,8 +281,12 @@ class Summary:
         speed = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] is not None else "n/a"
         peaks = ", ".join(f"r{r}={v:.1f}" for r, v in enumerate(s["peak_mib_per_rank"]))
         aux = "".join(f"; {k} {s[k + '_first']:.4f} -> {s[k + '_last']:.4f}" for k in self.aux)
+        val = ""
+        if self.val:
+            bpb = f", {s['val_bpb']:.4f} bits/byte" if "val_bpb" in s else ""
+            val = f"; val/loss {s['val_loss']:.4f}{bpb} (step {s['val_step']})"
         return (
             f"loss {s['loss_first']:.4f} (step {s['first_step']}) -> {s['loss_last']:.4f} "
-            f"(step {s['last_step']}){aux}; {speed} tokens/s; optimizer {share} of step time; "
+            f"(step {s['last_step']}){aux}{val}; {speed} tokens/s; optimizer {share} of step time; "
             f"skipped steps {s['skipped_steps']}; peak MiB per rank: {peaks or 'not sampled'}"
         )

@@ -13,7 +13,8 @@ One optimizer step:
   5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
 Every `metrics.memory_every` steps (and on step 1) the step runs inside the MemoryMeter, with
 an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its log line holds
-`memory/rank_<k>/...` for every rank.
+`memory/rank_<k>/...` for every rank. Every `eval.every` steps and at the last step the ranks
+evaluate the held-out split (`recipes.evaluate`), logged with that step's row.
 """
 
 import logging
@@ -30,7 +31,8 @@ from omegaconf import DictConfig
 
 from recipes import checkpoint, grads
 from recipes.config import to_plain
-from recipes.data import TokenStream, token_file
+from recipes.data import TokenStream, token_files
+from recipes.evaluate import Evaluator
 from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
 from recipes.metrics import (
     AUX_LOSSES,
@@ -118,11 +120,20 @@ class Trainer:
         self.max_logits = records_max_logits(cfg)
         self.model.record_max_logits(self.max_logits)
         if self.rank == 0:
-            path = token_file(cfg.data)  # builds the stdlib corpus once per machine
+            files = token_files(cfg.data)  # builds the stdlib corpus once per machine
         dist.barrier()
-        path = token_file(cfg.data)
+        files = token_files(cfg.data)
         d = cfg.data
-        self.data = TokenStream(path, str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size)
+        self.data = TokenStream(files.train, str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size)
+        self.evaluator = None
+        if cfg.eval.every:
+            if files.val is None:
+                raise ValueError(
+                    f"eval.every={cfg.eval.every}: the data has no validation split "
+                    f"({files.train} only); pass eval.every=0"
+                )
+            val = TokenStream(files.val, str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size)
+            self.evaluator = Evaluator(val, cfg.eval.batches, d.batch_size, files.bytes_per_token)
         self.samples_per_step = self.world * cfg.train.grad_accum_steps * d.batch_size
         self.step, self.samples, self.skipped = 0, 0, 0
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -332,20 +343,32 @@ class Trainer:
         every = cfg.checkpoint.every
         report_every = max(1, cfg.train.steps // 10)
         stop = StopSignal(self.device)
+        val_loss = None
         while self.step < cfg.train.steps:
             measure = self.step % cfg.metrics.memory_every == 0
             metrics = self.train_step(measure)
-            if self.step % cfg.metrics.log_every == 0 or measure:
+            evaluated = self.evaluator is not None and (
+                self.step % cfg.eval.every == 0 or self.step == cfg.train.steps
+            )
+            if evaluated:
+                metrics.update(self.evaluator.run(self.model, self.device))
+                val_loss = metrics["val/loss"]
+            if self.step % cfg.metrics.log_every == 0 or measure or evaluated:
                 self._log(metrics, measure, sink, summary)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            if self.rank == 0 and self.step % report_every == 0:
+                postfix = {"loss": f"{metrics['loss']:.3f}"}
+                if val_loss is not None:
+                    postfix["val"] = f"{val_loss:.3f}"
+                bar.set_postfix(postfix)
+            if self.rank == 0 and (self.step % report_every == 0 or evaluated):
                 extra = "".join(f" {k} {metrics[k]:.4g}" for k in AUX_LOSSES if k in metrics)
                 line = (
                     f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f}{extra} "
                     f"lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tokens/s"
                 )
+                if evaluated:
+                    line += f" val/loss {val_loss:.4f}"
                 if bar is not None and not bar.disable:
                     bar.write(f"[rank0] {line}")  # above the bar, not through it
                 else:

@@ -10,15 +10,16 @@ Inputs (either or both):
   its run directory (`wandb/offline-run-*`) and holds the same rows as its `metrics.jsonl`.
 - `--wandb ENTITY/PROJECT` (optionally `--group`): runs from the W&B API (online).
 
-Runs are grouped by `optim.remainder_strategy` of their resolved config (`--key` picks another
-config key). Per run, from the logged steps (step 1, which builds optimizer state, is left out
-when later steps exist; so are memory-profiled steps for the timings, when unprofiled ones
-exist):
+Runs are grouped by `optim.remainder_strategy` of their resolved config (`--by` picks another
+config key, e.g. `--by optim.name`). Per run, from the logged steps (step 1, which builds
+optimizer state, is left out when later steps exist; so are memory-profiled steps for the
+timings, when unprofiled ones exist):
 - step time, optimizer time: median over steps of `step_s/max` / `optim_s/max` (slowest rank)
 - per-rank peak memory: each rank's largest `memory/rank_<k>/<key>` over the profiled steps,
   then max and min over ranks, for `step_peak_mib` and `optim_peak_delta_mib` (the optimizer
   step's transient: what the strategy changes)
 - bytes moved: `muon/bytes_sent/max` and `/min` over ranks (per step), in MiB
+- the last training loss and the last held-out loss (`val/loss`)
 Runs of one strategy are averaged (`runs` column).
 
 Output in `--out`: `comparison.md`, `comparison.csv` (per strategy), `runs.csv` (per run),
@@ -28,16 +29,26 @@ Output in `--out`: `comparison.md`, `comparison.csv` (per strategy), `runs.csv` 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from muon.plan import REMAINDER_STRATEGIES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from muon.plan import REMAINDER_STRATEGIES  # noqa: E402
+from recipes.runs import (  # noqa: E402, F401
+    Run,
+    add_source_arguments,
+    discover,
+    lookup,
+    read_hydra_run,
+    read_sources,
+    read_wandb_api,
+    write_csv,
+)
+from recipes.runs import fmt as _fmt  # noqa: E402
 
 DEFAULT_KEY = "optim.remainder_strategy"
 STRATEGY_ORDER = REMAINDER_STRATEGIES
@@ -55,94 +66,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("bytes_sent_mib_min", "Muon bytes sent per step, least busy rank (MiB)"),
     ("tokens_per_s", "median tokens/s"),
     ("loss_last", "last logged loss"),
+    ("val_loss_last", "last held-out loss (val/loss)"),
 )
 MEMORY_KEYS = ("step_peak_mib", "optim_peak_delta_mib", "optim_peak_mib")
-
-
-@dataclass
-class Run:
-    """One training run: its resolved config and its logged steps."""
-
-    name: str
-    source: str  # "jsonl" or "wandb-api"
-    path: str
-    config: dict[str, Any]
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-    def config_value(self, dotted: str) -> Any:
-        return lookup(self.config, dotted)
-
-
-def lookup(config: dict[str, Any], dotted: str) -> Any:
-    """`optim.remainder_strategy` from a nested config, a flat one, or W&B's {value: ...}."""
-    if dotted in config:
-        return _unwrap(config[dotted])
-    node: Any = config
-    for part in dotted.split("."):
-        node = _unwrap(node)
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return _unwrap(node)
-
-
-def _unwrap(v: Any) -> Any:
-    if isinstance(v, dict) and "value" in v and set(v) <= {"value", "desc"}:
-        return v["value"]
-    return v
-
-
-# -------------------------------------------------------------------------------- reading
-def read_hydra_run(run_dir: Path) -> Run:
-    """A `train.py` run directory: metrics.jsonl and the resolved config."""
-    import yaml
-
-    for name in ("config.yaml", ".hydra/config.yaml"):
-        if (run_dir / name).exists():
-            config = yaml.safe_load((run_dir / name).read_text()) or {}
-            break
-    else:
-        raise FileNotFoundError(f"{run_dir}: no config.yaml or .hydra/config.yaml")
-    history = [
-        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
-    ]
-    return Run(run_dir.name, "jsonl", str(run_dir), config, history)
-
-
-def read_wandb_api(project_path: str, group: str | None = None, api=None) -> list[Run]:
-    """Runs of `entity/project` (optionally one group) from the W&B API."""
-    if api is None:
-        import wandb
-
-        api = wandb.Api()
-    filters = {"group": group} if group else None
-    runs = []
-    for r in api.runs(project_path, filters=filters):
-        config = {k: v for k, v in dict(r.config).items() if not k.startswith("_")}
-        history = [dict(row) for row in r.scan_history()]
-        for row in history:
-            if "step" not in row and "_step" in row:
-                row["step"] = row["_step"]
-        runs.append(Run(r.name, "wandb-api", f"{project_path}/{r.id}", config, history))
-    return runs
-
-
-def discover(paths: list[Path]) -> list[Run]:
-    """`train.py` run directories under `paths` (a run dir, or any directory above run dirs)."""
-    runs: list[Path] = []
-    for p in map(Path, paths):
-        if not p.exists():
-            raise FileNotFoundError(p)
-        if p.suffix == ".wandb" or list(p.glob("run-*.wandb")):
-            raise ValueError(
-                f"{p}: a W&B offline run; pass the train.py run directory that holds it "
-                "(its metrics.jsonl has the same rows), or `wandb sync` it and use --wandb"
-            )
-        if (p / "metrics.jsonl").exists():
-            runs.append(p)
-        else:
-            runs += sorted(m.parent for m in p.rglob("metrics.jsonl"))
-    return [read_hydra_run(r) for r in sorted(set(runs))]
 
 
 # ---------------------------------------------------------------------------- aggregating
@@ -190,6 +116,9 @@ def summarize_run(run: Run, key: str = DEFAULT_KEY) -> dict[str, Any]:
         "optim_s": _median([_get(r, "optim_s") for r in timing]),
         "tokens_per_s": _median([r.get("tokens_per_s") for r in timing]),
         "loss_last": next((r["loss"] for r in reversed(run.history) if "loss" in r), None),
+        "val_loss_last": next(
+            (r["val/loss"] for r in reversed(run.history) if "val/loss" in r), None
+        ),
         "path": run.path,
     }
     for mkey in MEMORY_KEYS:
@@ -239,14 +168,6 @@ def by_strategy(rows: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ writing
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
-
-
 def markdown(table: list[dict], rows: list[dict], key: str) -> str:
     cols = ["strategy", "runs", *(c for c, _ in COLUMNS)]
     lines = [
@@ -262,14 +183,6 @@ def markdown(table: list[dict], rows: list[dict], key: str) -> str:
     lines += ["| " + " | ".join(run_cols) + " |", "|" + "|".join("---" for _ in run_cols) + "|"]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in run_cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: "" if r.get(c) is None else r.get(c) for c in cols})
 
 
 def plot(runs: list[Run], rows: list[dict], table: list[dict], out: Path, key: str) -> list[Path]:
@@ -356,17 +269,17 @@ def compare(runs: list[Run], out: Path, key: str = DEFAULT_KEY) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("paths", nargs="*", type=Path, help="run dirs or sweep dirs of train.py")
-    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
-    ap.add_argument("--group", help="with --wandb: only this W&B group")
-    ap.add_argument("--key", default=DEFAULT_KEY, help=f"config key to group by ({DEFAULT_KEY})")
+    add_source_arguments(ap)
+    ap.add_argument(
+        "--by",
+        "--key",
+        dest="key",
+        default=DEFAULT_KEY,
+        help=f"config key to group by ({DEFAULT_KEY})",
+    )
     ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
     args = ap.parse_args(argv)
-    if not args.paths and not args.wandb:
-        ap.error("give run directories or --wandb ENTITY/PROJECT")
-    runs = discover(args.paths) if args.paths else []
-    if args.wandb:
-        runs += read_wandb_api(args.wandb, args.group)
+    runs = read_sources(ap, args)
     result = compare(runs, args.out, args.key)
     print((args.out / "comparison.md").read_text())
     print("wrote", ", ".join(result["files"]))

@@ -6,9 +6,10 @@
 The workspace shows the runs of one W&B group (the `strategies` experiment's runs, one per
 `optim.remainder_strategy`) grouped by that config key, so every panel draws one line (mean,
 min/max band) per strategy: step and optimizer time of the slowest rank, waiting on
-collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, loss, the
-largest attention logit (QK-clip's S, overall and per layer), and
-bar charts of the run summaries (peaks: train.py defines max summaries for memory and time).
+collectives vs Newton-Schulz, per-rank memory, bytes the remainder exchange sends, training
+and held-out loss, the largest attention logit (QK-clip's S, overall and per layer), and bar
+charts of the run summaries (peaks: train.py defines max summaries for memory and time).
+`--by optim.name --group optimizers` shows the optimizer study instead.
 Every metric key here is one that `train.py` logs (`tests/e2e/test_wandb.py` checks them against
 a real offline run). `--dry-run` prints the panels and needs neither the network nor a login;
 without it the workspace is saved through the W&B API (`wandb login` first) and its URL printed.
@@ -66,6 +67,7 @@ PANELS: tuple[Panel, ...] = (
         ("muon/bytes_sent/max", "muon/bytes_sent/min"),
     ),  # fmt: skip
     Panel("Training", "loss", ("loss",)),
+    Panel("Training", "held-out loss (eval.every steps and the end)", ("val/loss",)),
     Panel("Training", "tokens/s", ("tokens_per_s",)),
     Panel("Attention", "max pre-softmax logit, all layers (QK-clip's S)", ("attn/max_logit",)),
     Panel("Attention", "max logit per layer", regex=r"attn/max_logit/layer_\d+"),
@@ -92,10 +94,10 @@ def panel_keys(panel: Panel, logged: set[str]) -> set[str]:
     return {key for key in logged if pattern.fullmatch(key)}
 
 
-def describe(group: str | None) -> str:
+def describe(group: str | None, by: str = GROUP_KEY) -> str:
     """The panels as text, one per line, by section."""
     lines = [f"runs: W&B group {group!r}" if group else "runs: every run of the project"]
-    lines.append(f"grouped by: config {GROUP_KEY}")
+    lines.append(f"grouped by: config {by}")
     section = None
     for p in PANELS:
         if p.section != section:
@@ -106,7 +108,7 @@ def describe(group: str | None) -> str:
     return "\n".join(lines)
 
 
-def build_workspace(entity: str, project: str, group: str | None, name: str):
+def build_workspace(entity: str, project: str, group: str | None, name: str, by: str = GROUP_KEY):
     """The `wandb_workspaces` Workspace for PANELS (not saved)."""
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
@@ -128,7 +130,7 @@ def build_workspace(entity: str, project: str, group: str | None, name: str):
         project=project,
         name=name,
         sections=sections,
-        runset_settings=ws.RunsetSettings(filters=filters, groupby=[ws.Config(GROUP_KEY)]),
+        runset_settings=ws.RunsetSettings(filters=filters, groupby=[ws.Config(by)]),
     )
 
 
@@ -138,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--project", default="moe-muon-recipes", help="W&B project")
     ap.add_argument("--group", default="strategies", help="W&B group of the runs ('' for all)")
     ap.add_argument("--name", default="Muon remainder strategies", help="workspace view name")
+    ap.add_argument(
+        "--by", default=GROUP_KEY, help=f"config key the runs are grouped by ({GROUP_KEY})"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the panels; save nothing")
     args = ap.parse_args(argv)
     group = args.group or None
     if not args.entity and not args.dry_run:
         ap.error("--entity is required to save the workspace (or pass --dry-run)")
     # Built in a dry run too (no network), so it checks what a save would send.
-    workspace = build_workspace(args.entity or "ENTITY", args.project, group, args.name)
-    print(describe(group))
+    workspace = build_workspace(args.entity or "ENTITY", args.project, group, args.name, args.by)
+    print(describe(group, args.by))
     if args.dry_run:
         return 0
     workspace.save()

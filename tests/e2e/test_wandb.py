@@ -79,6 +79,10 @@ def test_offline_run_holds_system_metrics_commit_and_peak_summaries(sweep):
     assert run.metrics["memory/rank_1/optim_peak_delta_mib"] == "max"
     assert run.metrics["muon/wait_s/max"] == "max" and "tokens_per_s" not in run.metrics
     assert run.summary["loss"] == {"min": min(m["loss"] for m in lines)}
+    # Held-out evaluation at the end of the run (eval.every > steps): its lowest value.
+    assert run.metrics["val/loss"] == "min" and "val/loss" not in lines[0]
+    assert run.summary["val/loss"] == {"min": lines[-1]["val/loss"]}
+    assert run.summary["final/val_loss"] == lines[-1]["val/loss"]
     for key in ("step_s/max", "optim_s/max", "memory/rank_0/step_peak_mib", "muon/ns_s/max"):
         assert run.summary[key] == {"max": max(m[key] for m in lines)}, key
     assert run.summary["final/tokens_per_s"] > 0

@@ -1,6 +1,8 @@
 """The Hydra config tree composes and validates; bad input fails early, naming the key."""
 
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +39,7 @@ def _all_choices() -> list[list[str]]:
 def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if overrides == ["data=tokens"]:
-        token_file = tmp_path / "tokens.bin"
-        token_file.write_bytes(bytes(2 * 513))  # one sample of conf/data/tokens.yaml: 512 + 1
-        overrides = [*overrides, f"data.path={token_file}"]
+        overrides = [*overrides, f"data.path={_prepared(tmp_path / 'prepared')}"]
     if overrides == ["model=hf"]:  # the model of a transformers directory: the tiny preset's
         from models.glm import GLMForCausalLM, get_preset
         from models.glm.hf_adapter import export_hf
@@ -135,8 +135,12 @@ def test_compose_rejects(override, expected):
         (["optim.lr=-0.1"], "optim.lr=-0.1: must be > 0"),
         (["mesh.ep=3"], "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
         (["mesh.world_size=0"], "mesh.world_size=0: must be > 0"),
-        (["data=tokens"], "data.path=None: data.source=tokens needs a token file"),
+        (["data=tokens"], "data.path=None: data.source=tokens needs a prepare_data.py"),
         (["data=tokens", "data.path=/nonexistent/tok.bin"], "data.path=/nonexistent/tok.bin"),
+        (["data.val_fraction=1.0"], "data.val_fraction=1.0: must be in [0, 1)"),
+        (["data.val_fraction=0"], "data.val_fraction=0.0: eval.every > 0 needs held-out"),
+        (["eval.batches=0"], "eval.batches=0: must be > 0"),
+        (["eval.every=-1"], "eval.every=-1: must be >= 0"),
         (["data.path=/nonexistent/src"], "no such source directory"),
         (["train.inject_nan_at_step=99", "train.steps=5"], "must be in [1, 5]"),
         (["+model.overrides.hidden=3"], "model.overrides.hidden=3: not a GLMConfig field"),
@@ -185,12 +189,50 @@ def test_validate_rejects(overrides, expected):
     assert expected in str(err.value)
 
 
+def _prepared(directory, vocab_size=300, val_tokens=600):
+    """A minimal prepared token directory (what scripts/prepare_data.py writes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "train.bin").write_bytes(bytes(2 * 600))  # 600 uint16 tokens
+    (directory / "val.bin").write_bytes(bytes(2 * val_tokens))
+    splits = {"train": {"tokens": 600, "bytes": 2000}, "val": {"tokens": val_tokens, "bytes": 50}}
+    meta = {"vocab_size": vocab_size, "dtype": "uint16", "splits": splits}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def test_prepared_directory_gives_vocab_and_dtype(tmp_path):
+    prepared = _prepared(tmp_path / "p")
+    cfg = _compose(["data=tokens", f"data.path={prepared}"])
+    schema.validate(cfg)
+    assert (cfg.data.vocab_size, cfg.data.dtype.value) == (300, "uint16")
+    same = _compose(["data=tokens", f"data.path={prepared}", "data.vocab_size=300"])
+    schema.validate(same)  # a value that agrees is fine
+    cases = [
+        (["data.vocab_size=512"], "data.vocab_size=512: contradicts"),
+        (["data.dtype=uint32"], "data.dtype=uint32: contradicts"),
+    ]
+    token_file = tmp_path / "flat.bin"
+    token_file.write_bytes(bytes(1024))  # as uint8: 1024 tokens, a sample of 512 + 1
+    cases += [
+        ([f"data.path={token_file}"], "eval.every=50: data.path="),
+        ([f"data.path={token_file}", "eval.every=0"], "data.vocab_size=None: needed"),
+        ([f"data.path={tmp_path}"], "a directory without meta.json"),
+        ([f"data.path={_prepared(tmp_path / 'noval', val_tokens=0)}"], "no validation tokens"),
+    ]
+    for extra, expected in cases:
+        with pytest.raises(schema.ConfigError, match=re.escape(expected)):
+            schema.validate(_compose(["data=tokens", f"data.path={prepared}", *extra]))
+    flat = ["data=tokens", f"data.path={token_file}", "eval.every=0", "data.dtype=uint8"]
+    schema.validate(_compose([*flat, "data.vocab_size=256"]))  # one file: the keys say it all
+
+
 def test_validate_checks_the_token_file_sizes(tmp_path):
     """The token stream's length and element size, from file sizes, before any rank starts."""
     from recipes.data import write_tokens
 
     path = write_tokens(tmp_path / "tok.bin", np.arange(100, dtype=np.uint16))
-    args = ["data=tokens", f"data.path={path}", "data.vocab_size=256"]
+    args = ["data=tokens", f"data.path={path}", "data.vocab_size=256", "eval.every=0"]
+    args += ["data.dtype=uint16"]  # one token file: its keys are given, not read from meta.json
     schema.validate(_compose([*args, "data.seq_len=99"]))  # 99 + 1 tokens: one sample
     with pytest.raises(schema.ConfigError, match=r"data.seq_len=100: .* holds 100"):
         schema.validate(_compose([*args, "data.seq_len=100"]))
@@ -199,7 +241,7 @@ def test_validate_checks_the_token_file_sizes(tmp_path):
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\0" * 9)
     with pytest.raises(schema.ConfigError, match=r"data.dtype=uint16: .*9 bytes, not whole 2-byte"):
-        schema.validate(_compose(["data=tokens", f"data.path={odd}", "data.seq_len=2"]))
+        schema.validate(_compose([*args, f"data.path={odd}", "data.seq_len=2"]))
     (tmp_path / "src").mkdir()
     with pytest.raises(schema.ConfigError, match=r"data.path=.*src: no .py files"):
         schema.validate(_compose([f"data.path={tmp_path / 'src'}"]))

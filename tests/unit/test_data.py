@@ -20,16 +20,35 @@ def source(tmp_path):
 
 def test_stdlib_corpus_built_once_and_reused(source, tmp_path):
     cache = tmp_path / "cache"
-    path = data.build_stdlib_tokens(str(cache), str(source))
-    tokens = np.memmap(path, dtype=np.uint8, mode="r")
+    built = data.build_stdlib_tokens(str(cache), str(source), val_fraction=0.0)
+    assert built["val"] is None  # nothing held out
+    tokens = np.memmap(built["train"], dtype=np.uint8, mode="r")
     expected = (source / "a.py").read_bytes() + b"\n\n" + (source / "pkg" / "b.py").read_bytes()
     assert tokens.tobytes() == expected  # sorted files, installed packages left out
-    mtime = path.stat().st_mtime_ns
-    assert data.build_stdlib_tokens(str(cache), str(source)) == path
-    assert path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    mtime = built["train"].stat().st_mtime_ns
+    assert data.build_stdlib_tokens(str(cache), str(source), val_fraction=0.0) == built
+    assert built["train"].stat().st_mtime_ns == mtime  # reused, not rebuilt
     (source / "a.py").write_text("changed\n" * 50)
-    assert data.build_stdlib_tokens(str(cache), str(source)) != path  # sources changed
+    assert data.build_stdlib_tokens(str(cache), str(source), 0.0)["train"] != built["train"]
     assert not list(cache.glob(".*.tmp"))
+
+
+def test_stdlib_split_holds_out_whole_files_by_path(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(40):
+        (root / f"m{i:02d}.py").write_text(f"# module {i}\n" * (i + 1))
+    files = data.stdlib_files(root)
+    split = data.split_files(files, root, 0.1)
+    assert len(split["val"]) == 4 and len(split["train"]) == 36
+    assert set(split["val"]).isdisjoint(split["train"])
+    (root / "m00.py").write_text("other content, same path\n")  # a side follows the path only
+    assert data.split_files(data.stdlib_files(root), root, 0.1) == split
+    built = data.build_stdlib_tokens(str(tmp_path / "cache"), str(root), val_fraction=0.1)
+    val = np.fromfile(built["val"], dtype=np.uint8).tobytes()
+    assert val == b"\n\n".join(p.read_bytes() for p in split["val"])
+    assert data.split_files(files[:1], root, 0.5) == {"train": files[:1], "val": []}
+    assert len(data.split_files(files, root, 0.001)["val"]) == 1  # at least one file
 
 
 def test_running_pythons_stdlib_is_found():

@@ -1,0 +1,63 @@
+"""Held-out evaluation: the mean next-token loss of a fixed set of validation samples.
+
+Every evaluation of a run reads the same samples: rank r's batch b is samples
+`(b * world_size + r) * batch_size ...` of the validation stream (seeded by `train.seed`), so
+for a given world size and batch size the set never changes, including across a resume, and
+the curves of runs with the same seed are measured on the same text. Each rank evaluates its
+share; the summed token losses and token counts are all-reduced, so the result is the mean
+over all `eval.batches * world_size * data.batch_size` sequences.
+
+Evaluation leaves training alone: no gradients, no random numbers drawn, and the routers'
+expert-load counts (which the router-bias update consumes) are restored afterwards.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from recipes.data import TokenStream
+
+
+class Evaluator:
+    """`val/loss` (nats per token) and, when the bytes per token are known, `val/bpb`."""
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        batches: int,
+        batch_size: int,
+        bytes_per_token: float | None,
+    ) -> None:
+        self.stream, self.batches, self.batch_size = stream, batches, batch_size
+        self.bytes_per_token = bytes_per_token
+
+    def samples(self, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's validation batches, (input_ids, labels) each."""
+        return [
+            self.stream.micro_batch(0, b, rank, world_size, self.batch_size)
+            for b in range(self.batches)
+        ]
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        """Collective: evaluate every rank's share and reduce."""
+        routers = model.routers() if hasattr(model, "routers") else []
+        loads = [r.expert_load.clone() for r in routers]
+        was_training = model.training
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+        try:
+            for x, y in self.samples(dist.get_rank(), dist.get_world_size()):
+                loss = model.loss(x.to(device), y.to(device))
+                total[0] += loss.double() * y.numel()
+                total[1] += y.numel()
+        finally:
+            model.train(was_training)
+            for r, saved in zip(routers, loads, strict=True):
+                r.expert_load.copy_(saved)
+        dist.all_reduce(total)
+        out = {"val/loss": (total[0] / total[1]).item()}
+        if self.bytes_per_token:
+            out["val/bpb"] = out["val/loss"] / math.log(2) / self.bytes_per_token
+        return out
