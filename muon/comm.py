@@ -1,4 +1,4 @@
-"""The paths a batch can take: each one object that owns its exchange and its cost.
+"""The paths a batch can take: each one object that owns its exchange.
 
 A path object has
 - `send_buffer(b, fsdp_rank, dtype=, device=)`: the send buffer and one slot view per parameter,
@@ -7,10 +7,11 @@ A path object has
   generator that launches a collective with `async_op=True`, yields so other batches can run,
   waits, orthogonalizes what this rank owns, launches the return collective, yields, and finally
   returns this rank's orthogonalized shards (`yield from` gives them to the caller);
-- its cost, from the plan alone: blocks orthogonalized, bytes sent, the largest collective
-  buffer, the exchange buffers alive at once, the Newton-Schulz workspace, collectives issued.
-The number of yields depends only on the plan, never on the rank, so every rank issues the same
-collectives in the same order. `muon/plan.py`'s `BatchPlan` forwards its cost questions here.
+- what it moves and holds is counted from the plan alone by `muon.cost` (one table entry per
+  path there, checked against these exchanges by the tests).
+Which units a rank holds and owns is the plan's (`BatchPlan.exchange_view`, `unit_blocks`,
+`units_on`). The number of yields depends only on the plan, never on the rank, so every rank
+issues the same collectives in the same order.
 
 Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved first) and C the
 product of the other dims; a unit is what one owner assembles, `[N, C]` with N its rows; W is
@@ -24,7 +25,6 @@ from collections.abc import Callable, Generator
 import torch
 import torch.distributed as dist
 
-from muon.newton_schulz import effective_algorithm
 from muon.stats import StepStats
 
 Shards = list[torch.Tensor]
@@ -39,63 +39,9 @@ def _a2a(out, inp, out_splits, in_splits, group):
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
 
-def _ns_block_bytes(b, ns_itemsize: int) -> int:
-    """Newton-Schulz temporaries of one block: X and the next X, plus the square m x m
-    matrices alive at once: A = X X^T and B for the standard iteration; Gram Newton-Schulz
-    keeps two more (R and Q; `recipes.memory` measures +2 m^2 on bf16 256 x 768 and 64 x 192
-    blocks)."""
-    rows, cols = b.block_shape
-    small = min(rows, cols)
-    squares = 4 if effective_algorithm(rows, cols, b.ns_steps, b.ns_algorithm) == "gram" else 2
-    return (2 * rows * cols + squares * small * small) * ns_itemsize
-
-
-def _owned_matrices(self, b, r: int) -> Units:
-    """The whole matrices rank `r` owns (the units of the pad and agrs paths)."""
-    return [(j, 0, b.num_blocks) for j, o in enumerate(b.owners) if o == r]
-
-
 class Local:
     """Whole matrices or whole expert blocks already on the rank: no communication. The
     optimizer orthogonalizes them one parameter at a time (no send buffer, no `run`)."""
-
-    collectives = 0
-
-    def units(self, b, r: int) -> Units:
-        """Every parameter's blocks in this rank's shard: each rank orthogonalizes its own."""
-        first, count = self.unit_blocks(b, r)
-        return [(j, first, count) for j in range(b.size)] if count else []
-
-    def unit_blocks(self, b, r: int) -> tuple[int, int]:
-        """(first block, block count) of this rank's shard of each parameter."""
-        if b.fsdp_size == 1:
-            return 0, b.num_blocks
-        start = sum(b.shard_sizes[:r])
-        if b.split_sizes:  # the plan made shard edges block edges
-            edges = [sum(b.split_sizes[:i]) for i in range(b.num_blocks + 1)]
-            first = edges.index(start)
-            return first, edges.index(start + b.shard_sizes[r]) - first
-        return start // b.block_rows, b.shard_sizes[r] // b.block_rows
-
-    def blocks_on(self, b, r: int) -> int:
-        return b.size * self.unit_blocks(b, r)[1]
-
-    def bytes_sent(self, b, r: int) -> int:
-        return 0
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        return 0
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        return 0
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        blocks = self.blocks_on(b, r) // max(1, b.size)
-        if not blocks:
-            return 0
-        # one parameter's blocks at a time, plus its NS output until applied
-        rows = b.shard_sizes[r if b.fsdp_size > 1 else 0]
-        return blocks * _ns_block_bytes(b, ns_itemsize) + rows * b.other_numel * b.itemsize
 
 
 class OwnerAllToAll:
@@ -107,61 +53,17 @@ class OwnerAllToAll:
     no padding. An owner of several units of the batch orthogonalizes them in one call.
     """
 
-    collectives = 2
-
     def __init__(self, label: str) -> None:
         self.label = label
 
-    def view(self, b, r: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """(shard sizes, owners, my index) in the exchange group's coordinates."""
-        return b.shard_sizes, b.owners, r
-
-    def units(self, b, r: int) -> Units:
-        """The units this rank assembles, in the row order it orthogonalizes them."""
-        _, owners, me = self.view(b, r)
-        first, count = self.unit_blocks(b, r)
-        return [(j, first, count) for j, o in enumerate(owners) if o == me]
-
-    def unit_blocks(self, b, r: int) -> tuple[int, int]:
-        """(first block, block count) of one unit: a whole FSDP-visible matrix."""
-        return 0, b.num_blocks
-
-    # ------------------------------------------------------------------------------ cost
-    def _figures(self, b, r: int) -> tuple[int, int, int, int]:
-        sizes, owners, me = self.view(b, r)
-        row = b.other_numel * b.wire_itemsize
-        return sizes[me] * row, sum(sizes) * row, sum(o == me for o in owners), len(owners)
-
-    def blocks_on(self, b, r: int) -> int:
-        return self._figures(b, r)[2] * b.blocks_per_unit
-
-    def bytes_sent(self, b, r: int) -> int:
-        # my shard of each unit I do not own; each owned unit's other shards back
-        mine, unit, owned, n = self._figures(b, r)
-        return mine * (n - owned) + owned * (unit - mine)
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        mine, unit, owned, n = self._figures(b, r)
-        return max(owned * unit, n * mine)
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the return) + received units + NS output; several units are also
-        # gathered into one contiguous input
-        mine, unit, owned, n = self._figures(b, r)
-        return n * mine + (2 * unit if owned == 1 else 3 * owned * unit)
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        return self.blocks_on(b, r) * _ns_block_bytes(b, ns_itemsize)
-
-    # ---------------------------------------------------------------------------- exchange
     def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
-        sizes, owners, me = self.view(b, r)
+        sizes, owners, me = b.exchange_view(r)
         send = torch.empty(len(owners) * sizes[me] * b.other_numel, dtype=dtype, device=device)
         return send, self._slots(send, b, r)
 
     def _slots(self, send: torch.Tensor, b, r: int) -> Shards:
         """Parameter j's `[rows, C]` view of the send buffer, which is ordered by owner."""
-        sizes, owners, me = self.view(b, r)
+        sizes, owners, me = b.exchange_view(r)
         size = sizes[me] * b.other_numel
         order = sorted(range(len(owners)), key=lambda j: (owners[j], j))
         slots: Shards = [send] * len(owners)
@@ -170,7 +72,7 @@ class OwnerAllToAll:
         return slots
 
     def run(self, b, send, *, fsdp_rank, group, ortho: Orthogonalize, stats: StepStats) -> Task:
-        sizes, owners, me = self.view(b, fsdp_rank)
+        sizes, owners, me = b.exchange_view(fsdp_rank)
         W, C, item = len(sizes), b.other_numel, send.element_size()
         count = [sum(o == r for o in owners) for r in range(W)]
         m = count[me]
@@ -191,7 +93,7 @@ class OwnerAllToAll:
             # one owned unit arrives contiguous (source ranks in row order); several interleave
             units = recv.view(N, C) if m == 1 else torch.cat(pieces, dim=1).view(m * N, C)
             result = stats.orthogonalize(
-                ortho, units, self.label, m * b.blocks_per_unit, units=self.units(b, fsdp_rank)
+                ortho, units, self.label, m * b.blocks_per_unit, units=b.units_on(fsdp_rank)
             )
             del units
             if m == 1:
@@ -219,16 +121,6 @@ class Subgroup(OwnerAllToAll):
     def __init__(self) -> None:
         super().__init__("subgroup")
 
-    def view(self, b, r: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        k, n = b.subgroup_size, b.size
-        g = r // k
-        owners = tuple(o - g * k for o in b.owners[g * n : (g + 1) * n])
-        return b.shard_sizes[g * k : (g + 1) * k], owners, r % k
-
-    def unit_blocks(self, b, r: int) -> tuple[int, int]:
-        # sub-group g (FSDP ranks g*k .. g*k+k-1) holds block g of the FSDP-visible matrix
-        return r // b.subgroup_size, 1
-
 
 class PadAllToAll:
     """Pad the batch with zero matrices to W and every shard to c rows: a uniform all-to-all.
@@ -236,29 +128,6 @@ class PadAllToAll:
     Memory is flat in R and the same on busy and idle ranks; the W - R padding slots run no
     Newton-Schulz (their zeros travel and come back untouched).
     """
-
-    collectives = 2
-
-    units = _owned_matrices
-
-    def _padded(self, b) -> int:
-        return b.padded_shard_rows * b.other_numel * b.wire_itemsize
-
-    def blocks_on(self, b, r: int) -> int:
-        return b.num_blocks if r in b.owners else 0
-
-    def bytes_sent(self, b, r: int) -> int:
-        return 2 * self._padded(b) * (b.fsdp_size - 1)
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        return b.fsdp_size * self._padded(b)
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the return) + received slab + an owner's NS output copied back into it
-        return 2 * b.fsdp_size * self._padded(b) + (b.matrix_bytes if r in b.owners else 0)
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        return self.blocks_on(b, r) * _ns_block_bytes(b, ns_itemsize)
 
     def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
         send = torch.zeros(
@@ -277,7 +146,7 @@ class PadAllToAll:
         del work  # a finished Work still references its buffers
         if fsdp_rank in b.owners:  # a padding slot holds zeros: nothing to orthogonalize
             matrix = full.view(-1, b.other_numel)[:N]  # rows past N arrived as padding
-            owned = self.units(b, fsdp_rank)
+            owned = b.units_on(fsdp_rank)
             matrix.copy_(
                 stats.orthogonalize(ortho, matrix, "pad_all2all", b.num_blocks, units=owned)
             )
@@ -297,34 +166,6 @@ class Agrs:
     zeroed, becomes the reduce-scatter input and the send buffer its output, but the gathered
     buffer alone holds all n matrices, so memory and time grow with n.
     """
-
-    collectives = 2
-
-    units = _owned_matrices
-
-    def _padded(self, b) -> int:
-        return b.padded_shard_rows * b.other_numel * b.wire_itemsize
-
-    def _owned(self, b, r: int) -> int:
-        return sum(o == r for o in b.owners)
-
-    def blocks_on(self, b, r: int) -> int:
-        return self._owned(b, r) * b.num_blocks
-
-    def bytes_sent(self, b, r: int) -> int:
-        # all-gather my padded shards to W-1 peers; reduce-scatter W-1 padded shards back
-        return 2 * b.size * self._padded(b) * (b.fsdp_size - 1)
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        return b.fsdp_size * b.size * self._padded(b)
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the reduce-scatter output) + gathered (later its input) + owned results
-        n, w = b.size, b.fsdp_size
-        return n * self._padded(b) * (1 + w) + self._owned(b, r) * b.matrix_bytes
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        return (b.num_blocks if self._owned(b, r) else 0) * _ns_block_bytes(b, ns_itemsize)
 
     def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
         send = torch.zeros(b.size, b.padded_shard_rows, b.other_numel, dtype=dtype, device=device)

@@ -14,15 +14,17 @@ products are arranged:
   m x n block, m < n): each step forms H = a I + b R + c R^2, accumulates Q <- H Q and updates
   R <- H R H, and X is multiplied once, at the end, by Q. A restart (X <- Q X, R <- X X^T, Q <- I)
   before the steps listed in `restarts` (default `GRAM_RESTARTS`) keeps the rounding errors of
-  R from compounding. When the FLOP count (`ns_flops`) says Gram is not cheaper for a shape, the
-  standard iteration runs instead, so "gram" is safe to ask for everywhere. In bf16 the updates
-  of R can still lose the result when singular values span a wide range: a block whose output's
-  largest singular value (a power-iteration estimate on the output) leaves the method's band by
-  more than `GRAM_SLACK` is recomputed with the standard iteration.
+  R from compounding. When the FLOP count (`muon.cost.ns_flops`) says Gram is not cheaper for
+  a shape, the standard iteration runs instead, so "gram" is safe to ask for everywhere. In
+  bf16 the updates of R can still lose the result when singular values span a wide range: a
+  block whose output's largest singular value (a power-iteration estimate on the output) leaves
+  the method's band by more than `GRAM_SLACK` is recomputed with the standard iteration.
 - algorithm "auto": "gram" on blocks of at least `GRAM_MIN_ROWS` x `GRAM_MIN_ROWS` where it needs
   fewer FLOPs, "standard" elsewhere (the optimizer's default).
 - symmetric products: X X^T, R^2, H Q and H R H are symmetric; `symmetric=True` computes the
   upper block row and the lower-right block only and mirrors the rest (3/4 of the work).
+
+Which iteration runs on a shape (`effective_algorithm`) and what it costs live in `muon.cost`.
 """
 
 from __future__ import annotations
@@ -33,21 +35,17 @@ from functools import cache
 
 import torch
 
+from muon.cost import (  # the algorithms and what they cost (`muon.cost`)
+    GRAM_MIN_ROWS,  # noqa: F401 - `ns_algorithm="auto"`'s threshold, importable from here too
+    GRAM_RESTARTS,
+    NS_ALGORITHMS,
+    check_algorithm,
+    effective_algorithm,
+    restart_segments,
+)
+
 Coefficients = Sequence[tuple[float, float, float]]
 Triple = tuple[float, float, float]
-
-NS_ALGORITHMS = ("standard", "gram", "auto")
-#: "auto" runs Gram Newton-Schulz only on blocks whose Gram matrix has at least this many rows:
-#: smaller blocks are bound by the cost of each call, not by FLOPs, and Gram makes more calls
-#: (plus its output check). `scripts/bench_newton_schulz.py` measures where Gram starts to pay on
-#: 1:3 bf16 blocks (its "Where Gram starts to pay" table, docs/newton_schulz.md): since the
-#: restarts every two steps and the output check, from 256 rows.
-GRAM_MIN_ROWS = 256
-#: Gram Newton-Schulz restarts before these steps (segments of 1, 2 and 2 steps of 5): in bf16,
-#: with one restart (before step 2) the rounding of the R updates pushed 31-66 singular values
-#: of condition-100 blocks above the band; restarting every two steps keeps them in it
-#: (tests/unit/test_gram_band.py), at 0.83x the standard iteration's FLOPs at 1:3.
-GRAM_RESTARTS = (1, 3)
 
 # Polar Express (Amsel, Persson, Musco, Gower, 2025: "The Polar Express: Optimal Matrix Sign
 # Methods and Their Application to the Muon Algorithm"). Each step is the odd quintic that best
@@ -148,13 +146,6 @@ def resolve_coefficients(
     return triples  # type: ignore[return-value]
 
 
-def check_algorithm(algorithm: str) -> str:
-    """Validate an `ns_algorithm` value; returns it."""
-    if algorithm not in NS_ALGORITHMS:
-        raise ValueError(f"ns_algorithm: {algorithm!r} is not one of {', '.join(NS_ALGORITHMS)}")
-    return algorithm
-
-
 def parse_variant(text: str) -> dict[str, str]:
     """ "COEFFICIENTS,ALGORITHM" (e.g. "fixed,standard", a command-line spelling) as the
     `muon.Muon` keywords `ns_coefficients` and `ns_algorithm`, each validated."""
@@ -166,73 +157,6 @@ def parse_variant(text: str) -> dict[str, str]:
         )
     resolve_coefficients(parts[0])
     return {"ns_coefficients": parts[0], "ns_algorithm": check_algorithm(parts[1])}
-
-
-# ----------------------------------------------------------------------------- cost model
-
-
-def _sym_fraction(m: int) -> float:
-    """Share of an m x m product that `_mul(symmetric=True)` computes: the top h rows and the
-    lower-right (m - h) x (m - h) block, h = m // 2."""
-    h = m // 2
-    return (h * m + (m - h) ** 2) / (m * m)
-
-
-def ns_flops(
-    rows: int,
-    cols: int,
-    steps: int = 5,
-    *,
-    algorithm: str = "standard",
-    symmetric: bool = False,
-    restarts: Sequence[int] = GRAM_RESTARTS,
-) -> float:
-    """Floating-point operations (2 per multiply-add) of one block's orthogonalization, counted
-    the way `newton_schulz` arranges the products (without the fallback: "gram" is costed as
-    Gram even where `newton_schulz` would run the standard iteration instead; resolve "auto"
-    with `effective_algorithm` first)."""
-    if check_algorithm(algorithm) == "auto":
-        raise ValueError("ns_flops: resolve algorithm='auto' with effective_algorithm first")
-    m, n = min(rows, cols), max(rows, cols)
-    s = _sym_fraction(m) if symmetric else 1.0
-    gram_xxt, square, apply_x = 2 * m * m * n * s, 2 * m**3 * s, 2 * m * m * n
-    if algorithm == "standard":
-        return steps * (gram_xxt + square + apply_x)
-    total = 0.0
-    for first, last in _segments(steps, restarts):
-        length = last - first
-        total += gram_xxt + apply_x  # R = X X^T at the start, X <- Q X at the end
-        # each step: R^2; Q <- H Q (free on the segment's first step, Q = H); R <- H (H R)
-        # (not on the segment's last step, whose R is never read)
-        total += square * (length + (length - 1) + 2 * (length - 1))
-    return total
-
-
-def _segments(steps: int, restarts: Sequence[int]) -> list[tuple[int, int]]:
-    """Split steps 0..steps-1 into [first, last) runs at the restart points."""
-    cuts = sorted({0, steps, *(r for r in restarts if 0 < r < steps)})
-    return list(zip(cuts[:-1], cuts[1:], strict=False))
-
-
-def gram_is_cheaper(rows: int, cols: int, steps: int = 5, **kw) -> bool:
-    """Whether Gram Newton-Schulz needs fewer FLOPs than the standard iteration for a block."""
-    return ns_flops(rows, cols, steps, algorithm="gram", **kw) < ns_flops(
-        rows, cols, steps, algorithm="standard", **{k: v for k, v in kw.items() if k != "restarts"}
-    )
-
-
-def effective_algorithm(
-    rows: int, cols: int, steps: int = 5, algorithm: str = "standard", **kw
-) -> str:
-    """The iteration `newton_schulz(..., algorithm=algorithm)` runs on a `[rows, cols]` block:
-    "gram" only where it needs fewer FLOPs (`kw`: symmetric, restarts), and for "auto" only on
-    blocks of at least `GRAM_MIN_ROWS` rows and columns."""
-    algorithm = check_algorithm(algorithm)
-    if algorithm == "standard" or not gram_is_cheaper(rows, cols, steps, **kw):
-        return "standard"
-    if algorithm == "auto" and min(rows, cols) < GRAM_MIN_ROWS:
-        return "standard"
-    return "gram"
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -282,7 +206,7 @@ def _gram(X: torch.Tensor, schedule, steps: int, symmetric: bool, restarts) -> t
     # H = a I + K with K = b R + c R^2 keeps a out of the low-precision matrix K (a ~ 3 next to
     # diagonal entries ~ 1/m would lose their digits); the fused "beta * C + A @ B" kernels
     # (H Q = a Q + K Q, H R = a R + K R) add the identity part in their accumulator.
-    for first, last in _segments(steps, restarts):
+    for first, last in restart_segments(steps, restarts):
         R = _mul(X, X.mT, symmetric)
         Q = None
         for i in range(first, last):

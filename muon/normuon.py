@@ -122,7 +122,7 @@ def sync(opt) -> None:
                     continue
                 v = _local(opt.state[p]["normuon_v"])
                 mask = torch.zeros(v.size(0), dtype=torch.bool, device=v.device)
-                for unit, first, count in b.exchange.units(b, mp.fsdp_rank):
+                for unit, first, count in b.units_on(mp.fsdp_rank):
                     if unit == j:
                         mask[first : first + count] = True
                 tensors.append(v)

@@ -40,6 +40,7 @@ import torch
 from muon import normuon
 from muon.blocks import local as _local
 from muon.blocks import orthogonalize as _orthogonalize
+from muon.comm import PATHS
 from muon.cost import LinkModel
 from muon.grads import grad_census
 from muon.layout import from_rows, moved_shape, to_rows
@@ -364,7 +365,7 @@ class Muon(torch.optim.Optimizer):
         )
         stats.batches[b.path] += 1
         if b.path == "local":  # no exchange: one parameter at a time, nothing held across
-            first, count = b.exchange.unit_blocks(b, mp.fsdp_rank)
+            first, count = b.unit_blocks(mp.fsdp_rank)
             for j, (p, g) in enumerate(params):
                 if id(p) in self._gradless:
                     continue
@@ -374,7 +375,7 @@ class Muon(torch.optim.Optimizer):
                     shard = stats.orthogonalize(ortho, shard, "local", count, units=units)
                 self._apply(p, g, shard, b, mp.fsdp_rank)
             return
-        path = b.exchange
+        path = PATHS[b.path]
         like = _local(self.state[params[0][0]]["momentum_buffer"])
         # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
         send, slots = path.send_buffer(

@@ -5,7 +5,7 @@ batch) gets its owner from one deterministic LPT pass (largest first, to the lea
 eligible rank), over every comm group and every FSDP group of the world at once, so a rank that
 owns a large dense matrix takes fewer expert blocks. Work a rank already has counts as its
 initial load: its local expert blocks, and replicated matrices. Costs are integer
-`muon.newton_schulz.ns_flops` (`muon.cost.block_flops`) and ties break by rank, so every
+`muon.cost.ns_flops` (`muon.cost.block_flops`) and ties break by rank, so every
 rank computes the same assignment; its digest goes into the plan fingerprint.
 
 Constraints: a unit goes to a rank of its exchange group (the FSDP group; the sub-group for
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 
+from muon.cost import batch_block_flops, batch_blocks_flops, bytes_sent, ns_flops_on
 from muon.plan import BatchPlan, MeshCommPlan
 
 Plans = list[tuple[MeshCommPlan, list[BatchPlan]]]
@@ -42,9 +43,9 @@ def assign_owners(plans: Plans, *, world_size: int) -> tuple[Plans, list[int], i
             if b.path == "local":
                 for ranks in groups:
                     for r, g in enumerate(ranks):
-                        loads[g] += b.ns_flops_on(r if mp.sharded else 0)
+                        loads[g] += ns_flops_on(b, r if mp.sharded else 0)
                 continue
-            cost = b.block_flops() if b.path == "subgroup" else b.blocks_flops()
+            cost = batch_block_flops(b) if b.path == "subgroup" else batch_blocks_flops(b)
             for q in range(len(groups)):
                 for u in range(b.units):
                     if b.path == "subgroup":
@@ -161,7 +162,7 @@ def useful_ns_flops(plans: Plans) -> int:
     total = 0
     for mp, batches in plans:
         groups = len(mp.all_groups) if mp.sharded else 1
-        total += sum(b.size * b.blocks_flops() for b in batches) * groups
+        total += sum(b.size * batch_blocks_flops(b) for b in batches) * groups
     return total
 
 
@@ -187,7 +188,7 @@ def balance_figures(plans: Plans, loads: list[int]) -> dict:
     ranks = group_mp.group_ranks
     sent = [
         sum(
-            b.bytes_sent(mp.group_ranks.index(g))
+            bytes_sent(b, mp.group_ranks.index(g))
             for mp, bs in sharded
             if g in mp.group_ranks
             for b in bs

@@ -10,7 +10,8 @@ Resolved once at optimizer construction, identical on every rank:
   for exchanges, which FSDP rank assembles (owns) each unit. Owners are filled in afterwards by
   `muon.owners.assign_owners`, which balances Newton-Schulz cost over the whole step.
 
-Paths (each one object in `muon.comm`, owning its exchange and its cost):
+Paths (each one object in `muon.comm` owning its exchange; what each moves, holds and costs is
+counted from the plan by `muon.cost`):
   local       whole matrices or whole expert blocks already on the rank: no communication
   subgroup    each expert block spans k consecutive FSDP ranks: the k ranks exchange so that
               every block is assembled on exactly one of them, orthogonalized once, returned
@@ -19,7 +20,8 @@ Paths (each one object in `muon.comm`, owning its exchange and its cost):
   (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
 
 Because plans are plain data, they can be printed, fingerprinted across ranks and built for 1024
-fake ranks by the dry-run planner with the optimizer's own code.
+fake ranks by the dry-run planner with the optimizer's own code. This module imports neither
+`muon.comm` nor anything that does: the exchange reads the plan, never the other way round.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from muon.cost import DEFAULT_LINKS, LinkModel, block_flops
+from muon.cost import DEFAULT_LINKS, LinkModel, modelled_s, peak_bytes
 from muon.mesh import LOCAL_MESH_PLAN, MeshCommPlan, resolve_mesh_comm_plan, shard_sizes
 
 __all__ = [  # the mesh plan's names are planning's too
@@ -144,16 +146,6 @@ class BatchPlan:
     def block_cols(self) -> int:
         return math.prod(self.global_shape) // self.global_shape[0]
 
-    def blocks_flops(self, first: int = 0, count: int | None = None) -> int:
-        """Newton-Schulz FLOPs of blocks first .. first+count-1 of one matrix (default all)."""
-        heights = self.block_heights[first : None if count is None else first + count]
-        if not self.split_sizes:
-            return len(heights) * self.block_flops()
-        return sum(
-            block_flops(h, self.block_cols, steps=self.ns_steps, algorithm=self.ns_algorithm)
-            for h in heights
-        )
-
     @property
     def block_shape(self) -> tuple[int, int]:
         """The `[rows, cols]` matrix one block is orthogonalized as: `block_rows` rows of the
@@ -186,54 +178,44 @@ class BatchPlan:
         """Wire bytes of one parameter's shard on `fsdp_rank`."""
         return self.shard_sizes[fsdp_rank] * self.other_numel * self.wire_itemsize
 
-    def block_flops(self) -> int:
-        """Newton-Schulz FLOPs of one `block_shape` block (`muon.cost`)."""
-        return block_flops(*self.block_shape, steps=self.ns_steps, algorithm=self.ns_algorithm)
+    # ------------------------------------------------------------ who holds and owns what
+    def exchange_view(self, fsdp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(shard sizes, owners, my index) in the exchange group's coordinates: the FSDP group,
+        or on the sub-group path the k ranks of `fsdp_rank`'s sub-group."""
+        if self.path != "subgroup":
+            return self.shard_sizes, self.owners, fsdp_rank
+        k, n = self.subgroup_size, self.size
+        g = fsdp_rank // k
+        owners = tuple(o - g * k for o in self.owners[g * n : (g + 1) * n])
+        return self.shard_sizes[g * k : (g + 1) * k], owners, fsdp_rank % k
 
-    # the path object in `muon.comm` owns every cost; these forward to it
-    @property
-    def exchange(self):
-        from muon.comm import PATHS as _PATHS
+    def unit_blocks(self, fsdp_rank: int) -> tuple[int, int]:
+        """(first block, block count) of one unit: on the local path this rank's shard of each
+        parameter, on the sub-group path the block of the rank's sub-group, else a whole
+        FSDP-visible matrix."""
+        if self.path == "subgroup":
+            # sub-group g (FSDP ranks g*k .. g*k+k-1) holds block g of the FSDP-visible matrix
+            return fsdp_rank // self.subgroup_size, 1
+        if self.path != "local":
+            return 0, self.num_blocks
+        if self.fsdp_size == 1:
+            return 0, self.num_blocks
+        start = sum(self.shard_sizes[:fsdp_rank])
+        if self.split_sizes:  # the plan made shard edges block edges
+            edges = [sum(self.split_sizes[:i]) for i in range(self.num_blocks + 1)]
+            first = edges.index(start)
+            return first, edges.index(start + self.shard_sizes[fsdp_rank]) - first
+        return start // self.block_rows, self.shard_sizes[fsdp_rank] // self.block_rows
 
-        return _PATHS[self.path]
-
-    def matrices_on(self, fsdp_rank: int) -> int:
-        """Blocks this rank orthogonalizes for the batch."""
-        return self.exchange.blocks_on(self, fsdp_rank)
-
-    def ns_flops_on(self, fsdp_rank: int) -> int:
-        if not self.split_sizes:
-            return self.matrices_on(fsdp_rank) * self.block_flops()
-        return sum(self.blocks_flops(f, c) for _, f, c in self.exchange.units(self, fsdp_rank))
-
-    def bytes_sent(self, fsdp_rank: int) -> int:
-        """Bytes this rank sends for the batch, both directions, counted from the plan."""
-        return self.exchange.bytes_sent(self, fsdp_rank)
-
-    def collective_buffer_bytes(self, fsdp_rank: int) -> int:
-        """Bytes of the largest receive buffer one collective of this batch allocates here."""
-        return self.exchange.collective_buffer_bytes(self, fsdp_rank)
-
-    def exchange_buffer_bytes(self, fsdp_rank: int) -> int:
-        """Peak bytes of exchange buffers alive at once on this rank (NS inputs included)."""
-        return self.exchange.exchange_buffer_bytes(self, fsdp_rank)
-
-    def ns_workspace_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
-        """Rough peak Newton-Schulz temporaries for what this rank orthogonalizes at once."""
-        return self.exchange.ns_workspace_bytes(self, fsdp_rank, ns_itemsize)
-
-    def peak_bytes(self, fsdp_rank: int, ns_itemsize: int) -> int:
-        return self.exchange_buffer_bytes(fsdp_rank) + self.ns_workspace_bytes(
-            fsdp_rank, ns_itemsize
-        )
-
-    def modelled_s(self, link: LinkModel, ranks=None) -> float:
-        """Modelled time of the batch's collectives, from the busiest rank's bytes (of `ranks`,
-        default all)."""
-        ex = self.exchange
-        ranks = range(self.fsdp_size) if ranks is None else ranks
-        per_collective = max(ex.bytes_sent(self, r) for r in ranks) / 2
-        return ex.collectives * link.collective_s(int(per_collective))
+    def units_on(self, fsdp_rank: int) -> list[tuple[int, int, int]]:
+        """What this rank orthogonalizes, in row order: (parameter index j in the batch, its
+        first block, its block count) per unit. On the local path every parameter's blocks in
+        the rank's shard; on the exchange paths the units the rank owns."""
+        first, count = self.unit_blocks(fsdp_rank)
+        if self.path == "local":
+            return [(j, first, count) for j in range(self.size)] if count else []
+        _, owners, me = self.exchange_view(fsdp_rank)
+        return [(j, first, count) for j, o in enumerate(owners) if o == me]
 
 
 def plan_batches(
@@ -376,9 +358,9 @@ def choose_remainder(batch: BatchPlan, *, link: LinkModel | None, memory_budget:
     scored = []
     for s in REMAINDER_STRATEGIES:
         cand = replace(batch, path=s)
-        peak = max(cand.peak_bytes(r, ns_itemsize) for r in ranks)
+        peak = max(peak_bytes(cand, r, ns_itemsize) for r in ranks)
         fits = memory_budget is None or peak <= memory_budget
-        scored.append((not fits, cand.modelled_s(link, ranks) if fits else peak, s))
+        scored.append((not fits, modelled_s(cand, link, ranks) if fits else peak, s))
     return min(scored)[2]
 
 

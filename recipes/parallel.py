@@ -51,6 +51,40 @@ def build_model(cfg: DictConfig, device: torch.device) -> GLMForCausalLM:
     return model
 
 
+def join_fake_world(world_size: int, rank: int = 0) -> bool:
+    """Join torch's fake process group of `world_size` ranks as `rank`, for planning (its
+    collectives do nothing); False when one of that size is joined already. Any other process
+    group is an error: the optimizer would measure its links and check its plan over it."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"planning needs a fake process group of {world_size} ranks; a "
+                f"{dist.get_backend()} group of {dist.get_world_size()} ranks exists"
+            )
+        return False
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return True
+
+
+def planning_model(
+    config: GLMConfig, *, ep: int, dtype: torch.dtype | None = None, **parallelize_kw
+):
+    """(model, meshes): this rank's model of `config` on the meta device (no memory),
+    parallelized by the real EP + FSDP2 code over the current world (a fake one:
+    `join_fake_world`), for the dry-run planner and the whole-step estimate. `dtype` casts the
+    parameters (None: float32 masters); `parallelize_kw` go to `parallelize` (the training
+    dtypes, activation checkpointing)."""
+    with torch.device("meta"):
+        model = GLMForCausalLM(config)
+        if dtype is not None:
+            model = model.to(dtype)
+    meshes = build_meshes(dist.get_world_size(), ep, "cpu")
+    parallelize(model, meshes, **parallelize_kw)
+    return model, meshes
+
+
 def train_dtypes(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(param_dtype, reduce_dtype) of `train.*` on `device`: `auto` is bfloat16 compute on
     CUDA and float32 elsewhere, and float32 reduction everywhere. Parameters stay float32

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.glm import GLMConfig
+from muon.cost import window_peak_bytes
 
 GiB = 1 << 30
 
@@ -225,21 +226,14 @@ def _unsharded_bytes(module: torch.nn.Module, itemsize: int, ep: int) -> int:
 def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
     """The largest sum of per-batch peaks (exchange buffers + Newton-Schulz workspace + the
     local path's Nesterov input) over `max_inflight` consecutive batches of the optimizer's
-    plans on this rank; 0 for optimizers without plans (AdamW)."""
-    peaks = []
-    for mesh_plan, batches in getattr(opt, "plans", []):
-        r = mesh_plan.fsdp_rank
-        for b in batches:
-            nesterov_input = 0
-            if b.path == "local" and nesterov:
-                # the Nesterov input is built in the parameter's dtype (not the wire dtype)
-                rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
-                nesterov_input = rows * b.other_numel * b.itemsize
-            peaks.append(
-                nesterov_input + b.exchange_buffer_bytes(r) + b.ns_workspace_bytes(r, ns_itemsize)
-            )
-    k = max(1, max_inflight)
-    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
+    plans on this rank (`muon.cost.window_peak_bytes`); 0 for optimizers without plans
+    (AdamW)."""
+    return window_peak_bytes(
+        getattr(opt, "plans", []),
+        ns_itemsize=ns_itemsize,
+        nesterov=nesterov,
+        max_inflight=max_inflight,
+    )
 
 
 def estimate_step_memory(
@@ -324,28 +318,24 @@ def estimate_for_config(
     cfg, *, world_size: int, rank: int = 0, device_type: str = "cuda"
 ) -> StepMemory:
     """The estimate for `cfg` (a composed training config) on `world_size` ranks, seen from
-    `rank`, built in torch's fake process group (joined here if no group exists): the model on
-    the meta device, parallelized and given its optimizer by the recipe's own code.
+    `rank`, built in torch's fake process group (`recipes.parallel.join_fake_world`): the model
+    on the meta device (`recipes.parallel.planning_model`), parallelized and given its
+    optimizer by the recipe's own code.
     `device_type` picks the `auto` dtypes and whether gloo's staging copy counts."""
-    import torch.distributed as dist
+    from recipes.parallel import (
+        build_optimizer,
+        join_fake_world,
+        model_config,
+        planning_model,
+        train_dtypes,
+    )
 
-    from models.glm import GLMForCausalLM
-    from models.glm.parallelize import build_meshes, parallelize
-    from recipes.parallel import build_optimizer, model_config, train_dtypes
-
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    if dist.get_world_size() != world_size:
-        raise ValueError(f"a process group of {dist.get_world_size()} ranks exists")
+    join_fake_world(world_size, rank)
     param_dtype, reduce_dtype = train_dtypes(cfg, torch.device(device_type))
     checkpointing = str(cfg.train.activation_checkpointing) == "full"
-    with torch.device("meta"):
-        model = GLMForCausalLM(model_config(cfg))
-    parallelize(
-        model,
-        build_meshes(world_size, cfg.mesh.ep, "cpu"),
+    model, _ = planning_model(
+        model_config(cfg),
+        ep=cfg.mesh.ep,
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=reduce_dtype,
         activation_checkpointing=checkpointing,

@@ -10,7 +10,7 @@ Sections (all in one run, so the ratios come from one machine state):
 1. Per GLM-5.2 block shape (scaled down by `--scale`) and variant: time per block of a batched
    bf16 call (CPU: process time of one thread, the median of `--repeats` interleaved rounds of
    samples of >= ~50 ms, so other load on the machine does not enter; CUDA: synchronized wall
-   time), the FLOPs of `muon.newton_schulz.ns_flops` (Gram's fallback included), and quality
+   time), the FLOPs of `muon.cost.ns_flops` (Gram's fallback included), and quality
    against the float64 SVD: max |sigma - 1| over the bulk (the gain u_i^T O v_i along each
    input singular direction whose singular value is >= 1e-3 of the Frobenius norm, the range
    Polar Express is built for), the smallest singular value of the output,
@@ -51,14 +51,8 @@ from pathlib import Path
 
 import torch
 
-from muon.newton_schulz import (
-    GRAM_MIN_ROWS,
-    NS_COEFFICIENTS,
-    band_top,
-    effective_algorithm,
-    newton_schulz,
-    ns_flops,
-)
+from muon.cost import GRAM_MIN_ROWS, effective_algorithm, ns_flops
+from muon.newton_schulz import NS_COEFFICIENTS, band_top, newton_schulz
 from recipes.bench.report import markdown_table
 from recipes.bench.world import run_world
 

@@ -7,7 +7,7 @@ remainders of several sizes, fused experts whole on a rank, and experts whose bl
 and k = 4 ranks. Per strategy and rank it records:
 
 - `muon/ns_s` of `step_stats` (time in Newton-Schulz), averaged over the timed steps: the
-  target is max / mean over ranks <= 1.2 (owners balanced by `muon.newton_schulz.ns_flops`);
+  target is max / mean over ranks <= 1.2 (owners balanced by `muon.cost.ns_flops`);
 - bytes sent (`step_stats["muon/bytes_sent"]`) against the plan's `bytes_sent` on every rank;
 - step time (slowest rank, mean of `--steps`, strategies interleaved step by step) and peak
   memory of the step (`recipes.memory.MemoryMeter`, max over ranks and `--mem-steps`).
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from muon.cost import bytes_sent
 from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
@@ -112,7 +113,9 @@ def _worker(cfg: dict) -> list[dict]:
                 ns_s=ns_s[s],
                 peak_bytes=int(peak),
                 bytes_sent=stats["muon/bytes_sent"],
-                plan_bytes_sent=sum(b.bytes_sent(mp.fsdp_rank) for mp, bs in opt.plans for b in bs),
+                plan_bytes_sent=sum(
+                    bytes_sent(b, mp.fsdp_rank) for mp, bs in opt.plans for b in bs
+                ),
                 matrices=stats["muon/matrices"],
                 planned_ns_flops=plan.ns_flops_per_rank[rank] if plan else None,
                 batches={k: v for k, v in stats.items() if k.endswith("/batches")},

@@ -1,10 +1,11 @@
 """Dry-run Muon planner: per-rank bytes moved and peak buffers at cluster scale, on one CPU.
 
 Builds the model on the meta device inside torch's fake process group of `--world-size` ranks,
-parallelizes it with the real `models.glm.parallelize` (EP + FSDP2), and constructs the real
+parallelizes it with the real `models.glm.parallelize` (EP + FSDP2; both by
+`recipes.parallel.planning_model`, as the whole-step estimate does), and constructs the real
 `muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
-through `muon.plan.BatchPlan`'s analytic methods; nothing here re-models the planning and no
-parameter memory is allocated.
+through the cost model's functions of a `muon.plan.BatchPlan` (`muon.cost`); nothing here
+re-models the planning and no parameter memory is allocated.
 
     python scripts/plan_memory.py --model glm52 --world-size 512 --ep 8
     python scripts/plan_memory.py --model glm52 --world-size 512 --ep 8 --no-expert-aware \
@@ -18,14 +19,14 @@ has none) and an idle rank (one that does not) of the FSDP group:
 - sent:   bytes the rank sends for all the group's batches, both directions (`bytes_sent`)
 - coll:   the largest receive buffer of one collective (`collective_buffer_bytes`); for AGRS
           the all-gather output, the buffer of the GLM-5.2 out-of-memory
-- peak:   the largest per-batch peak: exchange buffers alive at once, NS inputs included
-          (`exchange_buffer_bytes`) + on the local path one parameter's Nesterov input
-          + Newton-Schulz temporaries (`ns_workspace_bytes`)
+- peak:   the largest per-batch peak (`peak_bytes`): exchange buffers alive at once, NS inputs
+          included (`exchange_buffer_bytes`) + on the local path one parameter's Nesterov
+          input + Newton-Schulz temporaries (`ns_workspace_bytes`)
 
 The footer adds, for the `--rank` view, the resident parameter + gradient + optimizer-state
 bytes of the rank's shards and a step bound: the largest sum of per-batch peaks over
-`max_inflight` consecutive batches (the runtime keeps that many alive). `--budget-gib` marks
-every figure above the budget with "!".
+`max_inflight` consecutive batches (`window_peak_bytes`: the runtime keeps that many alive).
+`--budget-gib` marks every figure above the budget with "!".
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from models.glm import get_preset
+from muon import cost
 from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
+from recipes.parallel import join_fake_world, planning_model
 
 GiB = 1 << 30
 TOKENS_PER_STEP = 4 << 20
@@ -59,34 +62,6 @@ def fmt_bytes(n: float | None) -> str:
 
 
 # ------------------------------------------------------------------------- building the plans
-def init_fake_world(world_size: int, rank: int) -> bool:
-    """Join a fake process group of `world_size` ranks as `rank`; False if one already exists."""
-    if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
-            raise RuntimeError("plan_memory: a real or differently sized process group exists")
-        return False
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    return True
-
-
-def build_model(
-    model_name: str, world_size: int, ep: int, dtype: torch.dtype, overrides: dict | None = None
-):
-    """The real GLM model on the meta device, parallelized with the real EP + FSDP2 code."""
-    from models.glm import get_preset
-    from models.glm.model import GLMForCausalLM
-    from models.glm.parallelize import build_meshes, parallelize
-
-    config = get_preset(model_name, **(overrides or {}))
-    with torch.device("meta"):
-        model = GLMForCausalLM(config).to(dtype)
-    meshes = build_meshes(world_size, ep, "cpu")
-    parallelize(model, meshes)
-    return model, config, meshes
-
-
 def build_optimizer(
     model, strategy: str, expert_aware: bool, router: str, ns_dtype, muon_split=False, **kw
 ):
@@ -124,25 +99,6 @@ def resident_bytes(opt) -> int:
 
 
 # --------------------------------------------------------------------------- reading the plans
-def input_bytes(b: BatchPlan, r: int, nesterov: bool) -> int:
-    """NS input the step allocates outside the exchange buffers: on the local path, Nesterov's
-    `grad.lerp(buf)` of the one parameter being stepped (exchanges write their inputs straight
-    into the send buffer, which `exchange_buffer_bytes` counts)."""
-    if b.path != "local" or not nesterov:
-        return 0
-    rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
-    return rows * b.other_numel * b.itemsize
-
-
-def batch_peak(b: BatchPlan, r: int, ns_itemsize: int, nesterov: bool) -> int:
-    """Planned peak bytes of one batch on FSDP rank `r`: inputs + exchange + NS workspace."""
-    return (
-        input_bytes(b, r, nesterov)
-        + b.exchange_buffer_bytes(r)
-        + b.ns_workspace_bytes(r, ns_itemsize)
-    )
-
-
 def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
@@ -171,7 +127,7 @@ class ShapeGroup:
 
     def roles(self, batches: list[BatchPlan]) -> dict[str, int | None]:
         """FSDP ranks that orthogonalize something of `batches` (busy) and that do not (idle)."""
-        work = [sum(b.matrices_on(r) for b in batches) for r in range(self.mesh.fsdp_size)]
+        work = [sum(cost.blocks_on(b, r) for b in batches) for r in range(self.mesh.fsdp_size)]
         busy = next((r for r, n in enumerate(work) if n), None)
         idle = next((r for r, n in enumerate(work) if not n), None)
         return {"busy": busy, "idle": idle}
@@ -198,23 +154,14 @@ def rank_figures(
     return {
         "fsdp_rank": r,
         "global_rank": g.mesh.group_ranks[r] if g.mesh.group_ranks else r,
-        "matrices": sum(b.matrices_on(r) for b in batches),
-        "bytes_sent": sum(b.bytes_sent(r) for b in batches),
-        "collective_buffer_bytes": max(b.collective_buffer_bytes(r) for b in batches),
-        "exchange_buffer_bytes": max(b.exchange_buffer_bytes(r) for b in batches),
-        "ns_workspace_bytes": max(b.ns_workspace_bytes(r, ns_itemsize) for b in batches),
-        "input_bytes": max(input_bytes(b, r, nesterov) for b in batches),
-        "peak_bytes": max(batch_peak(b, r, ns_itemsize, nesterov) for b in batches),
+        "matrices": sum(cost.blocks_on(b, r) for b in batches),
+        "bytes_sent": sum(cost.bytes_sent(b, r) for b in batches),
+        "collective_buffer_bytes": max(cost.collective_buffer_bytes(b, r) for b in batches),
+        "exchange_buffer_bytes": max(cost.exchange_buffer_bytes(b, r) for b in batches),
+        "ns_workspace_bytes": max(cost.ns_workspace_bytes(b, r, ns_itemsize) for b in batches),
+        "input_bytes": max(cost.nesterov_input_bytes(b, r, nesterov) for b in batches),
+        "peak_bytes": max(cost.peak_bytes(b, r, ns_itemsize, nesterov=nesterov) for b in batches),
     }
-
-
-def step_bound(plans, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
-    """Largest sum of per-batch peaks of this rank over `max_inflight` consecutive batches."""
-    peaks = [
-        batch_peak(b, mp.fsdp_rank, ns_itemsize, nesterov) for mp, batches in plans for b in batches
-    ]
-    k = max(1, max_inflight)
-    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
 
 
 def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd: float) -> dict:
@@ -266,12 +213,17 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
     totals = {}
     for s, o in opts.items():
         peaks = [
-            batch_peak(b, mp.fsdp_rank, ns_itemsize, nesterov) for mp, bs in o.plans for b in bs
+            cost.peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
+            for mp, bs in o.plans
+            for b in bs
         ]
+        sent = sum(cost.bytes_sent(b, mp.fsdp_rank) for mp, bs in o.plans for b in bs)
         totals[s] = {
-            "view_bytes_sent": sum(b.bytes_sent(mp.fsdp_rank) for mp, bs in o.plans for b in bs),
+            "view_bytes_sent": sent,
             "view_max_batch_peak_bytes": max(peaks, default=0),
-            "view_step_bound_bytes": step_bound(o.plans, ns_itemsize, nesterov, o.max_inflight),
+            "view_step_bound_bytes": cost.window_peak_bytes(
+                o.plans, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=o.max_inflight
+            ),
             "busy_max_peak_bytes": max(
                 (g["strategies"][s]["group"]["busy"] or {}).get("peak_bytes", 0) for g in groups
             ),
@@ -552,9 +504,10 @@ def plan(
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank} is outside the world of {world_size}")
     t0 = time.perf_counter()
-    created = init_fake_world(world_size, rank)
+    created = join_fake_world(world_size, rank)
     try:
-        net, config, meshes = build_model(model, world_size, ep, DTYPES[dtype], overrides)
+        config = get_preset(model, **(overrides or {}))
+        net, meshes = planning_model(config, ep=ep, dtype=DTYPES[dtype])
         active = active_parameters(net, config)
         fwd_bwd = 6 * active * tokens_per_step / world_size
         budget = None if budget_gib is None else budget_gib * GiB
@@ -676,8 +629,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = {}
     if args.indexer_training is not None:
-        from models.glm import get_preset
-
         if not get_preset(args.model).uses_dsa:
             ap.error(f"--indexer-training: --model {args.model} has no sparse-attention indexer")
         overrides["indexer_training"] = args.indexer_training

@@ -12,17 +12,18 @@ dtype casts). Each rank measures the optimizer step's `peak_delta_bytes` with
 barrier) on the ranks that own a remainder matrix (busy) and those that own none (idle):
 
 - exchange only: Newton-Schulz replaced by a same-size copy (the plan's exchange accounting
-  includes the NS output), compared with `BatchPlan.exchange_buffer_bytes`. Tolerance: 5% + 64
+  includes the NS output), compared with `muon.cost.exchange_buffer_bytes`. Tolerance: 5% + 64
   KiB, plus, for AGRS only, a gloo slack of twice its slab (W*n padded shards) + send buffer
   (n padded shards): gloo stages a flat copy of the all-gather output and of the
   reduce-scatter input (4 MiB here, measured on bare collectives; NCCL does not), a gloo
   worker thread can free the all-gather's send buffer and slab only after the reduce-scatter
   buffers exist.
-- the real step, compared with the planner's per-batch peak (`exchange_buffer_bytes +
-  ns_workspace_bytes`): the plan must be an upper bound within 10% (+ the AGRS gloo slack) and
-  not more than 1.6x the measured peak (the NS workspace is a rough, conservative estimate).
+- the real step, compared with the planner's per-batch peak (`muon.cost.peak_bytes`:
+  `exchange_buffer_bytes + ns_workspace_bytes`): the plan must be an upper bound within 10%
+  (+ the AGRS gloo slack) and not more than 1.6x the measured peak (the NS workspace is a
+  rough, conservative estimate).
 
-Any gap between muon/plan.py's phase accounting and muon/comm.py's allocations fails here.
+Any gap between muon/cost.py's accounting and muon/comm.py's allocations fails here.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _largest_unit(report: dict) -> float:
     so a greedy assignment ends within one unit of the ideal: GLM-5's o_proj [6144, 16384]
     (11.4 TFLOP, ~21% of a rank's ideal share at 512 ranks; measured busiest/ideal 1.06, and
     1.07 at 1024). The 1.1 guards are regression checks on those measurements."""
-    from muon.newton_schulz import effective_algorithm, ns_flops
+    from muon.cost import effective_algorithm, ns_flops
 
     return max(
         ns_flops(*g["shape"], algorithm=effective_algorithm(*g["shape"], algorithm="auto"))
@@ -205,12 +206,11 @@ def _measured_world() -> dict:
     import torch.distributed as dist
 
     import muon.optimizer as muon_optimizer
-    from muon import Muon
+    from muon import Muon, cost
     from recipes.bench.fixtures import sharded_matrices
     from recipes.memory import MemoryMeter
     from tests.harness import init_mesh
 
-    planner = _load_script()
     mesh = init_mesh((W,), ("fsdp",))
     meter = MemoryMeter("cpu")
     real_orthogonalize = muon_optimizer._orthogonalize
@@ -223,16 +223,18 @@ def _measured_world() -> dict:
         send_bytes = batch.size * batch.padded_shard_rows * batch.other_numel * batch.wire_itemsize
         row = {
             "path": batch.path,
-            "matrices": batch.matrices_on(r),
-            "planned_exchange": batch.exchange_buffer_bytes(r),
-            "planned_peak": planner.batch_peak(batch, r, 4, nesterov=False),
+            "matrices": cost.blocks_on(batch, r),
+            "planned_exchange": cost.exchange_buffer_bytes(batch, r),
+            "planned_peak": cost.peak_bytes(batch, r, 4),
             # gloo-only AGRS slack (seen: +4, +5 and +10 MiB over the plan): gloo's flat staging
             # copy of the slab; the all-gather's send + slab, which a gloo worker thread can
             # release after the reduce-scatter buffers exist; and the output-shard gap (below)
             "staging": (
-                2 * (batch.collective_buffer_bytes(r) + send_bytes) if strategy == "agrs" else 0
+                2 * (cost.collective_buffer_bytes(batch, r) + send_bytes)
+                if strategy == "agrs"
+                else 0
             ),
-            "planned_sent": batch.bytes_sent(r),
+            "planned_sent": cost.bytes_sent(batch, r),
         }
         for mode in ("exchange", "step"):
             # exchange only: NS becomes a same-size copy (its output is in the exchange count)

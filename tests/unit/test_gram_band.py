@@ -11,7 +11,8 @@ import importlib
 import pytest
 import torch
 
-from muon.newton_schulz import effective_algorithm, newton_schulz
+from muon.cost import effective_algorithm
+from muon.newton_schulz import newton_schulz
 
 ns_module = importlib.import_module("muon.newton_schulz")  # muon exports a function of that name
 

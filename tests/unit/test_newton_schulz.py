@@ -27,11 +27,10 @@ import math
 import pytest
 import torch
 
+from muon.cost import gram_is_cheaper, ns_flops
 from muon.newton_schulz import (
     NS_COEFFICIENTS,
-    gram_is_cheaper,
     newton_schulz,
-    ns_flops,
     orthogonalize_blocks,
     polar_express_coefficients,
 )
@@ -427,15 +426,14 @@ def test_auto_runs_gram_on_large_rectangular_blocks_only():
     """ns_algorithm="auto": Gram where it needs fewer FLOPs and the block has at least
     GRAM_MIN_ROWS rows and columns (per-call cost dominates below), the standard iteration
     elsewhere, with results bit-identical to the algorithm it picks."""
-    import importlib
+    from muon.cost import GRAM_MIN_ROWS, effective_algorithm
 
-    ns_module = importlib.import_module("muon.newton_schulz")
-    big, mid = ns_module.GRAM_MIN_ROWS, ns_module.GRAM_MIN_ROWS // 2
-    assert ns_module.effective_algorithm(big, 3 * big, 5, "auto") == "gram"
-    assert ns_module.effective_algorithm(3 * big, big, 5, "auto") == "gram"
-    assert ns_module.effective_algorithm(mid, 3 * mid, 5, "auto") == "standard"
-    assert ns_module.effective_algorithm(mid, 3 * mid, 5, "gram") == "gram"
-    assert ns_module.effective_algorithm(2 * big, 2 * big, 5, "auto") == "standard"
+    big, mid = GRAM_MIN_ROWS, GRAM_MIN_ROWS // 2
+    assert effective_algorithm(big, 3 * big, 5, "auto") == "gram"
+    assert effective_algorithm(3 * big, big, 5, "auto") == "gram"
+    assert effective_algorithm(mid, 3 * mid, 5, "auto") == "standard"
+    assert effective_algorithm(mid, 3 * mid, 5, "gram") == "gram"
+    assert effective_algorithm(2 * big, 2 * big, 5, "auto") == "standard"
     gen = torch.Generator().manual_seed(26)
     for shape, picks in (((2, big, 3 * big), "gram"), ((2, mid, 3 * mid), "standard")):
         G = torch.randn(*shape, generator=gen)
