@@ -365,7 +365,7 @@ def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_pa
     from omegaconf import OmegaConf
 
     from recipes.config import Config
-    from recipes.data import TokenStream, token_file
+    from recipes.data import TokenStream, token_files
 
     src = tmp_path / "src"
     _glm_moe_dsa_dir(src)
@@ -386,7 +386,7 @@ def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_pa
     # The same tokens: each rank's micro-batch of step 1, the loss averaged over ranks.
     data = OmegaConf.structured(Config).data
     data.cache_dir = str(tmp_path / "cache")
-    stream = TokenStream(token_file(data), "uint8", 16, 0, 256)  # seq_len 16, seed 0
+    stream = TokenStream(token_files(data).train, "uint8", 16, 0, 256)  # seq_len 16, seed 0
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(
