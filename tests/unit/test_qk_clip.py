@@ -8,24 +8,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.glm import GLMConfig, GLMForCausalLM
+from models.glm import GLMForCausalLM
 from models.glm import qk_clip as qk
+from tests.models import tiny_glm
 
-CFG = GLMConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
+CFG = tiny_glm(
     num_hidden_layers=2,
-    n_dense_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=8,
     n_routed_experts=4,
     num_experts_per_tok=2,
     n_group=1,
     topk_group=1,
     attention_bias=True,
+    routed_scaling_factor=1.0,
 )
 IDS = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(1))
 
