@@ -176,16 +176,22 @@ def test_non_finite_logits_never_clip():
     assert torch.equal(qk.clip_factors(logits, 4, tau=1.0), torch.tensor([1.0, 1.0, 0.2, 1.0]))
 
 
-def _mla_model(num_hidden_layers: int = 1) -> GLMForCausalLM:
+def _mla_model(num_hidden_layers: int = 1, q_lora: bool = True, **overrides) -> GLMForCausalLM:
+    """The MLA preset with DSA (index_topk 4) on the low-rank query, or with `q_lora` off a full
+    q_proj and dense MLA (the indexer reads the low-rank query); `overrides` replace fields."""
     from models.glm import get_preset
 
     torch.manual_seed(0)
+    dsa = ("index_n_heads", "index_head_dim", "index_topk", "indexer_types")
+    if q_lora:
+        fields = dict(index_topk=4, indexer_types=["full"] * num_hidden_layers)
+    else:
+        fields = dict.fromkeys(("q_lora_rank", *dsa))
     config = get_preset(
         "mla_tiny",
         num_hidden_layers=num_hidden_layers,
         n_dense_layers=1,
-        index_topk=4,
-        indexer_types=["full"] * num_hidden_layers,
+        **{**fields, **overrides},
     )
     model = GLMForCausalLM(config)
     model.init_weights(0)
@@ -194,7 +200,8 @@ def _mla_model(num_hidden_layers: int = 1) -> GLMForCausalLM:
             if p.ndim == 2:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
         attn = model.attentions()[0]
-        attn.q_b_proj.weight[:24] *= 4.0  # head 0: q_nope and q_rope rows
+        q = attn.q_b_proj if q_lora else attn.q_proj
+        q.weight[:24] *= 4.0  # head 0: q_nope and q_rope rows
         attn.kv_b_proj.weight[:16] *= 2.0  # head 0: k_nope rows
     return model
 
