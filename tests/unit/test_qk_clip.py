@@ -229,3 +229,24 @@ def test_mla_clip_puts_the_head_on_tau_and_leaves_the_rotary_key():
     assert torch.equal(now[q][24:], snap[q][24:])
     torch.testing.assert_close(now[kv][:16], snap[kv][:16] * eta**0.5)  # k_nope of head 0
     assert torch.equal(now[kv][16:], snap[kv][16:])  # v of head 0 and the other heads
+
+
+def test_mtp_attention_is_recorded_in_training_and_clipped():
+    """MTP layers train in the training forward, so their attention is watched and clipped too:
+    its row is finite after a forward with MTP, -inf after one without (never clipped)."""
+    model = _model(num_hidden_layers=1, num_mtp_layers=1)
+    assert len(model.attentions()) == 2  # the layer's, then the MTP layer's
+    assert torch.isinf(_max_logits(model)[1]).all()  # `loss` runs without MTP
+    model.record_max_logits(True)
+    out = model.losses(IDS[:, :-1], IDS[:, 1:])
+    (out["loss"] + out["mtp_loss"]).backward()
+    model.zero_grad()
+    logits = model.take_max_logits()
+    assert torch.isfinite(logits).all()
+    snap = _snapshot(model)
+    tau = float(logits[1].max()) * 0.5
+    logits[0] = -torch.inf  # clip only the MTP layer's attention
+    assert model.qk_clip_(logits, tau) >= 1
+    now = _snapshot(model)
+    changed = {n for n in snap if not torch.equal(snap[n], now[n])}
+    assert changed and all(n.startswith("model.mtp_layers.0.self_attn.") for n in changed)
