@@ -100,7 +100,7 @@ def _worker(rank: int, world_size: int, port: int, spec: dict, fn: Callable, arg
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=_HOST,
         MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="1",  # the store exists: every rank is its client
+        TORCHELASTIC_USE_AGENT_STORE="True",  # torch checks == "True": the store exists, join it
     )
     if spec["threads"] is not None:
         torch.set_num_threads(spec["threads"])
