@@ -33,7 +33,7 @@ log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 # How long the local world's ranks get to checkpoint and exit once stopped (a signal, or the
 # launching process failing) before they are killed: torchrun's grace in the SLURM scripts
-# (SHUTDOWN_TIMEOUT in scripts/slurm/torchrun_node.sh).
+# (SHUTDOWN_TIMEOUT in scripts/slurm/train.sbatch).
 STOP_GRACE_S = 90.0
 
 
