@@ -6,10 +6,13 @@ the srun/torchrun/sbatch commands it would run; the Hydra submitit launcher conf
 Real (`slurm`, `slow`): a session fixture starts scripts/slurm/local_cluster.sh in a temporary
 directory (skipped, saying why, where the Slurm daemons are not installed or we are not root;
 `.ci/run` installs them) and stops it at the end. Then `sbatch scripts/slurm/train.sbatch` runs a
-2-rank CPU training through srun + torchrun to completion; a USR1 to the batch script makes the
-run checkpoint and requeue, and the requeued run resumes from that checkpoint and finishes; the
-sweep script submits one job per remainder strategy and each finishes; `python train.py -m
-hydra/launcher=slurm` runs a job through submitit. Every wait is bounded.
+2-rank CPU training through srun + torchrun, a USR1 to the batch script makes the run checkpoint
+and requeue, and the requeued run resumes from that checkpoint and finishes (one job); the sweep
+script submits one job per remainder strategy and each finishes; `python train.py -m
+hydra/launcher=slurm` runs a job through submitit, which, preempted, is requeued and resumed, and
+the waiting command returns (one job). Every wait is bounded. Each job costs seconds of Python
+and torch start-up per process, hence one job per claim where claims share a launch, and small
+runs (tests/slurm/slurm_util.py FAST_ARGS).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import pytest
 
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.slurm.slurm_util import (
+    FAST_ARGS,
     FINAL_STATES,
     REPO,
     SLURM_DIR,
     committed_steps,
     metrics,
     rows,
+    slow_saves,
     start_cluster,
     tail,
 )
@@ -39,13 +44,6 @@ from tests.slurm.slurm_util import run as _run
 SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"))
 # A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
 TRAIN_ARGS = ["mesh.world_size=2", "mesh.ep=1", "logger=none"]
-# Smaller steps, no transformers export: launching is what these tests are about.
-SPEEDUP_ARGS = [
-    "checkpoint.export_hf=false",
-    "metrics.progress=false",
-    "data.seq_len=32",
-    "data.batch_size=2",
-]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +209,7 @@ def cluster(tmp_path_factory):
 def _train_args(run_root, name: str, steps: int, every: int) -> list[str]:
     return [
         *TRAIN_ARGS,
-        *SPEEDUP_ARGS,
+        *FAST_ARGS,
         f"train.steps={steps}",
         f"checkpoint.every={every}",
         f"run.root={run_root}",
@@ -250,30 +248,11 @@ def test_train_sbatch_dry_run_three_nodes(cluster):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_sbatch_trains_to_completion(cluster, tmp_path):
-    steps = 3
-    log = tmp_path / "train.out"
-    job = cluster.sbatch(
-        [
-            "--cpus-per-task=2",
-            f"--output={log}",
-            str(SLURM_DIR / "train.sbatch"),
-            *_train_args(tmp_path / "runs", "sbatch", steps, every=steps),
-        ],
-    )
-    cluster.wait_done(job, 120, log)
-    text = log.read_text()
-    assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
-    assert "training step exited with 0" in text
-    got = metrics(tmp_path / "runs")
-    assert got[-1]["step"] == steps, got
-    assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """USR1 to the batch script (what --signal=B:USR1@120 does): checkpoint, requeue, resume."""
+def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_path):
+    """`sbatch train.sbatch` runs a 2-rank CPU world through srun + torchrun (1 node x 2 ranks,
+    world 2); USR1 to the batch script (what --signal=B:USR1@120 does) makes it checkpoint and
+    requeue, and the requeued run resumes from that checkpoint and trains to completion (the
+    job COMPLETED, exit 0). One job carries both claims: launching, and preemption."""
     steps = 40
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
@@ -312,6 +291,7 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
     cluster.wait_done(job, 120, log)
 
     text = log.read_text()
+    assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
     assert "[train.sbatch] got SIGUSR1" in text
     # The node's wrapper passed it on to the ranks; torchrun and the step ended cleanly.
     assert "asking the ranks to stop" in text
@@ -324,6 +304,7 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert resumed and int(resumed[-1]) == k, tail(log)
     got = metrics(run_root)
     assert got[-1]["step"] == steps
+    assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2, got[0]
     # One uninterrupted run: the resumed run logs every step after its checkpoint.
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     # The checkpoint was written at the signal: no step trained before it was lost.
@@ -343,7 +324,7 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
             f"--output={tmp_path}/%x-%j.out",
             "--",
             *TRAIN_ARGS,
-            *SPEEDUP_ARGS,
+            *FAST_ARGS,
             f"train.steps={steps}",
             f"checkpoint.every={steps}",
             f"run.root={run_root}",
@@ -360,47 +341,22 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_submitit_launcher_runs_a_job(cluster, tmp_path):
-    """`python train.py -m hydra/launcher=slurm ...`: one submitit job, trained to the end."""
+def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, tmp_path):
+    """`python train.py -m hydra/launcher=slurm ...` submits one submitit job (a local world of
+    2 ranks) and waits for it. Preempted with submitit's signal (USR2), submitit requeues it,
+    the launching process stops the local world (its ranks ignore USR2 and answer the SIGTERM
+    with a checkpoint) and exits without a result, so the waiting `train.py -m` neither crashes
+    on the first attempt (a job result that does not unpickle, as torch's elastic
+    SignalException did) nor stops early: it exits 0 once the requeued run, resumed from the
+    latest checkpoint, has trained to the end. One job carries both claims: the launcher runs
+    a job (with a swept key's override) to completion, and the requeue."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    steps = 2
+    steps = 8
     run_root = tmp_path / "runs"
-    out = _run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            "hydra/launcher=slurm",
-            "hydra.launcher.partition=debug",
-            "hydra.launcher.timeout_min=5",
-            *TRAIN_ARGS,
-            *SPEEDUP_ARGS,
-            f"train.steps={steps}",
-            f"run.root={run_root}",
-            "run.name=submitit",
-            "optim.remainder_strategy=ragged_all_to_all",
-        ],
-        env=cluster.env,
-        timeout=150,
-    )
-    assert "Submitit 'slurm' sweep output dir" in out.stdout + out.stderr
-    assert metrics(run_root / "submitit")[-1]["step"] == steps
-    logs = list((run_root / "submitit" / ".submitit").rglob("*_log.out"))
-    assert logs and "Job completed successfully" in logs[0].read_text()
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
-    """Preempt a submitit job with its signal (USR2): submitit requeues it, the launching
-    process stops the local world (its ranks ignore USR2 and answer the SIGTERM with a
-    checkpoint) and exits without a result, so the waiting `train.py -m` neither crashes on the
-    first attempt (a job result that does not unpickle, as torch's elastic SignalException did)
-    nor stops early: it returns the requeued run's result, which resumed from the latest
-    checkpoint."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    steps = 30
-    run_root = tmp_path / "runs"
+    # Rank 0's checkpoints (every step) take 1 s longer in the first run only: the job is
+    # still training when the signal comes (sent while step 2 is saved), and the requeued run
+    # is quick. The stop's own checkpoint fits well within KillWait (10 s) all the same.
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=1)
     waiting = subprocess.Popen(
         [
             sys.executable,
@@ -410,21 +366,22 @@ def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
             "hydra.launcher.partition=debug",
             "hydra.launcher.timeout_min=5",
             *TRAIN_ARGS,
-            *SPEEDUP_ARGS,
+            *FAST_ARGS,
             f"train.steps={steps}",
             "checkpoint.every=1",
             f"run.root={run_root}",
             "run.name=requeue",
+            "optim.remainder_strategy=ragged_all_to_all",
         ],
         cwd=REPO,
-        env=cluster.env,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
         end = time.monotonic() + 120
-        while time.monotonic() < end and not committed_steps(run_root):
+        while time.monotonic() < end and not (marks / "saving_2").exists():
             assert waiting.poll() is None, waiting.communicate()[0][-3000:]
             time.sleep(0.3)
         (job_dir,) = (p for p in (run_root / "requeue" / ".submitit").iterdir() if p.is_dir())
@@ -436,10 +393,14 @@ def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
         waiting.kill()
     log = (job_dir / f"{job}_0_log.out").read_text()
     assert waiting.returncode == 0, out[-3000:] + log[-3000:]
+    assert "Submitit 'slurm' sweep output dir" in out, out[-3000:]
     assert "SignalException" not in out and "TypeError" not in out, out[-3000:]
     # (Whether submitit logs its "Requeued job" line depends on when the requeue's SIGTERM
     # lands; release_requeued above saw the job requeued.)
     assert "Caught signal SIGUSR2" in log, log[-3000:]
-    assert re.search(r"SIGTERM: stopped at step \d+, checkpoint", log), log[-3000:]
-    assert re.search(r"resumed from \S*step_\d+", log), log[-3000:]
+    stopped = re.search(r"SIGTERM: stopped at step (\d+), checkpoint", log)
+    assert stopped and 2 <= int(stopped[1]) < steps, log[-3000:]
+    resumed = [int(k) for k in re.findall(r"resumed from \S*step_(\d+)", log)]
+    assert resumed[-1:] == [int(stopped[1])], log[-3000:]
+    assert "Job completed successfully" in log, log[-3000:]
     assert [r["step"] for r in metrics(run_root / "requeue")] == list(range(1, steps + 1))
