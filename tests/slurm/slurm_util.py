@@ -183,10 +183,12 @@ def committed_steps(run_root: Path) -> list[int]:
     return sorted(int(p.parent.name[5:]) for p in run_root.rglob("checkpoints/step_*/COMMITTED"))
 
 
-def slow_saves(env: dict[str, str], tmp_path: Path, seconds: float) -> tuple[dict[str, str], Path]:
+def slow_saves(
+    env: dict[str, str], tmp_path: Path, seconds: float, steps: tuple[int, ...] = ()
+) -> tuple[dict[str, str], Path]:
     """`env` for a job in which rank 0 takes `seconds` longer for each checkpoint of the job's
-    first run (the tests/slurm/slurm_hooks/sitecustomize.py hook), and the directory of its
-    progress marks (saving_<step>, saved_<step>)."""
+    first run (those of `steps` only, if given; the tests/slurm/slurm_hooks/sitecustomize.py
+    hook), and the directory of its progress marks (saving_<step>, saved_<step>)."""
     marks = tmp_path / "marks"
     marks.mkdir()
     env = dict(
@@ -194,5 +196,6 @@ def slow_saves(env: dict[str, str], tmp_path: Path, seconds: float) -> tuple[dic
         PYTHONPATH=os.pathsep.join([str(HOOKS), str(REPO)]),
         SLOW_SAVE_S=str(seconds),
         SLOW_SAVE_DIR=str(marks),
+        SLOW_SAVE_STEPS=",".join(map(str, steps)),
     )
     return env, marks

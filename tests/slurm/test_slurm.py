@@ -29,7 +29,6 @@ import pytest
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.slurm.slurm_util import (
     FAST_ARGS,
-    FINAL_STATES,
     REPO,
     SLURM_DIR,
     committed_steps,
@@ -253,11 +252,13 @@ def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_pat
     world 2); USR1 to the batch script (what --signal=B:USR1@120 does) makes it checkpoint and
     requeue, and the requeued run resumes from that checkpoint and trains to completion (the
     job COMPLETED, exit 0). One job carries both claims: launching, and preemption."""
-    steps = 40
+    steps, every = 5, 2
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
-    # No periodic checkpoint before the end: resuming at all proves the signal wrote one.
-    every = 1000
+    # Rank 0's step-2 checkpoint takes 3 s longer (first run only): the signal comes while it
+    # is written, so the run stops after step 3, whose checkpoint only the signal writes
+    # (the periodic ones are at even steps).
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=3, steps=(2,))
     job = cluster.sbatch(
         [
             "--cpus-per-task=2",
@@ -265,13 +266,9 @@ def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_pat
             str(SLURM_DIR / "train.sbatch"),
             *_train_args(run_root, "preempt", steps, every),
         ],
+        env=env,
     )
-
-    def trained(info):
-        return bool(rows(run_root)) or info.get("JobState") in FINAL_STATES
-
-    info = cluster.wait(job, trained, 90, "past its first step", log)
-    assert info.get("JobState") == "RUNNING", f"{info}\n{tail(log)}"
+    cluster.wait(job, lambda i: (marks / "saving_2").exists(), 90, "writing step 2", log)
     cluster.run(["scancel", "--batch", "--signal=USR1", job])
     # The batch script forwards the signal, the step ends, the script requeues the job: it
     # comes back PENDING (held until its BeginTime), and we release it at once.
@@ -282,11 +279,10 @@ def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_pat
         "requeued",
         log,
     )
+    # The checkpoint was written at the signal: no step trained before it was lost.
     last_logged = rows(run_root)[-1]["step"]
-    ckpts = committed_steps(run_root)
-    assert ckpts and ckpts[-1] > 0, f"no committed checkpoint to resume from\n{tail(log)}"
-    k = ckpts[-1]
-    assert k < steps
+    assert committed_steps(run_root)[-1:] == [last_logged] == [3], tail(log)
+    k = 3
     cluster.release_requeued(job, log)
     cluster.wait_done(job, 120, log)
 
@@ -307,20 +303,20 @@ def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_pat
     assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2, got[0]
     # One uninterrupted run: the resumed run logs every step after its checkpoint.
     assert [r["step"] for r in got] == list(range(1, steps + 1))
-    # The checkpoint was written at the signal: no step trained before it was lost.
-    assert k >= last_logged, (k, last_logged)
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
+    """One job per remainder strategy, each a 2-rank world that trains to the end. A job asks
+    for one CPU (NPROC_PER_NODE gives it its 2 ranks), so two of them run at once."""
     steps = 2
     run_root = tmp_path / "runs"
-    env = dict(cluster.env, SWEEP_NAME="sweep")
+    env = dict(cluster.env, SWEEP_NAME="sweep", NPROC_PER_NODE="2")
     out = _run(
         [
             str(SLURM_DIR / "sweep_strategies.sh"),
-            "--cpus-per-task=2",
+            "--cpus-per-task=1",
             f"--output={tmp_path}/%x-%j.out",
             "--",
             *TRAIN_ARGS,
@@ -336,7 +332,8 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
     for strategy, job in jobs.items():
         cluster.wait_done(job, 150, tmp_path / f"muon-sweep-{strategy}-{job}.out")
     for strategy in STRATEGIES:
-        assert metrics(run_root / f"sweep-{strategy}")[-1]["step"] == steps
+        got = metrics(run_root / f"sweep-{strategy}")
+        assert got[-1]["step"] == steps and got[0]["world_size"] == 2, got
 
 
 @pytest.mark.slurm

@@ -196,7 +196,7 @@ def test_sbatch_two_nodes_trains_like_one_node_through_a_preemption(cluster, tmp
     )
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
-    env, marks = slow_saves(cluster.env, tmp_path, seconds=3)
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=3, steps=(2,))
     env["NODE_LOG_DIR"] = str(tmp_path / "nodes")
     try:
         job = _sbatch_train(cluster, log, run_root, steps, every, env=env)
