@@ -49,7 +49,7 @@ ARGS = ["mesh.ep=2", "logger=none", *FAST_ARGS]
 # How soon slurmctld marks a killed node down (its job's srun waits for that): SlurmdTimeout of
 # failed pings, each failing after MessageTimeout. Lower than the defaults (20 s, 10 s), which
 # are for people; still far above what a ping or any other RPC takes on this machine.
-LOST_NODE_KNOBS = {"SLURMD_TIMEOUT": "4", "MESSAGE_TIMEOUT": "5"}
+LOST_NODE_KNOBS = {"SLURMD_TIMEOUT": "4", "MESSAGE_TIMEOUT": "3"}
 
 
 @pytest.fixture(scope="module")
