@@ -255,10 +255,10 @@ def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_pat
     steps, every = 5, 2
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
-    # Rank 0's step-2 checkpoint takes 3 s longer (first run only): the signal comes while it
+    # Rank 0's step-2 checkpoint takes 2 s longer (first run only): the signal comes while it
     # is written, so the run stops after step 3, whose checkpoint only the signal writes
     # (the periodic ones are at even steps).
-    env, marks = slow_saves(cluster.env, tmp_path, seconds=3, steps=(2,))
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=2, steps=(2,))
     job = cluster.sbatch(
         [
             "--cpus-per-task=2",
@@ -348,7 +348,7 @@ def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, t
     latest checkpoint, has trained to the end. One job carries both claims: the launcher runs
     a job (with a swept key's override) to completion, and the requeue."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    steps = 8
+    steps = 6
     run_root = tmp_path / "runs"
     # Rank 0's checkpoints (every step) take 1 s longer in the first run only: the job is
     # still training when the signal comes (sent while step 2 is saved), and the requeued run
