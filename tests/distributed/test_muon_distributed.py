@@ -271,11 +271,29 @@ def _split_world(world: int):
     return results
 
 
+PARITY_WORLDS, SPLIT_WORLDS = (1, 2, 3, 4, 8), (3, 5)
+_RESULTS: dict[int, list[dict]] = {}
+
+
+def _both_worlds(world: int) -> dict:
+    return {
+        "parity": _world_cases(world) if world in PARITY_WORLDS else None,
+        "split": _split_world(world) if world in SPLIT_WORLDS else None,
+    }
+
+
+def _world(world: int) -> list[dict]:
+    """Every rank's results on a world of this size: one spawn serves both tests below."""
+    if world not in _RESULTS:
+        _RESULTS[world] = run_world(_both_worlds, world, world, timeout_s=600)
+    return _RESULTS[world]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [3, 5])
+@pytest.mark.parametrize("world", SPLIT_WORLDS)
 def test_split_parity_with_single_process(world):
     """Odd worlds: ceil chunking gives uneven shards (20 rows: 7, 7, 6 or 4 x 5)."""
-    for label, err, paths in run_world(_split_world, world, world, timeout_s=600)[0]:
+    for label, err, paths in _world(world)[0]["split"]:
         strategy = label.split()[2]
         assert paths == {"local", "full", strategy}, (label, paths)
         # float32: as below. bf16 Newton-Schulz of the same bf16 inputs, batched otherwise: a
@@ -285,9 +303,9 @@ def test_split_parity_with_single_process(world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("world", PARITY_WORLDS)
 def test_parity_with_single_process(world):
-    results = run_world(_world_cases, world, world, timeout_s=600)
+    results = [r["parity"] for r in _world(world)]
     for label, value in results[0]:
         if label.startswith("paths "):
             assert value >= _expected_paths(label[6:]), f"{label}: only {sorted(value)}"
