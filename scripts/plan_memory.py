@@ -44,7 +44,7 @@ from recipes.planning_report import format_report
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns 0, or 1 when `--budget-gib` is given and something does not fit."""
-    from models.glm.config import PRESET_NAMES
+    from models.glm.presets import PRESET_NAMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="glm52", choices=PRESET_NAMES, help="model preset")

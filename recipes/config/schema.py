@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from models.glm.config import PRESET_NAMES
+from models.glm.presets import PRESET_NAMES
 from muon.groups import ROUTER_CHOICES
 from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
 from muon.optimizer import ADJUST_LR, NS_DTYPES
