@@ -1,4 +1,5 @@
-"""scripts/plan_memory.py: the dry-run planner at GLM-5.2 scale, and planned vs measured peaks.
+"""scripts/plan_memory.py: the dry-run planner at GLM-5.2 scale, and planned vs measured peaks
+(the report: recipes/planning.py, its text and budget check: recipes/planning_report.py).
 
 GLM-5.2 on 512 fake ranks, ep 8: expert-aware, the fused gate+up weights
 are local and all 76 down weights take the sub-group path; with `--no-expert-aware` the down
@@ -29,7 +30,6 @@ Any gap between muon/cost.py's accounting and muon/comm.py's allocations fails h
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
+from recipes.planning_report import fmt_bytes, over_budget
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,14 +51,6 @@ MiB = 1 << 20
 W = 4
 SHAPE = (1024, 512)
 COUNT = 2
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("plan_memory", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("plan_memory", mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run_planner(tmp_path: Path, *flags: str, world: int = 512) -> dict:
@@ -168,7 +161,6 @@ def test_glm52_without_expert_paths_agrs_remainder_is_9_gib(tmp_path):
 
 def test_budget_flags_what_does_not_fit():
     """The budget check on a hand-made report (no world needed)."""
-    mod = _load_script()
     fig = {"global_rank": 3, "collective_buffer_bytes": 9 * GiB, "peak_bytes": 10 * GiB}
     small = {"global_rank": 5, "collective_buffer_bytes": MiB, "peak_bytes": 2 * MiB}
     report = {
@@ -193,11 +185,11 @@ def test_budget_flags_what_does_not_fit():
             "ragged_all_to_all": {"resident_bytes": 4 * GiB, "view_step_bound_bytes": GiB},
         },
     }
-    over = mod.over_budget(report, 8 * GiB)
+    over = over_budget(report, 8 * GiB)
     assert len(over) == 3, over
     assert all("agrs" in o and "ragged" not in o for o in over)
-    assert mod.over_budget(report, None) == []
-    assert mod.fmt_bytes(9 * GiB) == "9.00 GiB" and mod.fmt_bytes(512) == "512 B"
+    assert over_budget(report, None) == []
+    assert fmt_bytes(9 * GiB) == "9.00 GiB" and fmt_bytes(512) == "512 B"
 
 
 # --------------------------------------------------------------- planned vs measured, 4 ranks
