@@ -102,6 +102,10 @@ class ShapeGroup:
         return {"busy": busy, "idle": idle}
 
 
+def _path_label(b: BatchPlan) -> str:
+    return f"subgroup({b.subgroup_size})" if b.path == "subgroup" else b.path
+
+
 def shape_groups(plans: list[tuple[MeshCommPlan, list[BatchPlan]]]) -> list[ShapeGroup]:
     out: list[ShapeGroup] = []
     for i, (mp, batches) in enumerate(plans):
@@ -169,7 +173,9 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
 
             entry["strategies"][s] = {
                 "paths": sorted({b.path for b in g.batches}, key=PATHS.index),
-                "batches": [[b.path, b.size] for b in g.batches],
+                # a sub-group batch as "subgroup(s)": s ranks per sub-group (widened when s
+                # exceeds the ranks one block spans, see muon.owners)
+                "batches": [[_path_label(b), b.size] for b in g.batches],
                 "remainder": rem.size if rem else 0,
                 "remainder_path": rem.path if rem else None,
                 # the remainder batch alone, on a rank that owns one of its matrices and one that
@@ -230,7 +236,8 @@ def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: 
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     else:
         qk = config.head_dim_resolved
-    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    # every attention trains and is watched, the MTP layers' too
+    heads, layers = config.num_attention_heads, config.num_hidden_layers + config.num_mtp_layers
     from models.glm.qk_clip import recording_flops
 
     record = layers * tokens_per_rank / seq_len * recording_flops(seq_len, heads, qk)
