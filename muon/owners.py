@@ -250,7 +250,20 @@ def balance_figures(plans: Plans, loads: list[int]) -> dict:
         "ns_flops_mean": sum(loads) / world,
         "ns_flops_ideal": ideal,
         "busiest_over_ideal": max(loads) / ideal if ideal else 1.0,
+        # how far the owners widened the sub-groups (1: each block's own ranks), and the
+        # busiest rank the assignment would have had without
+        "subgroup_widening": max(
+            (
+                b.subgroup_size // b.block_span
+                for _, bs in plans
+                for b in bs
+                if b.path == "subgroup"
+            ),
+            default=1,
+        ),
     }
+    if figures["subgroup_widening"] > 1:
+        figures["ns_flops_busiest_unwidened"] = max(_Trial(plans, world, 1).loads)
     if not sharded:
         return figures
     # the comm group with the most non-FSDP sharding (experts), else the first

@@ -164,6 +164,13 @@ def format_report(report: dict) -> str:
     header += ["comm group min..max", "busiest sent"]
     lines += _render(header, rows, left={0})
     first = report["totals"][meta["strategies"][0]]["ns"]
+    if first.get("subgroup_widening", 1) > 1:
+        narrow = first["ns_flops_busiest_unwidened"]
+        lines.append(
+            f"  sub-groups widened {first['subgroup_widening']}x (muon.owners): without, the "
+            f"busiest rank would do {narrow / 1e12:.2f} TFLOP "
+            f"({narrow / first['ns_flops_ideal']:.3f} of ideal)"
+        )
     if "comm_group" in first:
         g = first["comm_group"]
         lines.append(
