@@ -45,39 +45,44 @@ class Local:
 
 
 class OwnerAllToAll:
-    """all_to_all_single with per-rank split sizes: unit j is assembled on its owner only.
+    """all_to_all_single with per-rank split sizes: unit u is assembled on its owner only.
 
     Serves full batches (n = W), the ragged remainder (n < W: ranks that own nothing receive
-    nothing and allocate no unit buffer) and, on a k-rank sub-group, expert blocks that span k
-    FSDP ranks (`Subgroup`). Split sizes follow the shard sizes, so uneven and empty shards need
-    no padding. An owner of several units of the batch orthogonalizes them in one call.
+    nothing and allocate no unit buffer) and, on a sub-group, expert blocks that span k FSDP
+    ranks (`Subgroup`). Every rank sends its rows of the n units it holds (`ExchangeView.held`),
+    and an owner receives the rows of each unit it owns from that unit's holders. Split sizes
+    follow the shard sizes, so uneven and empty shards need no padding. An owner of several
+    units of the batch orthogonalizes them in one call.
     """
 
     def __init__(self, label: str) -> None:
         self.label = label
 
     def send_buffer(self, b, r: int, *, dtype, device) -> tuple[torch.Tensor, Shards]:
-        sizes, owners, me = b.exchange_view(r)
-        send = torch.empty(len(owners) * sizes[me] * b.other_numel, dtype=dtype, device=device)
-        return send, self._slots(send, b, r)
+        view = b.exchange_view(r)
+        send = torch.empty(view.n * view.sizes[view.me] * b.other_numel, dtype=dtype, device=device)
+        return send, self._slots(send, b, view)
 
-    def _slots(self, send: torch.Tensor, b, r: int) -> Shards:
+    def _slots(self, send: torch.Tensor, b, view) -> Shards:
         """Parameter j's `[rows, C]` view of the send buffer, which is ordered by owner."""
-        sizes, owners, me = b.exchange_view(r)
-        size = sizes[me] * b.other_numel
-        order = sorted(range(len(owners)), key=lambda j: (owners[j], j))
-        slots: Shards = [send] * len(owners)
+        rows, held = view.sizes[view.me], view.held
+        size = rows * b.other_numel
+        order = sorted(range(view.n), key=lambda j: (held[j], j))
+        slots: Shards = [send] * view.n
         for pos, j in enumerate(order):
-            slots[j] = send[pos * size : (pos + 1) * size].view(sizes[me], b.other_numel)
+            slots[j] = send[pos * size : (pos + 1) * size].view(rows, b.other_numel)
         return slots
 
     def run(self, b, send, *, fsdp_rank, group, ortho: Orthogonalize, stats: StepStats) -> Task:
-        sizes, owners, me = b.exchange_view(fsdp_rank)
+        view = b.exchange_view(fsdp_rank)
+        sizes, me, held, owned = view.sizes, view.me, view.held, view.owned()
         W, C, item = len(sizes), b.other_numel, send.element_size()
-        count = [sum(o == r for o in owners) for r in range(W)]
-        m = count[me]
-        send_splits = [sizes[me] * C * count[r] for r in range(W)]
-        recv_splits = [sizes[r] * C * m for r in range(W)]
+        # by block: the units I own, and from each holder of that block its rows of each
+        by_block: dict[int, int] = {}
+        for u in owned:
+            by_block[u // view.n] = by_block.get(u // view.n, 0) + 1
+        send_splits = [sizes[me] * C * held.count(r) for r in range(W)]
+        recv_splits = [sizes[r] * C * by_block.get(r // view.span, 0) for r in range(W)]
         recv = send.new_empty(sum(recv_splits))
         work = _a2a(recv, send, recv_splits, send_splits, group)
         out_elems = sum(send_splits) - send_splits[me]
@@ -87,36 +92,55 @@ class OwnerAllToAll:
         stats.wait(work)
         del work  # a finished Work still references its buffers
         back = recv
-        if m:
-            N = sum(sizes)
-            pieces = [p.view(m, sizes[r], C) for r, p in enumerate(recv.split(recv_splits))]
-            # one owned unit arrives contiguous (source ranks in row order); several interleave
-            units = recv.view(N, C) if m == 1 else torch.cat(pieces, dim=1).view(m * N, C)
+        if owned:
+            pieces = recv.split(recv_splits)
+            # per block: [units, rows of holder r, C] from each holder, in row order
+            parts = {
+                i: [pieces[r].view(m, sizes[r], C) for r in view.holders(i * view.n)]
+                for i, m in by_block.items()
+            }
+            # one owned unit arrives contiguous (holders in row order); several interleave
+            if len(owned) == 1:
+                units = recv.view(-1, C)
+            else:
+                units = torch.cat([torch.cat(p, dim=1) for p in parts.values()]).view(-1, C)
             result = stats.orthogonalize(
-                ortho, units, self.label, m * b.blocks_per_unit, units=b.units_on(fsdp_rank)
+                ortho,
+                units,
+                self.label,
+                len(owned) * b.blocks_per_unit,
+                units=b.units_on(fsdp_rank),
             )
             del units
-            if m == 1:
+            if len(owned) == 1:
                 back = result.reshape(-1)
             else:
-                offsets = [sum(sizes[:r]) for r in range(W)]
-                for r, piece in enumerate(pieces):
-                    piece.copy_(result.view(m, N, C)[:, offsets[r] : offsets[r] + sizes[r]])
-            del result, pieces
+                rows = view.unit_rows(owned[0])
+                result = result.view(len(owned), rows, C)
+                first = 0
+                for m, ps in ((by_block[i], ps) for i, ps in parts.items()):
+                    offset = 0
+                    for piece in ps:
+                        n_rows = piece.size(1)
+                        piece.copy_(result[first : first + m, offset : offset + n_rows])
+                        offset += n_rows
+                    first += m
+            del result, pieces, parts
         work = _a2a(send, back, send_splits, recv_splits, group)
         stats.moved(self.label, sent=in_elems * item, recv=out_elems * item)
         del back, recv
         yield
         stats.wait(work)
         del work
-        return self._slots(send, b, fsdp_rank)
+        return self._slots(send, b, view)
 
 
 class Subgroup(OwnerAllToAll):
-    """Each expert block spans k consecutive FSDP ranks (a sub-group): the k ranks exchange with
-    split sizes inside the sub-group so that every block is assembled on exactly one of them,
-    orthogonalized once and returned. For k = 2 this moves the bytes of an all-gather; for
-    k = 4, half."""
+    """Each expert block spans k consecutive FSDP ranks; a sub-group (those k ranks, or m * k
+    when the owners widen it) exchanges with split sizes inside it so that every block is
+    assembled on exactly one of its ranks, orthogonalized once and returned. For k = 2 and an
+    owner among the block's own ranks this moves the bytes of an all-gather; for k = 4, half;
+    an owner outside them (a widened sub-group) receives all k shards."""
 
     def __init__(self) -> None:
         super().__init__("subgroup")

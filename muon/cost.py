@@ -191,33 +191,42 @@ class _LocalCost:
 
 
 class _OwnerAllToAllCost:
-    """all_to_all_single with per-rank split sizes (full, ragged remainder, sub-group): unit j
-    is assembled on its owner only, in the exchange group's coordinates (`exchange_view`)."""
+    """all_to_all_single with per-rank split sizes (full, ragged remainder, sub-group): each
+    rank sends its rows of the n units it holds to their owners, and an owner receives the
+    other rows of each unit it owns, in the exchange group's coordinates (`exchange_view`)."""
 
     collectives = 2
 
-    def _figures(self, b, r: int) -> tuple[int, int, int, int]:
-        sizes, owners, me = b.exchange_view(r)
+    def _figures(self, b, r: int) -> tuple[int, int, int, int, int]:
+        """Bytes on the wire dtype: (my rows of one unit, units held here that others own,
+        units I own, bytes of the units I own, of those the bytes other ranks hold)."""
+        view = b.exchange_view(r)
         row = b.other_numel * b.wire_itemsize
-        return sizes[me] * row, sum(sizes) * row, sum(o == me for o in owners), len(owners)
+        mine = view.sizes[view.me] * row
+        owned = view.owned()
+        owned_bytes = sum(view.unit_rows(u) for u in owned) * row
+        own_rows = sum(view.me in view.holders(u) for u in owned) * mine
+        away = sum(o != view.me for o in view.held)
+        return mine, away, len(owned), owned_bytes, owned_bytes - own_rows
 
     def blocks_on(self, b, r: int) -> int:
         return self._figures(b, r)[2] * b.blocks_per_unit
 
     def bytes_sent(self, b, r: int) -> int:
-        # my shard of each unit I do not own; each owned unit's other shards back
-        mine, unit, owned, n = self._figures(b, r)
-        return mine * (n - owned) + owned * (unit - mine)
+        # my rows of each unit owned elsewhere; each owned unit's other rows back
+        mine, away, _, _, others = self._figures(b, r)
+        return mine * away + others
 
     def collective_buffer_bytes(self, b, r: int) -> int:
-        mine, unit, owned, n = self._figures(b, r)
-        return max(owned * unit, n * mine)
+        # the owned units arrive whole; the return lands in the send buffer
+        mine, _, _, owned_bytes, _ = self._figures(b, r)
+        return max(owned_bytes, b.size * mine)
 
     def exchange_buffer_bytes(self, b, r: int) -> int:
         # send (later the return) + received units + NS output; several units are also
         # gathered into one contiguous input
-        mine, unit, owned, n = self._figures(b, r)
-        return n * mine + (2 * unit if owned == 1 else 3 * owned * unit)
+        mine, _, owned, owned_bytes, _ = self._figures(b, r)
+        return b.size * mine + (2 if owned == 1 else 3) * owned_bytes
 
     def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
         return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)

@@ -13,8 +13,9 @@ Resolved once at optimizer construction, identical on every rank:
 Paths (each one object in `muon.comm` owning its exchange; what each moves, holds and costs is
 counted from the plan by `muon.cost`):
   local       whole matrices or whole expert blocks already on the rank: no communication
-  subgroup    each expert block spans k consecutive FSDP ranks: the k ranks exchange so that
-              every block is assembled on exactly one of them, orthogonalized once, returned
+  subgroup    each expert block spans k consecutive FSDP ranks: the ranks of a sub-group (the k,
+              or m * k when `muon.owners` widens it to balance the step) exchange so that every
+              block is assembled on exactly one of them, orthogonalized once, returned
   full        W matrices on a W-rank group: all-to-all, one matrix assembled per rank
   agrs | pad_all2all | ragged_all_to_all   a remainder batch of R < W matrices
   (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
@@ -42,6 +43,7 @@ __all__ = [  # the mesh plan's names are planning's too
     "REMAINDER_CHOICES",
     "REMAINDER_STRATEGIES",
     "BatchPlan",
+    "ExchangeView",
     "MeshCommPlan",
     "ParamMeta",
     "choose_remainder",
@@ -88,7 +90,10 @@ class BatchPlan:
     A *unit* is what one owner assembles and orthogonalizes in one go: a whole FSDP-visible
     matrix (`num_blocks` blocks) on the exchange paths, one expert block on the sub-group path.
     `owners` lists the FSDP rank of every unit: matrix j on exchange paths; on the sub-group path
-    unit `g * size + j` is parameter j's block held by sub-group g (FSDP ranks g*k .. g*k+k-1).
+    unit `i * size + j` is parameter j's block i, held by the `block_span` FSDP ranks
+    i*k .. i*k+k-1 (k = `block_span`) and owned by a rank of its sub-group: the `subgroup_size`
+    consecutive ranks that hold blocks i // m * m .. i // m * m + m - 1 (m = subgroup_size // k,
+    1 unless `muon.owners` widened it to balance the step).
     """
 
     path: str
@@ -107,8 +112,10 @@ class BatchPlan:
     ns_steps: int = 5
     ns_algorithm: str = "standard"
     owners: tuple[int, ...] = ()
-    #: ranks per sub-group (sub-group path)
+    #: ranks per sub-group, the exchange group of the sub-group path (a multiple of block_span)
     subgroup_size: int = 1
+    #: consecutive FSDP ranks each block spans (sub-group path)
+    block_span: int = 1
     fsdp_size: int = 1
     group_ranks: tuple[int, ...] = field(default=(), compare=False)
     #: rows of each block of one matrix when they are unequal (Muon Split), else ()
@@ -162,7 +169,7 @@ class BatchPlan:
     @property
     def units(self) -> int:
         if self.path == "subgroup":
-            return self.size * (self.fsdp_size // self.subgroup_size)
+            return self.size * (self.fsdp_size // self.block_span)
         return 0 if self.path == "local" else self.size
 
     @property
@@ -179,23 +186,24 @@ class BatchPlan:
         return self.shard_sizes[fsdp_rank] * self.other_numel * self.wire_itemsize
 
     # ------------------------------------------------------------ who holds and owns what
-    def exchange_view(self, fsdp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """(shard sizes, owners, my index) in the exchange group's coordinates: the FSDP group,
-        or on the sub-group path the k ranks of `fsdp_rank`'s sub-group."""
+    def exchange_view(self, fsdp_rank: int) -> ExchangeView:
+        """`fsdp_rank`'s view of its exchange group: the FSDP group, or on the sub-group path
+        the `subgroup_size` ranks of its sub-group (`ExchangeView`)."""
         if self.path != "subgroup":
-            return self.shard_sizes, self.owners, fsdp_rank
-        k, n = self.subgroup_size, self.size
-        g = fsdp_rank // k
-        owners = tuple(o - g * k for o in self.owners[g * n : (g + 1) * n])
-        return self.shard_sizes[g * k : (g + 1) * k], owners, fsdp_rank % k
+            return ExchangeView(self.shard_sizes, self.owners, fsdp_rank, self.size, self.fsdp_size)
+        s, n = self.subgroup_size, self.size
+        g = fsdp_rank // s
+        m = s // self.block_span
+        owners = tuple(o - g * s for o in self.owners[g * m * n : (g + 1) * m * n])
+        sizes = self.shard_sizes[g * s : (g + 1) * s]
+        return ExchangeView(sizes, owners, fsdp_rank % s, n, self.block_span, g * m)
 
     def unit_blocks(self, fsdp_rank: int) -> tuple[int, int]:
-        """(first block, block count) of one unit: on the local path this rank's shard of each
-        parameter, on the sub-group path the block of the rank's sub-group, else a whole
-        FSDP-visible matrix."""
+        """(first block, block count) of one unit this rank holds: on the local path this rank's
+        shard of each parameter, on the sub-group path the block its rows belong to, else a
+        whole FSDP-visible matrix."""
         if self.path == "subgroup":
-            # sub-group g (FSDP ranks g*k .. g*k+k-1) holds block g of the FSDP-visible matrix
-            return fsdp_rank // self.subgroup_size, 1
+            return fsdp_rank // self.block_span, 1
         if self.path != "local":
             return 0, self.num_blocks
         if self.fsdp_size == 1:
@@ -208,14 +216,53 @@ class BatchPlan:
         return start // self.block_rows, self.shard_sizes[fsdp_rank] // self.block_rows
 
     def units_on(self, fsdp_rank: int) -> list[tuple[int, int, int]]:
-        """What this rank orthogonalizes, in row order: (parameter index j in the batch, its
-        first block, its block count) per unit. On the local path every parameter's blocks in
-        the rank's shard; on the exchange paths the units the rank owns."""
-        first, count = self.unit_blocks(fsdp_rank)
+        """What this rank orthogonalizes, in the order the exchange stacks it: (parameter index j
+        in the batch, its first block, its block count) per unit. On the local path every
+        parameter's blocks in the rank's shard; on the exchange paths the units the rank owns
+        (on the sub-group path ordered by block, then parameter)."""
         if self.path == "local":
+            first, count = self.unit_blocks(fsdp_rank)
             return [(j, first, count) for j in range(self.size)] if count else []
-        _, owners, me = self.exchange_view(fsdp_rank)
-        return [(j, first, count) for j, o in enumerate(owners) if o == me]
+        view = self.exchange_view(fsdp_rank)
+        if self.path != "subgroup":
+            return [(j, 0, self.num_blocks) for j in view.owned()]
+        return [(u % view.n, view.first_block + u // view.n, 1) for u in view.owned()]
+
+
+@dataclass(frozen=True)
+class ExchangeView:
+    """One rank's view of a batch's exchange group, in the group's coordinates.
+
+    Unit u = i * n + j is parameter j's block i of the group (a whole matrix when the group
+    holds one block per matrix): ranks i * span .. i * span + span - 1 hold its rows, `sizes[r]`
+    of them on rank r, and `owners[u]` assembles it. Every rank holds rows of n units, those of
+    its own block `me // span`.
+    """
+
+    sizes: tuple[int, ...]
+    owners: tuple[int, ...]
+    me: int
+    n: int
+    span: int
+    #: FSDP-visible index of the group's block 0 (sub-group path)
+    first_block: int = 0
+
+    def holders(self, u: int) -> range:
+        i = u // self.n
+        return range(i * self.span, (i + 1) * self.span)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """Owners of the n units this rank holds rows of, by parameter."""
+        i = self.me // self.span
+        return self.owners[i * self.n : (i + 1) * self.n]
+
+    def owned(self) -> list[int]:
+        """The units this rank assembles, ascending (block, then parameter)."""
+        return [u for u, o in enumerate(self.owners) if o == self.me]
+
+    def unit_rows(self, u: int) -> int:
+        return sum(self.sizes[r] for r in self.holders(u))
 
 
 def plan_batches(
@@ -312,7 +359,7 @@ def _cut_bucket(
             block = block_rows * other * getattr(torch, common["wire_dtype"]).itemsize
             n = max(1, batch_bytes // (3 * block + block // k))
             return [
-                BatchPlan("subgroup", indices[i : i + n], subgroup_size=k, **common)
+                BatchPlan("subgroup", indices[i : i + n], subgroup_size=k, block_span=k, **common)
                 for i in range(0, len(indices), n)
             ]
     out = []
@@ -378,5 +425,6 @@ def fingerprint(
         h.update(repr((mp.sharded, mp.fsdp_size, mp.non_fsdp_shard_factor)).encode())
         for b in batches:
             h.update(repr((b.path, b.param_indices, b.global_shape, b.dtype)).encode())
+            h.update(repr((b.subgroup_size, b.block_span)).encode())
             h.update(repr(b.split_sizes).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1

@@ -25,26 +25,31 @@ def _copies(t: torch.Tensor, world_size: int) -> int:
 
 
 def squared_norms(params_by_key: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-    """Collective: the global sum of squared gradients of each parameter list, as floats."""
+    """Collective: the global sum of squared gradients of each parameter list, as floats.
+
+    Summed on the gradients' device and read back once (one host sync per call, not one per
+    parameter); the all-reduce runs where the backend wants it (CUDA for NCCL, CPU for gloo)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     keys = sorted(params_by_key)
-    device = None
-    sums = []
+    totals: list[torch.Tensor | None] = []
     for key in keys:
-        total = torch.zeros((), dtype=torch.float64)
+        total = None
         for p in params_by_key[key]:
-            if p.grad is None:
-                continue
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            device = local.device
-            total = total + local.detach().double().pow(2).sum().cpu() / _copies(p.grad, world)
-        sums.append(total)
-    stacked = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
-    if dist.is_initialized() and world > 1:
-        if device is not None and device.type == "cuda":
-            stacked = stacked.to(device)
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                term = local.detach().double().pow(2).sum() / _copies(p.grad, world)
+                total = term if total is None else total + term
+        totals.append(total)
+    if world > 1:
+        nccl = dist.get_backend() == "nccl"
+        on = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    else:
+        on = next((t.device for t in totals if t is not None), torch.device("cpu"))
+    zero = torch.zeros((), dtype=torch.float64, device=on)
+    stacked = torch.stack([zero if t is None else t.to(on) for t in totals] or [zero])
+    if world > 1:
         dist.all_reduce(stacked)
-    return dict(zip(keys, stacked.cpu().tolist(), strict=True))
+    return dict(zip(keys, stacked.cpu().tolist()[: len(keys)], strict=True))
 
 
 @torch.no_grad()

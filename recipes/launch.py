@@ -5,9 +5,10 @@
   broadcast so all agree on it. A submitit job of several tasks (Hydra's submitit launcher with
   `hydra.launcher.nodes` > 1) is such a world too: submitit's environment gives each task its
   rank, exported here in torch's variables.
-- Otherwise `mesh.world_size` ranks are started here with torch's elastic launcher (one fresh
-  world per call, so Hydra multirun jobs each get their own). Ranks receive the resolved config
-  as a YAML string, never Hydra objects.
+- Otherwise `mesh.world_size` ranks are started here by the project's local-world runner,
+  `recipes.bench.world.run_world` (one fresh world per call, so Hydra multirun jobs each get
+  their own; no deadline; SIGTERM / SIGINT to this process stop the ranks with a checkpoint).
+  Ranks receive the resolved config as a YAML string, never Hydra objects.
 Devices: CUDA + NCCL when `mesh.device` allows and enough GPUs are present, else CPU + gloo.
 """
 
@@ -16,7 +17,6 @@ import os
 import signal
 import sys
 import threading
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,16 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from recipes.bench.world import WorldError, WorldStopped, run_world
 from recipes.config import from_yaml, validate
 
 log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+# How long the local world's ranks get to checkpoint and exit once stopped (a signal, or the
+# launching process failing) before they are killed: torchrun's grace in the SLURM scripts
+# (SHUTDOWN_TIMEOUT in scripts/slurm/train.sbatch).
+STOP_GRACE_S = 90.0
 
 
 def export_submitit_world() -> None:
@@ -85,12 +88,16 @@ def run(cfg: DictConfig) -> float | None:
     if int(os.environ.get("RANK", "0")) == 0:
         write_run_config(Path(payload["run_dir"]), payload["config"])
     if env_world is not None:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         payload["device"] = choose_device(str(cfg.mesh.device), local_ranks)
-        result = rank_main(payload)
+        result = record(rank_main)(payload)  # torchrun reports the rank's traceback from it
     else:
         payload["device"] = choose_device(str(cfg.mesh.device), cfg.mesh.world_size)
-        payload["ignore_signals"] = _submitit_preempt_signals()
+        # Ctrl-C reaches every process of the terminal's group: the ranks wait for the SIGTERM
+        # this process sends them, which they answer with a checkpoint.
+        payload["ignore_signals"] = ["SIGINT", *_submitit_preempt_signals()]
         result = _launch_local(cfg.mesh.world_size, payload)
     if result is None:
         return None
@@ -115,57 +122,37 @@ def write_run_config(run_dir: Path, resolved_yaml: str) -> None:
     (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
-def spawn_local_world(fn: Any, world_size: int, *args: Any, name: str, cpu: bool = True) -> dict:
-    """Run `fn(*args)` on `world_size` fresh local ranks (torch's elastic launcher, c10d
-    rendezvous on loopback); each rank's return value, keyed by rank. On CPU every rank gets one
-    intra-op thread (spawned ranks read OMP_NUM_THREADS at import, or they fight for cores)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=f"{name}-{uuid.uuid4().hex[:12]}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    saved = os.environ.get("OMP_NUM_THREADS")
-    if cpu:
-        os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        return elastic_launch(config, fn)(*args)
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-
-
 def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | None:
-    # The agent logs each rank's traceback at length; the first failure is reported below.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    """`world_size` fresh local ranks run `rank_main` to the end (no deadline); rank 0's result.
+
+    Non-daemonic ranks, so they may start processes of their own (dataloader workers, a
+    checkpoint writer); backend None: rank_main joins the group from the environment, NCCL on
+    `cuda:<local rank>` or gloo. Every failure ends in SystemExit with a message, never another
+    exception: Hydra's submitit launcher pickles this job's result, and the waiting
+    `train.py -m` must be able to read it (or, exiting without one, wait for the requeued run).
+    """
     try:
-        cpu = payload["device"] == "cpu"
-        results = spawn_local_world(rank_main, world_size, payload, name="train", cpu=cpu)
-    except SignalException as err:
-        # The launching process got SIGTERM/SIGINT/... (Slurm ending or requeueing the job):
-        # the agent has stopped the ranks. torch's SignalException cannot be unpickled (it needs
-        # `sigval`), and Hydra's submitit launcher would pickle it as this job's result, so the
-        # waiting `train.py -m` crashed reading it. Exit without a result instead: submitit then
-        # waits for the requeued run's result, or reports the job's final Slurm state.
+        results = run_world(
+            rank_main,
+            world_size,
+            payload,
+            backend=None,
+            timeout_s=None,
+            threads=1 if payload["device"] == "cpu" else None,
+            daemon=False,
+            stop_signals=(signal.SIGTERM, signal.SIGINT),
+            grace_s=STOP_GRACE_S,
+        )
+    except WorldStopped as err:
+        # Slurm ending or requeueing the job, or Ctrl-C: the ranks were asked to checkpoint.
+        late = f", rank(s) {err.killed} killed after {STOP_GRACE_S:.0f} s" if err.killed else ""
         raise SystemExit(
-            f"train.py: stopped by {err.sigval.name} (the ranks were stopped; the run resumes "
-            "from its latest committed checkpoint when the same command runs again)"
+            f"train.py: stopped by {err.signal_name} (the ranks were stopped{late}; "
+            "the run resumes from its latest committed checkpoint when the same command runs "
+            "again)"
         ) from None
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):  # recorded by @record: the rank's own traceback
-            message = message.get("extraInfo", {}).get("py_callstack") or message["message"]
-        sys.exit(f"train.py: rank {rank} failed (exit code {failure.exitcode}):\n{message}")
+    except WorldError as err:
+        sys.exit(f"train.py: rank {err.rank} failed (exit code {err.exitcode}):\n{err.detail}")
     return results[0]
 
 
@@ -237,7 +224,6 @@ def _replace(logger: logging.Logger, handlers: list[logging.Handler]) -> None:
         logger.addHandler(h)
 
 
-@record
 def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
     """One rank: join the world, train, return rank 0's summary (None on other ranks)."""
     from recipes.trainer import Trainer

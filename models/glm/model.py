@@ -231,8 +231,10 @@ class GLMForCausalLM(nn.Module):
         return loads_LE
 
     def attentions(self) -> list[nn.Module]:
-        """The attention of every layer that forward runs (MTP layers excluded)."""
-        return [layer.self_attn for layer in self.model.layers]
+        """The attention of every layer, the MTP layers' last: all of them train (MTP in the
+        training forward), so QK-clip watches and clips them all (an MTP layer's row stays
+        -inf, never clipped, for forwards without MTP)."""
+        return [layer.self_attn for layer in (*self.model.layers, *self.model.mtp_layers)]
 
     def record_max_logits(self, on: bool) -> None:
         """Make training forwards record each head's largest attention logit (or stop)."""

@@ -1,11 +1,24 @@
 """The world runner itself (recipes.bench.world, through tests.harness): passing collectives,
-a world that joins its process group from the environment, forwarded errors, bounded hangs."""
+a world that joins its process group from the environment, forwarded errors, bounded hangs,
+stop signals forwarded to non-daemonic ranks, ranks that die with the calling process."""
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from recipes.bench.world import WorldStopped
 from tests.harness import WorldError, init_mesh, run_world
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _all_reduce_and_mesh():
@@ -41,12 +54,119 @@ def _join_from_environment():
     return t.item(), muon.__file__
 
 
+def _child_then_stop(out_dir: str):
+    """Each rank starts a process of its own (multiprocessing refuses that to daemonic ones),
+    then rank 0 sends the caller SIGINT. Rank 0 records the SIGTERM the runner answers with;
+    rank 1 ignores it and sleeps on, to be killed after the grace period."""
+    rank = dist.get_rank()
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join()
+    got = []
+    if rank == 0:
+        signal.signal(signal.SIGTERM, lambda signum, _: got.append(signum))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dist.barrier()
+    if rank == 0:
+        os.kill(os.getppid(), signal.SIGINT)
+    for _ in range(1200):  # bounded: without the SIGTERM, rank 0 returns and the test fails
+        if got:
+            break
+        time.sleep(0.1)
+    if rank == 0:
+        names = [signal.Signals(s).name for s in got]
+        Path(out_dir, "rank0").write_text(f"{names} child exit code {child.exitcode}")
+        return names
+    time.sleep(120)  # past the grace: killed
+
+
 @pytest.mark.slow
-def test_world_joined_from_the_environment_with_another_checkout(tmp_path):
+def test_stop_signal_reaches_non_daemonic_ranks_then_kills_after_the_grace(tmp_path):
+    """`stop_signals`: SIGINT to the caller becomes SIGTERM to every rank; rank 0 exits, rank 1
+    (ignoring SIGTERM) is killed after `grace_s`; WorldStopped says so and pickles; the caller's
+    own handler comes back. The ranks started children (daemon=False) and had no deadline
+    (timeout_s=None: a zero deadline would have failed the world before the signal)."""
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: caught.append(signum))
+    try:
+        with pytest.raises(WorldStopped) as info:
+            run_world(
+                _child_then_stop,
+                2,
+                str(tmp_path),
+                timeout_s=None,
+                daemon=False,
+                stop_signals=(signal.SIGINT, signal.SIGTERM),
+                grace_s=15,
+            )
+        restored = signal.getsignal(signal.SIGINT)
+    finally:
+        ours = signal.signal(signal.SIGINT, previous)
+    assert ours is restored and not caught  # the runner's handler took it, then gave it back
+    err = info.value
+    assert str(err) == "_child_then_stop: stopped by SIGINT; rank(s) [1] killed after 15 s"
+    assert (err.signum, err.signal_name, err.killed) == (signal.SIGINT, "SIGINT", [1])
+    again = pickle.loads(pickle.dumps(err))  # Hydra's submitit launcher pickles job results
+    assert (str(again), again.signum, again.killed) == (str(err), err.signum, err.killed)
+    assert (tmp_path / "rank0").read_text() == "['SIGTERM'] child exit code 0"
+
+
+def _record_pid_and_sleep(out_dir: str):
+    Path(out_dir, "rank.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (its parent was killed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_ranks_die_with_a_killed_caller(tmp_path):
+    """SIGKILL to the calling process (no finally runs there): its rank, a non-daemonic one
+    with no deadline, is killed by the kernel rather than left running."""
+    code = (
+        "import sys; from tests.distributed.test_harness import _record_pid_and_sleep as f; "
+        "from tests.harness import run_world; "
+        "run_world(f, 1, sys.argv[1], daemon=False, timeout_s=None)"
+    )
+    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT)
+    pid_file = tmp_path / "rank.pid"
+    pid = None
+    try:
+        for _ in range(1200):  # bounded wait for the rank to start
+            if pid_file.exists() and pid_file.read_text():
+                pid = int(pid_file.read_text())
+                break
+            assert caller.poll() is None, "the caller exited before its rank started"
+            time.sleep(0.1)
+        assert pid is not None, "the rank never started"
+        caller.kill()
+        caller.wait(timeout=60)
+        for _ in range(600):
+            if _dead(pid):
+                break
+            time.sleep(0.1)
+        assert _dead(pid), f"rank {pid} outlived its killed caller"
+    finally:
+        caller.kill()
+        if pid is not None and not _dead(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_world_joined_from_the_environment_with_another_checkout(tmp_path, capfd):
     (tmp_path / "muon").mkdir()
     (tmp_path / "muon" / "__init__.py").write_text("")
     out = run_world(_join_from_environment, 2, backend=None, pythonpath=str(tmp_path))
     assert out == [(2.0, str(tmp_path / "muon" / "__init__.py"))] * 2
+    # Rank 0 joined the caller's store instead of trying to host one on its port.
+    assert "failed to bind" not in capfd.readouterr().err
 
 
 @pytest.mark.slow
@@ -59,8 +179,10 @@ def test_passing_collective_and_2d_mesh():
 
 @pytest.mark.slow
 def test_rank_exception_is_forwarded_with_traceback():
-    with pytest.raises(WorldError, match=r"rank 1 raised:(.|\n)*boom from rank one"):
+    with pytest.raises(WorldError, match=r"rank 1 raised:(.|\n)*boom from rank one") as info:
         run_world(_raise_on_rank_one, 2)
+    err = pickle.loads(pickle.dumps(info.value))  # what train.py reports, across a pickle too
+    assert (err.rank, err.exitcode) == (1, 1) and "ValueError: boom from rank one" in err.detail
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,6 +198,69 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     for name, tensor in exported.items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
+
+
+def _steps_logged(root: Path) -> int:
+    found = list(root.glob("default/*/metrics.jsonl"))
+    return len(found[0].read_text().splitlines()) if found else 0
+
+
+@pytest.mark.slow
+def test_local_world_stops_with_a_checkpoint_on_ctrl_c_and_sigterm_then_resumes(cache, tmp_path):
+    """The local world (no launcher env): Ctrl-C (SIGINT to the terminal's whole process group)
+    and then SIGTERM to the launching process alone (Slurm ending the job) each reach the ranks
+    as SIGTERM, which they answer with a checkpoint at the step boundary; train.py exits with
+    its stop message; the same command resumes from that checkpoint, each step logged once."""
+    args = ["mesh.world_size=2", "mesh.ep=1", "train.steps=500", "checkpoint.every=0"]
+    args += ["logger=none", "metrics.memory_every=1000", "metrics.progress=false", *_small(cache)]
+    stops = [
+        ("SIGINT", lambda proc: os.killpg(proc.pid, signal.SIGINT)),  # the ranks ignore it
+        ("SIGTERM", lambda proc: os.kill(proc.pid, signal.SIGTERM)),  # the ranks never get it
+    ]
+    stopped_at = 0
+    for name, send in stops:
+        proc = _train_py(args, tmp_path, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                if _steps_logged(tmp_path) >= stopped_at + 3:
+                    break
+                time.sleep(0.1)
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            send(proc)
+            out, _ = proc.communicate(timeout=180)  # the grace (90 s) bounds the ranks' exit
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        (run_dir,) = (tmp_path / "default").iterdir()
+        steps = [m["step"] for m in _metrics(run_dir)]
+        assert proc.returncode == 1, out[-4000:]
+        assert f"SIGTERM: stopped at step {steps[-1]}, checkpoint" in out, out[-4000:]
+        assert (
+            f"train.py: stopped by {name} (the ranks were stopped; the run resumes from its "
+            "latest committed checkpoint when the same command runs again)"
+        ) in out, out[-4000:]
+        assert "[summary]" not in out and "Traceback" not in out, out[-4000:]
+        assert steps == list(range(1, steps[-1] + 1)) and stopped_at + 3 <= steps[-1] < 500
+        assert checkpoint.latest(run_dir / "checkpoints").name == f"step_{steps[-1]:08d}"
+        assert (f"resumed from {run_dir / 'checkpoints'}" in out) == (stopped_at > 0)
+        stopped_at = steps[-1]
+
+
+@pytest.mark.slow
+def test_local_world_rank_failure_names_the_rank_and_its_traceback(cache, tmp_path):
+    """A rank that raises (its token cache path is a file) ends train.py with one message: the
+    rank, its exit status and its own traceback; no rank is left running."""
+    (tmp_path / "not_a_dir").write_text("")
+    args = ["mesh.world_size=2", "mesh.ep=1", "logger=none", "data.seq_len=32"]
+    args.append(f"data.cache_dir={tmp_path / 'not_a_dir'}")
+    proc = _train_py(args, tmp_path, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    assert err.count("train.py: rank ") == 1, err[-4000:]
+    header = re.search(r"train\.py: rank (\d) failed \(exit code 1\):\nTraceback", err)
+    assert header, err[-4000:]
+    assert "in rank_main" in err and "FileExistsError: " in err, err[-4000:]
 
 
 def _nan_world(config_yaml: str, run_dir: str):

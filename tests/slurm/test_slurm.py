@@ -393,9 +393,11 @@ def test_submitit_launcher_runs_a_job(cluster, tmp_path):
 @pytest.mark.slow
 def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
     """Preempt a submitit job with its signal (USR2): submitit requeues it, the launching
-    process stops the local world and exits without a result, so the waiting `train.py -m`
-    neither crashes on the first attempt (torch's SignalException does not unpickle) nor stops
-    early: it returns the requeued run's result, which resumed from the latest checkpoint."""
+    process stops the local world (its ranks ignore USR2 and answer the SIGTERM with a
+    checkpoint) and exits without a result, so the waiting `train.py -m` neither crashes on the
+    first attempt (a job result that does not unpickle, as torch's elastic SignalException did)
+    nor stops early: it returns the requeued run's result, which resumed from the latest
+    checkpoint."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     steps = 30
     run_root = tmp_path / "runs"
@@ -438,5 +440,6 @@ def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
     # (Whether submitit logs its "Requeued job" line depends on when the requeue's SIGTERM
     # lands; release_requeued above saw the job requeued.)
     assert "Caught signal SIGUSR2" in log, log[-3000:]
+    assert re.search(r"SIGTERM: stopped at step \d+, checkpoint", log), log[-3000:]
     assert re.search(r"resumed from \S*step_\d+", log), log[-3000:]
     assert [r["step"] for r in metrics(run_root / "requeue")] == list(range(1, steps + 1))

@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 
 from muon import cost
 from muon.cost import block_flops as ns_flops
-from muon.owners import assign_owners
+from muon.owners import _Trial, assign_owners
 from muon.plan import (
     REMAINDER_STRATEGIES,
     MeshCommPlan,
@@ -215,6 +215,37 @@ def test_existing_work_counts_as_load():
     assert blocks[big_owner] < blocks[partner], (big_owner, blocks)
     assert sum(blocks) == 6 * 2  # every block orthogonalized exactly once
     assert blocks[big_owner] == 0 and blocks[partner] == 6
+
+
+def test_subgroups_widen_only_when_that_lowers_the_busiest_rank():
+    """Blocks of 8 rows over shards of 4 span pairs. Alone they balance inside the pairs: the
+    sub-groups stay pairs. With a dense matrix worth several blocks on one pair, pairs cannot
+    even out, so the sub-groups widen to all 4 ranks and blocks move to the other pair."""
+    w = 4
+    flat = _flat_mesh(w)
+    experts = [_meta(i, (16, 24), 2, "float32", 4) for i in range(12)]
+    alone = [(flat, _plan(experts, flat))]
+    plans, loads, _ = assign_owners(alone, world_size=w)
+    assert {(b.subgroup_size, b.block_span) for b in plans[0][1]} == {(2, 2)}
+    assert max(loads) == min(loads)
+    with_dense = [*alone, (flat, _plan([_meta(12, (20, 20), 1, "float32", 4)], flat))]
+    narrow = max(_Trial(with_dense, w, 1).loads)
+    plans, loads, _ = assign_owners(with_dense, world_size=w)
+    sub = plans[0][1]
+    assert {(b.subgroup_size, b.block_span) for b in sub} == {(4, 2)}
+    assert max(loads) < narrow
+    view = sub[0].exchange_view(0)
+    foreign = [u for u, o in enumerate(view.owners) if o not in view.holders(u)]
+    assert foreign  # some blocks left their pair: their owner receives both shards
+    row = 24 * 4
+    for r in range(w):
+        v = sub[0].exchange_view(r)
+        owned = v.owned()
+        mine = 4 * row  # a rank's 4 rows of each of its 12 units
+        away = sum(o != v.me for o in v.held)
+        recv = sum((8 - 4 * (v.me in v.holders(u))) * row for u in owned)
+        assert cost.bytes_sent(sub[0], r) == mine * away + recv
+    assert sum(len(b.exchange_view(r).owned()) for b in sub for r in range(w)) == 24
 
 
 def test_groups_replaced_by_load_state_dict_are_used():

@@ -176,16 +176,22 @@ def test_non_finite_logits_never_clip():
     assert torch.equal(qk.clip_factors(logits, 4, tau=1.0), torch.tensor([1.0, 1.0, 0.2, 1.0]))
 
 
-def _mla_model(num_hidden_layers: int = 1) -> GLMForCausalLM:
+def _mla_model(num_hidden_layers: int = 1, q_lora: bool = True, **overrides) -> GLMForCausalLM:
+    """The MLA preset with DSA (index_topk 4) on the low-rank query, or with `q_lora` off a full
+    q_proj and dense MLA (the indexer reads the low-rank query); `overrides` replace fields."""
     from models.glm import get_preset
 
     torch.manual_seed(0)
+    dsa = ("index_n_heads", "index_head_dim", "index_topk", "indexer_types")
+    if q_lora:
+        fields = dict(index_topk=4, indexer_types=["full"] * num_hidden_layers)
+    else:
+        fields = dict.fromkeys(("q_lora_rank", *dsa))
     config = get_preset(
         "mla_tiny",
         num_hidden_layers=num_hidden_layers,
         n_dense_layers=1,
-        index_topk=4,
-        indexer_types=["full"] * num_hidden_layers,
+        **{**fields, **overrides},
     )
     model = GLMForCausalLM(config)
     model.init_weights(0)
@@ -194,7 +200,8 @@ def _mla_model(num_hidden_layers: int = 1) -> GLMForCausalLM:
             if p.ndim == 2:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
         attn = model.attentions()[0]
-        attn.q_b_proj.weight[:24] *= 4.0  # head 0: q_nope and q_rope rows
+        q = attn.q_b_proj if q_lora else attn.q_proj
+        q.weight[:24] *= 4.0  # head 0: q_nope and q_rope rows
         attn.kv_b_proj.weight[:16] *= 2.0  # head 0: k_nope rows
     return model
 
@@ -222,3 +229,24 @@ def test_mla_clip_puts_the_head_on_tau_and_leaves_the_rotary_key():
     assert torch.equal(now[q][24:], snap[q][24:])
     torch.testing.assert_close(now[kv][:16], snap[kv][:16] * eta**0.5)  # k_nope of head 0
     assert torch.equal(now[kv][16:], snap[kv][16:])  # v of head 0 and the other heads
+
+
+def test_mtp_attention_is_recorded_in_training_and_clipped():
+    """MTP layers train in the training forward, so their attention is watched and clipped too:
+    its row is finite after a forward with MTP, -inf after one without (never clipped)."""
+    model = _model(num_hidden_layers=1, num_mtp_layers=1)
+    assert len(model.attentions()) == 2  # the layer's, then the MTP layer's
+    assert torch.isinf(_max_logits(model)[1]).all()  # `loss` runs without MTP
+    model.record_max_logits(True)
+    out = model.losses(IDS[:, :-1], IDS[:, 1:])
+    (out["loss"] + out["mtp_loss"]).backward()
+    model.zero_grad()
+    logits = model.take_max_logits()
+    assert torch.isfinite(logits).all()
+    snap = _snapshot(model)
+    tau = float(logits[1].max()) * 0.5
+    logits[0] = -torch.inf  # clip only the MTP layer's attention
+    assert model.qk_clip_(logits, tau) >= 1
+    now = _snapshot(model)
+    changed = {n for n in snap if not torch.equal(snap[n], now[n])}
+    assert changed and all(n.startswith("model.mtp_layers.0.self_attn.") for n in changed)
