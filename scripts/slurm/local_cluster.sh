@@ -13,6 +13,7 @@
 # under <dir>; daemons are stopped by the pids recorded there, never by name.
 # --nodes 1: slurmctld and one slurmd named after this host, on loopback, ports picked free.
 # --nodes N > 1: scripts/slurm/netns_cluster.sh (namespaces, veths, one hosts file per node).
+# SLURMD_TIMEOUT, MESSAGE_TIMEOUT (--nodes N > 1): how soon a lost node is marked down.
 # DRY_RUN=1 (or --dry-run) prints the commands instead of running them (one-node start only).
 set -euo pipefail
 

@@ -18,6 +18,10 @@
 # stop: cancel jobs, stop slurmd/slurmctld/munged by pid, kill what is left inside the
 # cluster's namespaces (matched by namespace inode, never by name), the holders, then remove
 # the host veth and the nodes' empty cgroup dirs.
+# SLURMD_TIMEOUT (default 20) and MESSAGE_TIMEOUT (default 10, Slurm's): slurm.conf's
+# SlurmdTimeout and MessageTimeout. A lost node is marked down (and its job fails) once its pings
+# have failed for SlurmdTimeout, and a ping to it fails only after MessageTimeout: a test that
+# kills a node lowers both.
 set -eEuo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -28,6 +32,9 @@ source "$here/cluster_lib.sh"
 action=${1:-}
 dir=$(realpath -m "${2:-.}")
 nodes=${3:-2}
+# slurm.conf's SlurmdTimeout and MessageTimeout (tests lower them: see the header).
+slurmd_timeout=${SLURMD_TIMEOUT:-20}
+message_timeout=${MESSAGE_TIMEOUT:-10}
 conf=$dir/etc/slurm.conf
 envf=$dir/etc/netns.env
 run_dir=$dir/run
@@ -110,8 +117,11 @@ write_config() {
         echo "SlurmdSpoolDir=$dir/spool/%n"
         echo "SlurmdPidFile=$run_dir/slurmd-%n.pid"
         echo "SlurmdLogFile=$log_dir/slurmd-%n.log"
-        # A killed node is noticed by srun at once; slurmctld marks it down within 20 s.
-        echo "SlurmdTimeout=20"
+        # A killed node: srun waits until slurmctld marks it down, after its pings have
+        # failed for SlurmdTimeout (pinging every third of it; a failed ping takes
+        # MessageTimeout + 1 s), and then ends the step.
+        echo "SlurmdTimeout=$slurmd_timeout"
+        echo "MessageTimeout=$message_timeout"
         common_conf "$dir"
         echo "FirstJobId=$(((RANDOM * 32768 + RANDOM) % 1000000 + 1000))"
         for ((n = 1; n <= nodes; n++)); do
@@ -133,6 +143,14 @@ start() {
         echo "local_cluster: $dir holds a stopped cluster; stopping its leftovers first" >&2
         stop
     fi
+    local knob
+    for knob in SLURMD_TIMEOUT=$slurmd_timeout MESSAGE_TIMEOUT=$message_timeout; do
+        if ! [[ ${knob#*=} =~ ^[1-9][0-9]*$ ]]; then
+            echo "local_cluster: ${knob%%=*} must be a positive number of seconds," \
+                "got '${knob#*=}'" >&2
+            exit 2
+        fi
+    done
     require_namespaces
     # Any failure from here on takes down what was started.
     trap 'echo "local_cluster: start failed; cleaning up" >&2; stop' ERR

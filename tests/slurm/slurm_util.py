@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,18 @@ LOCAL_CLUSTER = str(SLURM_DIR / "local_cluster.sh")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 # local_cluster.sh's exit status for "cannot run here" (not root, packages or namespaces missing).
 CANNOT_RUN = 3
+HOOKS = Path(__file__).resolve().parent / "slurm_hooks"
+# Cheap training runs (launching is what these tests are about): short sequences, no transformers
+# export, no progress bar, no evaluation, and a small corpus: the stdlib's json package, not the
+# whole standard library (the default), which every process of a run lists, seconds each.
+FAST_ARGS = [
+    "checkpoint.export_hf=false",
+    "metrics.progress=false",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "eval.every=0",
+    f"data.path={Path(sysconfig.get_paths()['stdlib']) / 'json'}",
+]
 
 
 def run(cmd, env=None, timeout=60, check=True, cwd=REPO) -> subprocess.CompletedProcess:
@@ -111,7 +124,8 @@ class Cluster:
 
         Releasing at once can start the job in the same second its previous run's credential
         was revoked, which slurmd compares at one-second resolution ("Job credential
-        revoked"): wait for the nodes to be idle and that second to pass.
+        revoked"): wait for the nodes to be idle (the revocation came before), then for the
+        second in which they were seen idle to pass.
         """
         self.wait(
             job_id,
@@ -121,19 +135,21 @@ class Cluster:
             log,
         )
         self.wait_idle(60)
-        time.sleep(1.5)
+        time.sleep(1.05 - time.time() % 1)  # into the next second (same clock as slurmd's)
         self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
 
 @contextmanager
-def start_cluster(root: Path, nodes: int = 1):
+def start_cluster(root: Path, nodes: int = 1, **knobs: str):
     """A cluster of `nodes` nodes under `root`, stopped on exit whatever happened; skips the
-    test (with local_cluster.sh's reason) where it cannot run here."""
+    test (with local_cluster.sh's reason) where it cannot run here. `knobs`: local_cluster.sh's
+    environment settings (SLURMD_TIMEOUT, MESSAGE_TIMEOUT)."""
     reason = slurm_unavailable()
     if reason:
         pytest.skip(reason)
     env = client_env()
-    started = run([LOCAL_CLUSTER, "start", str(root), "--nodes", str(nodes)], env, 60, False)
+    start_env = {**env, **knobs}
+    started = run([LOCAL_CLUSTER, "start", str(root), "--nodes", str(nodes)], start_env, 60, False)
     try:
         if started.returncode == CANNOT_RUN:
             pytest.skip(started.stderr.strip().splitlines()[-1])
@@ -165,3 +181,21 @@ def rows(run_root: Path) -> list[dict]:
 def committed_steps(run_root: Path) -> list[int]:
     """Steps of the committed checkpoints (<run dir>/checkpoints/step_<n>/COMMITTED), sorted."""
     return sorted(int(p.parent.name[5:]) for p in run_root.rglob("checkpoints/step_*/COMMITTED"))
+
+
+def slow_saves(
+    env: dict[str, str], tmp_path: Path, seconds: float, steps: tuple[int, ...] = ()
+) -> tuple[dict[str, str], Path]:
+    """`env` for a job in which rank 0 takes `seconds` longer for each checkpoint of the job's
+    first run (those of `steps` only, if given; the tests/slurm/slurm_hooks/sitecustomize.py
+    hook), and the directory of its progress marks (saving_<step>, saved_<step>)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = dict(
+        env,
+        PYTHONPATH=os.pathsep.join([str(HOOKS), str(REPO)]),
+        SLOW_SAVE_S=str(seconds),
+        SLOW_SAVE_DIR=str(marks),
+        SLOW_SAVE_STEPS=",".join(map(str, steps)),
+    )
+    return env, marks

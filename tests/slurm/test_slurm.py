@@ -6,10 +6,13 @@ the srun/torchrun/sbatch commands it would run; the Hydra submitit launcher conf
 Real (`slurm`, `slow`): a session fixture starts scripts/slurm/local_cluster.sh in a temporary
 directory (skipped, saying why, where the Slurm daemons are not installed or we are not root;
 `.ci/run` installs them) and stops it at the end. Then `sbatch scripts/slurm/train.sbatch` runs a
-2-rank CPU training through srun + torchrun to completion; a USR1 to the batch script makes the
-run checkpoint and requeue, and the requeued run resumes from that checkpoint and finishes; the
-sweep script submits one job per remainder strategy and each finishes; `python train.py -m
-hydra/launcher=slurm` runs a job through submitit. Every wait is bounded.
+2-rank CPU training through srun + torchrun, a USR1 to the batch script makes the run checkpoint
+and requeue, and the requeued run resumes from that checkpoint and finishes (one job); the sweep
+script submits one job per remainder strategy and each finishes; `python train.py -m
+hydra/launcher=slurm` runs a job through submitit, which, preempted, is requeued and resumed, and
+the waiting command returns (one job). Every wait is bounded. Each job costs seconds of Python
+and torch start-up per process, hence one job per claim where claims share a launch, and small
+runs (tests/slurm/slurm_util.py FAST_ARGS).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import pytest
 
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.slurm.slurm_util import (
-    FINAL_STATES,
+    FAST_ARGS,
     REPO,
     SLURM_DIR,
     committed_steps,
     metrics,
     rows,
+    slow_saves,
     start_cluster,
     tail,
 )
@@ -39,13 +43,6 @@ from tests.slurm.slurm_util import run as _run
 SCRIPTS = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in (".sh", ".sbatch"))
 # A few steps of the embedded tiny model on a 2-rank CPU world, logging to metrics.jsonl only.
 TRAIN_ARGS = ["mesh.world_size=2", "mesh.ep=1", "logger=none"]
-# Smaller steps, no transformers export: launching is what these tests are about.
-SPEEDUP_ARGS = [
-    "checkpoint.export_hf=false",
-    "metrics.progress=false",
-    "data.seq_len=32",
-    "data.batch_size=2",
-]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +208,7 @@ def cluster(tmp_path_factory):
 def _train_args(run_root, name: str, steps: int, every: int) -> list[str]:
     return [
         *TRAIN_ARGS,
-        *SPEEDUP_ARGS,
+        *FAST_ARGS,
         f"train.steps={steps}",
         f"checkpoint.every={every}",
         f"run.root={run_root}",
@@ -250,35 +247,18 @@ def test_train_sbatch_dry_run_three_nodes(cluster):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_sbatch_trains_to_completion(cluster, tmp_path):
-    steps = 3
-    log = tmp_path / "train.out"
-    job = cluster.sbatch(
-        [
-            "--cpus-per-task=2",
-            f"--output={log}",
-            str(SLURM_DIR / "train.sbatch"),
-            *_train_args(tmp_path / "runs", "sbatch", steps, every=steps),
-        ],
-    )
-    cluster.wait_done(job, 120, log)
-    text = log.read_text()
-    assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
-    assert "training step exited with 0" in text
-    got = metrics(tmp_path / "runs")
-    assert got[-1]["step"] == steps, got
-    assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """USR1 to the batch script (what --signal=B:USR1@120 does): checkpoint, requeue, resume."""
-    steps = 40
+def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_path):
+    """`sbatch train.sbatch` runs a 2-rank CPU world through srun + torchrun (1 node x 2 ranks,
+    world 2); USR1 to the batch script (what --signal=B:USR1@120 does) makes it checkpoint and
+    requeue, and the requeued run resumes from that checkpoint and trains to completion (the
+    job COMPLETED, exit 0). One job carries both claims: launching, and preemption."""
+    steps, every = 5, 2
     log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
-    # No periodic checkpoint before the end: resuming at all proves the signal wrote one.
-    every = 1000
+    # Rank 0's step-2 checkpoint takes 2 s longer (first run only): the signal comes while it
+    # is written, so the run stops after step 3, whose checkpoint only the signal writes
+    # (the periodic ones are at even steps).
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=2, steps=(2,))
     job = cluster.sbatch(
         [
             "--cpus-per-task=2",
@@ -286,13 +266,9 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
             str(SLURM_DIR / "train.sbatch"),
             *_train_args(run_root, "preempt", steps, every),
         ],
+        env=env,
     )
-
-    def trained(info):
-        return bool(rows(run_root)) or info.get("JobState") in FINAL_STATES
-
-    info = cluster.wait(job, trained, 90, "past its first step", log)
-    assert info.get("JobState") == "RUNNING", f"{info}\n{tail(log)}"
+    cluster.wait(job, lambda i: (marks / "saving_2").exists(), 90, "writing step 2", log)
     cluster.run(["scancel", "--batch", "--signal=USR1", job])
     # The batch script forwards the signal, the step ends, the script requeues the job: it
     # comes back PENDING (held until its BeginTime), and we release it at once.
@@ -303,15 +279,15 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
         "requeued",
         log,
     )
+    # The checkpoint was written at the signal: no step trained before it was lost.
     last_logged = rows(run_root)[-1]["step"]
-    ckpts = committed_steps(run_root)
-    assert ckpts and ckpts[-1] > 0, f"no committed checkpoint to resume from\n{tail(log)}"
-    k = ckpts[-1]
-    assert k < steps
+    assert committed_steps(run_root)[-1:] == [last_logged] == [3], tail(log)
+    k = 3
     cluster.release_requeued(job, log)
     cluster.wait_done(job, 120, log)
 
     text = log.read_text()
+    assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
     assert "[train.sbatch] got SIGUSR1" in text
     # The node's wrapper passed it on to the ranks; torchrun and the step ended cleanly.
     assert "asking the ranks to stop" in text
@@ -324,26 +300,27 @@ def test_preempted_run_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert resumed and int(resumed[-1]) == k, tail(log)
     got = metrics(run_root)
     assert got[-1]["step"] == steps
+    assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2, got[0]
     # One uninterrupted run: the resumed run logs every step after its checkpoint.
     assert [r["step"] for r in got] == list(range(1, steps + 1))
-    # The checkpoint was written at the signal: no step trained before it was lost.
-    assert k >= last_logged, (k, last_logged)
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
+    """One job per remainder strategy, each a 2-rank world that trains to the end. A job asks
+    for one CPU (NPROC_PER_NODE gives it its 2 ranks), so two of them run at once."""
     steps = 2
     run_root = tmp_path / "runs"
-    env = dict(cluster.env, SWEEP_NAME="sweep")
+    env = dict(cluster.env, SWEEP_NAME="sweep", NPROC_PER_NODE="2")
     out = _run(
         [
             str(SLURM_DIR / "sweep_strategies.sh"),
-            "--cpus-per-task=2",
+            "--cpus-per-task=1",
             f"--output={tmp_path}/%x-%j.out",
             "--",
             *TRAIN_ARGS,
-            *SPEEDUP_ARGS,
+            *FAST_ARGS,
             f"train.steps={steps}",
             f"checkpoint.every={steps}",
             f"run.root={run_root}",
@@ -355,52 +332,28 @@ def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
     for strategy, job in jobs.items():
         cluster.wait_done(job, 150, tmp_path / f"muon-sweep-{strategy}-{job}.out")
     for strategy in STRATEGIES:
-        assert metrics(run_root / f"sweep-{strategy}")[-1]["step"] == steps
+        got = metrics(run_root / f"sweep-{strategy}")
+        assert got[-1]["step"] == steps and got[0]["world_size"] == 2, got
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_submitit_launcher_runs_a_job(cluster, tmp_path):
-    """`python train.py -m hydra/launcher=slurm ...`: one submitit job, trained to the end."""
+def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, tmp_path):
+    """`python train.py -m hydra/launcher=slurm ...` submits one submitit job (a local world of
+    2 ranks) and waits for it. Preempted with submitit's signal (USR2), submitit requeues it,
+    the launching process stops the local world (its ranks ignore USR2 and answer the SIGTERM
+    with a checkpoint) and exits without a result, so the waiting `train.py -m` neither crashes
+    on the first attempt (a job result that does not unpickle, as torch's elastic
+    SignalException did) nor stops early: it exits 0 once the requeued run, resumed from the
+    latest checkpoint, has trained to the end. One job carries both claims: the launcher runs
+    a job (with a swept key's override) to completion, and the requeue."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    steps = 2
+    steps = 6
     run_root = tmp_path / "runs"
-    out = _run(
-        [
-            sys.executable,
-            "train.py",
-            "-m",
-            "hydra/launcher=slurm",
-            "hydra.launcher.partition=debug",
-            "hydra.launcher.timeout_min=5",
-            *TRAIN_ARGS,
-            *SPEEDUP_ARGS,
-            f"train.steps={steps}",
-            f"run.root={run_root}",
-            "run.name=submitit",
-            "optim.remainder_strategy=ragged_all_to_all",
-        ],
-        env=cluster.env,
-        timeout=150,
-    )
-    assert "Submitit 'slurm' sweep output dir" in out.stdout + out.stderr
-    assert metrics(run_root / "submitit")[-1]["step"] == steps
-    logs = list((run_root / "submitit" / ".submitit").rglob("*_log.out"))
-    assert logs and "Job completed successfully" in logs[0].read_text()
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
-    """Preempt a submitit job with its signal (USR2): submitit requeues it, the launching
-    process stops the local world (its ranks ignore USR2 and answer the SIGTERM with a
-    checkpoint) and exits without a result, so the waiting `train.py -m` neither crashes on the
-    first attempt (a job result that does not unpickle, as torch's elastic SignalException did)
-    nor stops early: it returns the requeued run's result, which resumed from the latest
-    checkpoint."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    steps = 30
-    run_root = tmp_path / "runs"
+    # Rank 0's checkpoints (every step) take 1 s longer in the first run only: the job is
+    # still training when the signal comes (sent while step 2 is saved), and the requeued run
+    # is quick. The stop's own checkpoint fits well within KillWait (10 s) all the same.
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=1)
     waiting = subprocess.Popen(
         [
             sys.executable,
@@ -410,21 +363,22 @@ def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
             "hydra.launcher.partition=debug",
             "hydra.launcher.timeout_min=5",
             *TRAIN_ARGS,
-            *SPEEDUP_ARGS,
+            *FAST_ARGS,
             f"train.steps={steps}",
             "checkpoint.every=1",
             f"run.root={run_root}",
             "run.name=requeue",
+            "optim.remainder_strategy=ragged_all_to_all",
         ],
         cwd=REPO,
-        env=cluster.env,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
         end = time.monotonic() + 120
-        while time.monotonic() < end and not committed_steps(run_root):
+        while time.monotonic() < end and not (marks / "saving_2").exists():
             assert waiting.poll() is None, waiting.communicate()[0][-3000:]
             time.sleep(0.3)
         (job_dir,) = (p for p in (run_root / "requeue" / ".submitit").iterdir() if p.is_dir())
@@ -436,10 +390,14 @@ def test_submitit_requeue_returns_the_requeued_result(cluster, tmp_path):
         waiting.kill()
     log = (job_dir / f"{job}_0_log.out").read_text()
     assert waiting.returncode == 0, out[-3000:] + log[-3000:]
+    assert "Submitit 'slurm' sweep output dir" in out, out[-3000:]
     assert "SignalException" not in out and "TypeError" not in out, out[-3000:]
     # (Whether submitit logs its "Requeued job" line depends on when the requeue's SIGTERM
     # lands; release_requeued above saw the job requeued.)
     assert "Caught signal SIGUSR2" in log, log[-3000:]
-    assert re.search(r"SIGTERM: stopped at step \d+, checkpoint", log), log[-3000:]
-    assert re.search(r"resumed from \S*step_\d+", log), log[-3000:]
+    stopped = re.search(r"SIGTERM: stopped at step (\d+), checkpoint", log)
+    assert stopped and 2 <= int(stopped[1]) < steps, log[-3000:]
+    resumed = [int(k) for k in re.findall(r"resumed from \S*step_(\d+)", log)]
+    assert resumed[-1:] == [int(stopped[1])], log[-3000:]
+    assert "Job completed successfully" in log, log[-3000:]
     assert [r["step"] for r in metrics(run_root / "requeue")] == list(range(1, steps + 1))

@@ -6,7 +6,11 @@ the namespaces' veths (never the default route). It is stopped at the end whatev
 lifecycle test checks on a second cluster that stop leaves no process, namespace, veth or cgroup
 dir behind. Skipped, with the script's reason, where Slurm, root or namespaces are missing.
 
-Every training job is the tiny model on CPU/gloo, a few steps; every wait is bounded.
+Every training job is the tiny model on CPU/gloo, a few steps (tests/slurm/slurm_util.py
+FAST_ARGS); every wait is bounded. A job costs seconds of Python and torch start-up per process,
+so claims that share a launch share a job: `sbatch -N 2` training like one node and preemption
+while rank 0 writes a checkpoint are one job (2 nodes x 2 ranks); a lost node and the sweep
+script with `-N 2` are one sweep (2 nodes x 1 rank), submitted twice.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import pytest
 
 from tests.slurm.slurm_util import (
+    FAST_ARGS,
     LOCAL_CLUSTER,
     REPO,
     SLURM_DIR,
@@ -32,27 +37,25 @@ from tests.slurm.slurm_util import (
     metrics,
     rows,
     run,
+    slow_saves,
     start_cluster,
     tail,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-HOOKS = Path(__file__).resolve().parent / "slurm_hooks"
-# The tiny model, ep=2, logging to metrics.jsonl only; short sequences, no transformers export.
-ARGS = [
-    "mesh.ep=2",
-    "logger=none",
-    "checkpoint.export_hf=false",
-    "metrics.progress=false",
-    "data.seq_len=32",
-    "data.batch_size=2",
-]
+# The tiny model, ep=2, logging to metrics.jsonl only, small and quick.
+ARGS = ["mesh.ep=2", "logger=none", *FAST_ARGS]
+# How soon slurmctld marks a killed node down (its job's srun waits for that): SlurmdTimeout of
+# failed pings, each failing after MessageTimeout. Lower than the defaults (20 s, 10 s), which
+# are for people; still far above what a ping or any other RPC takes on this machine.
+LOST_NODE_KNOBS = {"SLURMD_TIMEOUT": "4", "MESSAGE_TIMEOUT": "3"}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with start_cluster(tmp_path_factory.mktemp("slurm2"), nodes=2) as c:
+    root = tmp_path_factory.mktemp("slurm2")
+    with start_cluster(root, nodes=2, **LOST_NODE_KNOBS) as c:
         yield c
 
 
@@ -118,20 +121,6 @@ def _sbatch_train(cluster, log: Path, run_root: Path, steps: int, every: int, en
     )
 
 
-def _slow_saves(cluster, tmp_path: Path, seconds: float) -> tuple[dict[str, str], Path]:
-    """A job environment in which rank 0 takes `seconds` longer for each checkpoint (the
-    tests/slurm/slurm_hooks/sitecustomize.py hook), and the directory of its progress marks."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = dict(
-        cluster.env,
-        PYTHONPATH=os.pathsep.join([str(HOOKS), str(REPO)]),
-        SLOW_SAVE_S=str(seconds),
-        SLOW_SAVE_DIR=str(marks),
-    )
-    return env, marks
-
-
 def _resumed(text: str) -> list[int]:
     """Steps of the checkpoints the runs in a Slurm output resumed from."""
     return [int(s) for s in re.findall(r"resumed from \S*step_(\d+)", text)]
@@ -180,10 +169,14 @@ def test_cluster_lifecycle_leaves_nothing_behind(tmp_path):
     assert run([LOCAL_CLUSTER, "status", str(root)], env, check=False).returncode != 0
 
 
-def test_sbatch_two_nodes_trains_like_one_node(cluster, tmp_path):
-    """sbatch -N 2 train.sbatch, 2 ranks per node: world 4 over both hosts, per-node logs, and
-    the losses of a one-node run of the same world and config."""
-    steps = 3
+def test_sbatch_two_nodes_trains_like_one_node_through_a_preemption(cluster, tmp_path):
+    """sbatch -N 2 train.sbatch, 2 ranks per node: world 4 over both hosts, rendezvous on the
+    first node, per-node logs. USR1 to the batch script while rank 0 is (slowly) writing the
+    step-2 checkpoint: every node's ranks finish the checkpoints, every task exits 0, the job
+    requeues and the resumed run continues from the last trained step. The whole run's losses,
+    before and after the requeue, are those of a one-node run of the same world and config.
+    (One job carries the claims of training like one node and of preemption.)"""
+    steps, every = 5, 2
     # The one-node reference trains meanwhile: python train.py with a local world of 4 ranks.
     ref = subprocess.Popen(
         [
@@ -192,7 +185,7 @@ def test_sbatch_two_nodes_trains_like_one_node(cluster, tmp_path):
             "mesh.world_size=4",
             *ARGS,
             f"train.steps={steps}",
-            f"checkpoint.every={steps}",
+            f"checkpoint.every={every}",
             f"run.root={tmp_path / 'ref'}",
         ],
         cwd=REPO,
@@ -201,84 +194,102 @@ def test_sbatch_two_nodes_trains_like_one_node(cluster, tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    log = tmp_path / "multi.out"
-    env = dict(cluster.env, NODE_LOG_DIR=str(tmp_path / "nodes"))
-    job = _sbatch_train(cluster, log, tmp_path / "runs", steps, steps, env=env)
+    log = tmp_path / "preempt.out"
+    run_root = tmp_path / "runs"
+    env, marks = slow_saves(cluster.env, tmp_path, seconds=3, steps=(2,))
+    env["NODE_LOG_DIR"] = str(tmp_path / "nodes")
     try:
+        job = _sbatch_train(cluster, log, run_root, steps, every, env=env)
+        cluster.wait(job, lambda i: (marks / "saving_2").exists(), 120, "writing step 2", log)
+        cluster.run(["scancel", "--batch", "--signal=USR1", job])
+        cluster.wait(job, lambda i: i.get("Restarts") == "1", 90, "requeued", log)
+        first = log.read_text()
+        # The write in progress finished, and the stop wrote the next step's checkpoint.
+        assert (marks / "saved_2").exists() and (marks / "saved_3").exists(), first
+        last_logged = rows(run_root)[-1]["step"]
+        assert committed_steps(run_root)[-1] == last_logged == 3, (committed_steps(run_root), first)
+        # No node's task was cut short: both torchruns ended cleanly after the signal, srun too.
+        nodes = _nodes(cluster.root)
+        for node in nodes:
+            assert f"[torchrun_node {node}] torchrun exited with 0 after SIGUSR1" in first
+        assert "training step exited with 0" in first and "srun: error" not in first, first
+        assert "SIGUSR1: stopped at step 3" in first
+
+        cluster.release_requeued(job, log)
+        cluster.wait_done(job, 180, log)
         ref_out, _ = ref.communicate(timeout=180)
     finally:
         ref.kill()
     assert ref.returncode == 0, ref_out[-4000:]
-    cluster.wait_done(job, 180, log)
-    nodes = _nodes(cluster.root)
     text = log.read_text()
-    assert f"on 2 node(s) x 2 rank(s), rendezvous {nodes[0]}:" in text
-    got = metrics(tmp_path / "runs")
+    layout = f"on 2 node(s) x 2 rank(s), rendezvous {nodes[0]}:"
+    assert f"[train.sbatch] job {job} restart 0 {layout}" in text
+    assert f"[train.sbatch] job {job} restart 1 " in text
+    assert _resumed(text)[-1:] == [3], tail(log)
+    got = metrics(run_root)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
     _layout(got[0], nodes)
+    _layout(got[3], nodes)  # the resumed run's first row
     want = metrics(tmp_path / "ref")
     assert want[0]["world_size"] == 4 and len(set(want[0]["hosts"])) == 1
-    # Same ranks, same data, same gloo reductions (only the transport differs): the tolerance
-    # of the single-node tests that compare runs of one world size.
+    # Same ranks, same data, same gloo reductions (only the transport differs), and a resume
+    # that continues the same computation (it restores every piece of training state): the
+    # tolerance of the single-node tests that compare runs of one world size.
     np.testing.assert_allclose(
         [r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5, err_msg=text[-3000:]
     )
     for node in nodes:
         node_log = (tmp_path / "nodes" / f"{node}.log").read_text()
-        assert f"[torchrun_node {node}] torchrun exited with 0" in node_log
+        assert f"[torchrun_node {node}] torchrun exited with 0 after SIGUSR1" in node_log
+        assert f"[torchrun_node {node}] torchrun exited with 0\n" in node_log
 
 
-def test_preemption_while_rank0_writes_a_checkpoint(cluster, tmp_path):
-    """USR1 to the batch script while rank 0 is (slowly) writing the step-2 checkpoint: every
-    node's ranks finish the checkpoints, every task exits 0, the job requeues and the resumed
-    run continues from the last trained step."""
-    steps, every = 5, 2
-    log = tmp_path / "preempt.out"
-    run_root = tmp_path / "runs"
-    env, marks = _slow_saves(cluster, tmp_path, seconds=3)
-    job = _sbatch_train(cluster, log, run_root, steps, every, env=env)
-    cluster.wait(job, lambda i: (marks / "saving_2").exists(), 120, "writing step 2", log)
-    cluster.run(["scancel", "--batch", "--signal=USR1", job])
-    cluster.wait(job, lambda i: i.get("Restarts") == "1", 90, "requeued", log)
-    first = log.read_text()
-    # The write in progress finished, and the stop wrote the next step's checkpoint.
-    assert (marks / "saved_2").exists() and (marks / "saved_3").exists(), first
-    last_logged = rows(run_root)[-1]["step"]
-    assert committed_steps(run_root)[-1] == last_logged == 3, (committed_steps(run_root), first)
-    # No node's task was cut short: both torchruns ended cleanly after the signal, srun too.
-    nodes = _nodes(cluster.root)
-    for node in nodes:
-        assert f"[torchrun_node {node}] torchrun exited with 0 after SIGUSR1" in first
-    assert "training step exited with 0" in first and "srun: error" not in first, first
-    assert "SIGUSR1: stopped at step 3" in first
-
-    cluster.release_requeued(job, log)
-    cluster.wait_done(job, 180, log)
-    text = log.read_text()
-    assert f"[train.sbatch] job {job} restart 1 " in text
-    assert _resumed(text)[-1:] == [3], tail(log)
-    got = metrics(run_root)
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-    _layout(got[3], nodes)  # the resumed run's first row
+def _sweep(cluster, tmp_path: Path, run_root: Path, steps: int, env=None) -> tuple[str, Path]:
+    """sweep_strategies.sh -N 2, one strategy, 1 rank per node; its job id and output file."""
+    env = dict(env or cluster.env, SWEEP_NAME="sw", STRATEGIES="ragged_all_to_all")
+    out = run(
+        [
+            str(SLURM_DIR / "sweep_strategies.sh"),
+            "-N",
+            "2",
+            "--cpus-per-task=1",
+            f"--output={tmp_path}/%x-%j.out",
+            "--",
+            *ARGS,
+            f"train.steps={steps}",
+            "checkpoint.every=1",
+            f"run.root={run_root}",
+        ],
+        env=env,
+    ).stdout
+    (line,) = out.strip().splitlines()
+    strategy, job = line.split()
+    assert strategy == "ragged_all_to_all", out
+    return job, tmp_path / f"muon-sw-{strategy}-{job}.out"
 
 
-def test_lost_node_fails_clearly_and_resubmitting_resumes(cluster, tmp_path):
-    """Kill node 2 (its slurmd and every process in its namespace) mid-run: the job fails with
-    a clear message, the committed checkpoint stays; the same sbatch command resumes from it."""
-    steps = 8
-    log = tmp_path / "lost.out"
+def test_sweep_two_nodes_survives_a_lost_node_by_resubmitting(cluster, tmp_path):
+    """sweep_strategies.sh -N 2 submits one job that trains across both nodes (1 rank each).
+    Kill node 2 (its slurmd and every process in its namespace) mid-run: the job fails with a
+    clear message, the committed checkpoint stays; the same sweep command again resumes from
+    it and finishes. (One sweep carries the claims of the sweep across nodes and of a lost
+    node.)"""
+    steps = 5
     run_root = tmp_path / "runs"
     # Slow checkpoints (1 s, every step) keep the first job running long enough to be hit.
-    slow_env, _ = _slow_saves(cluster, tmp_path, seconds=1)
-    job = _sbatch_train(cluster, log, run_root, steps, 1, env=slow_env)
+    slow_env, _ = slow_saves(cluster.env, tmp_path, seconds=1)
+    job, log = _sweep(cluster, tmp_path, run_root, steps, env=slow_env)
     cluster.wait(job, lambda i: committed_steps(run_root)[-1:] >= [2], 120, "at step 2", log)
-    victim = _nodes(cluster.root)[1]
+    nodes = _nodes(cluster.root)
+    victim = nodes[1]
     inode = (cluster.root / "run" / f"netns-{victim}").read_text().strip()
     holder = int((cluster.root / "run" / f"holder-{victim}.pid").read_text())
     for pid in _ns_members(inode):
         if pid != holder:
             os.kill(pid, signal.SIGKILL)
     # The surviving node's ranks fail at once (their gloo peers are gone), srun reports the
-    # node failure and the batch script ends with its error.
+    # node failure (once slurmctld marks the node down) and the batch script ends with its
+    # error.
     cluster.wait(
         job, lambda i: "[train.sbatch] ERROR" in log.read_text(), 120, "reported failed", log
     )
@@ -288,6 +299,8 @@ def test_lost_node_fails_clearly_and_resubmitting_resumes(cluster, tmp_path):
     assert f"Node failure on {victim}" in text or f"{victim}: task" in text, text[-3000:]
     k = committed_steps(run_root)[-1]
     assert 2 <= k < steps
+    first = metrics(run_root)
+    assert first[0]["world_size"] == 2 and sorted(first[0]["hosts"]) == nodes, first[0]
 
     # The node comes back (start restarts its slurmd). Slurm may have requeued the job itself
     # (`--requeue`, node failure): cancel that; the user resubmits the same command.
@@ -295,13 +308,13 @@ def test_lost_node_fails_clearly_and_resubmitting_resumes(cluster, tmp_path):
     cluster.wait_idle(90)
     cluster.run(["scancel", job])
     assert cluster.wait_final(job, 60, log)["JobState"] != "COMPLETED"
-    log2 = tmp_path / "resubmit.out"
-    job2 = _sbatch_train(cluster, log2, run_root, steps, 1)
+    job2, log2 = _sweep(cluster, tmp_path, run_root, steps)
     cluster.wait_done(job2, 180, log2)
-    text2 = log2.read_text()
-    assert _resumed(text2) == [k], tail(log2)
+    assert _resumed(log2.read_text()) == [k], tail(log2)
     got = metrics(run_root)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
+    resumed_row = got[k]
+    assert resumed_row["world_size"] == 2 and sorted(resumed_row["hosts"]) == nodes, resumed_row
 
 
 def test_submitit_launcher_two_nodes(cluster, tmp_path):
@@ -332,30 +345,3 @@ def test_submitit_launcher_two_nodes(cluster, tmp_path):
     (job_dir,) = {p.parent for p in (run_root / "submitit" / ".submitit").rglob("*_log.out")}
     logs = sorted(job_dir.glob("*_log.out"))
     assert len(logs) == 4  # one per task (rank)
-
-
-def test_sweep_two_nodes(cluster, tmp_path):
-    """sweep_strategies.sh -N 2: the job trains across both nodes (1 rank each)."""
-    run_root = tmp_path / "runs"
-    env = dict(cluster.env, SWEEP_NAME="sw", STRATEGIES="ragged_all_to_all")
-    out = run(
-        [
-            str(SLURM_DIR / "sweep_strategies.sh"),
-            "-N",
-            "2",
-            "--cpus-per-task=1",
-            f"--output={tmp_path}/%x-%j.out",
-            "--",
-            *ARGS,
-            "mesh.ep=1",
-            "train.steps=2",
-            f"run.root={run_root}",
-        ],
-        env=env,
-    ).stdout
-    (line,) = out.strip().splitlines()
-    strategy, job = line.split()
-    cluster.wait_done(job, 180, tmp_path / f"muon-sw-{strategy}-{job}.out")
-    got = metrics(run_root / f"sw-{strategy}")
-    assert got[-1]["step"] == 2
-    assert got[0]["world_size"] == 2 and sorted(got[0]["hosts"]) == _nodes(cluster.root)

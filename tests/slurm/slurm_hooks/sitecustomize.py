@@ -6,6 +6,8 @@ With SLOW_SAVE_S set, rank 0's
 `recipes.checkpoint.Checkpointer.save` (how the trainer writes checkpoints) first records
 `<SLOW_SAVE_DIR>/saving_<step>` and sleeps SLOW_SAVE_S seconds (the other ranks wait for it
 inside the collective save), then writes the checkpoint as usual; `saved_<step>` marks the end.
+SLOW_SAVE_STEPS (comma-separated steps) limits the sleep to those steps' saves (marks are
+written for every save).
 Only the first run of a job is slowed (a requeued one, SLURM_RESTART_COUNT > 0, writes at full
 speed). Nothing else changes.
 """
@@ -24,12 +26,14 @@ def _patch(module) -> None:
     real_save = module.Checkpointer.save
     delay = float(os.environ["SLOW_SAVE_S"])
     marks = Path(os.environ["SLOW_SAVE_DIR"])
+    only = {int(s) for s in os.environ.get("SLOW_SAVE_STEPS", "").split(",") if s}
 
     def save(self, step, *args, **kwargs):
         rank0 = os.environ.get("RANK", "0") == "0"
         if rank0:
             (marks / f"saving_{step}").write_text(f"{time.time()}\n")
-            time.sleep(delay)
+            if not only or step in only:
+                time.sleep(delay)
         out = real_save(self, step, *args, **kwargs)
         if rank0:
             (marks / f"saved_{step}").write_text(f"{time.time()}\n")
