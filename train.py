@@ -1,6 +1,6 @@
 """Train a GLM-style MoE with distributed Muon: `python train.py [hydra overrides]`.
 
-Composes `conf/` (typed by recipes/config.py), validates it, then joins the launcher's world
+Composes `conf/` (typed by recipes/config/), validates it, then joins the launcher's world
 (torchrun / SLURM env) or starts a local one of `mesh.world_size` ranks. See README.md.
 """
 

@@ -26,6 +26,7 @@ k shards of it instead of k - 1 (the bytes `muon.cost` counts).
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass, replace
 
 from muon.cost import batch_block_flops, batch_blocks_flops, bytes_sent, ns_flops_on
@@ -146,31 +147,38 @@ class _Trial:
                     parent[c] = a
                     pool_total[a] += pool_total[c]
             pool_total[root(ranks[xlo])] -= neg_cost
+        roots = [root(g) for g in range(world_size)]  # the pools are final from here on
         pool_size = [0] * world_size
-        for g in range(world_size):
-            pool_size[root(g)] += 1
+        for c in roots:
+            pool_size[c] += 1
 
         owners: dict[tuple[int, int, int], list[int]] = {}
         used: dict[tuple[int, int, int], list[int]] = {}
 
-        def place(item, key) -> None:
+        def place(item, pooled: bool) -> None:
             neg_cost, mi, bi, q, u, lo, hi, cap = item[:8]
             b, ranks = plans[mi][1][bi], plans[mi][0].all_groups[q]
             count = used.setdefault((mi, bi, q), [0] * b.fsdp_size)
-            best = min((r for r in range(lo, hi) if count[r] < cap), key=lambda r: key(ranks[r], r))
+            best, best_key = -1, None
+            for r in range(lo, hi):
+                if count[r] < cap:
+                    g = ranks[r]
+                    if pooled:  # expected load once the pool's blocks are shared out
+                        c = roots[g]
+                        key = (max(loads[g], pool_total[c] / pool_size[c]), loads[g])
+                    else:
+                        key = (loads[g], 0)
+                    if best_key is None or key < best_key:  # ties: the lowest rank
+                        best, best_key = r, key
             count[best] += 1
             loads[ranks[best]] -= neg_cost
-            pool_total[root(ranks[best])] -= neg_cost
+            pool_total[roots[ranks[best]]] -= neg_cost
             owners.setdefault((mi, bi, q), [0] * b.units)[u] = best
 
-        def expected(g: int, r: int) -> tuple:
-            c = root(g)
-            return (max(loads[g], pool_total[c] / pool_size[c]), loads[g], r)
-
         for item in sorted(whole):
-            place(item, expected)
+            place(item, pooled=True)
         for item in sorted(blocks):
-            place(item, lambda g, r: (loads[g], r))
+            place(item, pooled=False)
         # the repair may move a unit anywhere in its exchange group
         movable = whole + [(*t[:5], t[8], t[8] + t[9], t[7]) for t in blocks]
         _refine(plans, movable, owners, used, loads)
@@ -187,8 +195,12 @@ def _refine(plans: Plans, items: list, owners: dict, used: dict, loads: list[int
         owned.setdefault(plans[mi][0].all_groups[q][owners[(mi, bi, q)][u]], []).append(
             (mi, bi, q, u)
         )
+    heap = [(-load, g) for g, load in enumerate(loads)]  # busiest first, ties: lowest rank
+    heapq.heapify(heap)
     for _ in range(4 * len(loads)):
-        top = max(range(len(loads)), key=lambda g: (loads[g], -g))
+        while -heap[0][0] != loads[heap[0][1]]:  # stale: that rank's load changed
+            heapq.heappop(heap)
+        top = heap[0][1]
         best = None
         for key in owned.get(top, ()):
             cost, lo, hi, cap = unit[key]
@@ -212,6 +224,8 @@ def _refine(plans: Plans, items: list, owners: dict, used: dict, loads: list[int
         owned.setdefault(g, []).append(key)
         loads[top] -= cost
         loads[g] += cost
+        heapq.heappush(heap, (-loads[top], top))
+        heapq.heappush(heap, (-loads[g], g))
 
 
 def useful_ns_flops(plans: Plans) -> int:
@@ -236,7 +250,20 @@ def balance_figures(plans: Plans, loads: list[int]) -> dict:
         "ns_flops_mean": sum(loads) / world,
         "ns_flops_ideal": ideal,
         "busiest_over_ideal": max(loads) / ideal if ideal else 1.0,
+        # how far the owners widened the sub-groups (1: each block's own ranks), and the
+        # busiest rank the assignment would have had without
+        "subgroup_widening": max(
+            (
+                b.subgroup_size // b.block_span
+                for _, bs in plans
+                for b in bs
+                if b.path == "subgroup"
+            ),
+            default=1,
+        ),
     }
+    if figures["subgroup_widening"] > 1:
+        figures["ns_flops_busiest_unwidened"] = max(_Trial(plans, world, 1).loads)
     if not sharded:
         return figures
     # the comm group with the most non-FSDP sharding (experts), else the first

@@ -54,7 +54,12 @@ def stdlib_dir() -> Path:
 def stdlib_files(root: Path) -> list[Path]:
     """The .py files under `root` in a fixed order, installed packages left out."""
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    files = []
+    # a walk that never enters the skipped directories (installed packages hold far more
+    # files than the library itself); like Path.rglob, it does not follow directory symlinks
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        files += [Path(parent, n) for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -1,5 +1,5 @@
 """`python train.py --help`: every key of the composed config with its value, allowed values
-and one-line help, read from the typed schema (recipes/config.py).
+and one-line help, read from the typed schema (recipes/config/schema.py).
 
 conf/train.yaml's Hydra help template calls the `schema_help` resolver, so the listing shows
 the config the given overrides compose (`python train.py optim=adamw --help` shows AdamW's

@@ -1,8 +1,8 @@
 """Multirun job directories: every key a sweep varies shows in its jobs' directory names.
 
 A single run's directory leaves out the keys that do not change what is trained (mesh.*,
-checkpoint.*, logging: the `same_run` fields of recipes/config.py, which conf/train.yaml's
-`exclude_keys` resolves to), so a restart on another world size
+checkpoint.*, logging: the `same_run` fields of recipes/config/schema.py, which
+conf/train.yaml's `exclude_keys` resolves to), so a restart on another world size
 resumes the same run. A sweep over one of those keys (`-m mesh.ep=1,2,4`) must still give
 each job its own directory, checkpoints and W&B run. `SweepDirs.on_multirun_start`, a Hydra
 callback that runs in the `-m` process before the sweeper starts any job:

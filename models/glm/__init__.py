@@ -1,6 +1,7 @@
 """GLM-4.5 / GLM-5 style mixture-of-experts causal language model (torch only)."""
 
-from models.glm.config import GLMConfig, get_preset
+from models.glm.config import GLMConfig
 from models.glm.model import GLMForCausalLM
+from models.glm.presets import get_preset
 
 __all__ = ["GLMConfig", "GLMForCausalLM", "get_preset"]

@@ -196,13 +196,14 @@ def _glm_resume_step(configs: list[str], run_dirs: list[str], cache: str):
     return out
 
 
-#: the GQA tiny model; MLA + DSA (seq_len 32 > index_topk 16, a shared layer) with a trained
-#: MTP layer and the KL-trained indexer; the same with the indexer frozen (no optimizer state)
+#: the GQA tiny model with NorMuon (Muon momentum and NorMuon's moments; a GQA run without
+#: NorMuon reshards nothing this one does not); MLA + DSA (seq_len 32 > index_topk 16, a shared
+#: layer) with a trained MTP layer and the KL-trained indexer; the same with the indexer frozen
+#: (no optimizer state). The MLA runs are without NorMuon: no `normuon_v` state there.
 _RESHARD_RUNS = {
-    "tiny": [],
+    "tiny_normuon": ["optim.normuon=true"],
     "mla_kl": ["model.preset=mla_tiny"],
     "mla_frozen": ["model.preset=mla_tiny", "train.indexer_training=frozen"],
-    "tiny_normuon": ["optim.normuon=true"],
 }
 
 
@@ -210,8 +211,8 @@ _RESHARD_RUNS = {
 def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
     """The real model and Muon: what 4 ranks at ep=2 saved loads exactly on 2 ranks at ep=1
     (parameters, router bias, Muon momentum, AdamW moments, NorMuon's moments), and the next
-    step matches; for the GQA and the MLA + DSA + MTP models, with a trained and a frozen
-    indexer, and GQA with NorMuon."""
+    step matches; for the GQA model with NorMuon and the MLA + DSA + MTP model, with a
+    trained and a frozen indexer."""
     cache = str(tmp_path / "cache")
     dirs = [str(tmp_path / name) for name in _RESHARD_RUNS]
     four = [_glm_config(4, 2, *extra) for extra in _RESHARD_RUNS.values()]

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from recipes.bench import newton_schulz as ns
+from recipes.bench.newton_schulz_optim import OPT_VARIANTS
+from recipes.bench.newton_schulz_report import summary
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_newton_schulz.py"
 
 
 @pytest.mark.slow
 def test_bench_writes_tables_and_plots(tmp_path):
-    # importable by name: the optimizer-step world's spawned ranks import it again
     sys.path.insert(0, str(SCRIPT.parent))
     bench = importlib.import_module("bench_newton_schulz")
     argv = ["--scale", "64", "--repeats", "1", "--train-steps", "3", "--train-seeds", "2"]
@@ -28,25 +31,25 @@ def test_bench_writes_tables_and_plots(tmp_path):
     # the crossover line when Gram was faster anywhere (its wording is not tested) and the
     # ill-conditioned blocks' line
     tables = (tmp_path / "tables.md").read_text()
-    lines = bench.summary(res)
+    lines = summary(res)
     assert all(line in tables for line in lines)
     faster = any(r["ratio"] < 1 for r in res["crossover"])
-    assert len(lines) == len(bench.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster + 1
-    assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in bench.CROSSOVER_ROWS]
-    assert len(res["conditioning"]) == 2 * len(bench.CONDITIONING)
+    assert len(lines) == len(ns.GLM_SHAPES) + 1 + len(res["train"]["lrs"]) + 1 + faster + 1
+    assert [r["dims"] for r in res["crossover"]] == [f"{m}x{3 * m}" for m in ns.CROSSOVER_ROWS]
+    assert len(res["conditioning"]) == 2 * len(ns.CONDITIONING)
     assert "Ill-conditioned bf16 blocks (5 cases" in tables
     timed = [r for r in res["shapes"] if "ms_per_block" in r]
-    assert len(timed) == len(bench.GLM_SHAPES) * len(bench.VARIANTS)
+    assert len(timed) == len(ns.GLM_SHAPES) * len(ns.VARIANTS)
     assert all(r["ms_per_block"] > 0 and r["gflop_per_block"] > 0 for r in timed)
     square = [r for r in timed if r["rows"] == r["cols"] and "gram" in r["variant"]]
     assert square and all(r["algorithm"] == "standard (fallback)" for r in square)
     assert any(r["shape"].startswith("momentum") for r in res["shapes"])
-    assert set(res["train"]["final_loss"]) == {f"{v}, lr 0.02" for v in bench.OPT_VARIANTS}
+    assert set(res["train"]["final_loss"]) == {f"{v}, lr 0.02" for v in OPT_VARIANTS}
     assert all(len(v) == 2 for v in res["train"]["final_loss_per_seed"].values())
-    assert [r["variant"] for r in res["step"]["rows"]] == list(bench.OPT_VARIANTS)
+    assert [r["variant"] for r in res["step"]["rows"]] == list(OPT_VARIANTS)
     # Polar Express is closer to the polar factor than the fixed quintic on every random shape
     by = {(r["shape"], r["variant"]): r for r in timed}
-    for shape, *_ in bench.GLM_SHAPES:
+    for shape, *_ in ns.GLM_SHAPES:
         pe, fixed = by[(shape, "polar_express")], by[(shape, "fixed")]
         assert pe["random_ortho_err"] < fixed["random_ortho_err"], shape
 

@@ -63,7 +63,7 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
 
 
 def test_model_group_matches_presets():
-    from models.glm.config import PRESET_NAMES
+    from models.glm.presets import PRESET_NAMES
 
     # `model=hf` builds the model of a transformers directory (model.path) instead of a preset.
     assert _options("model") == sorted([*PRESET_NAMES, "hf"])
@@ -354,7 +354,7 @@ def test_run_dir_is_stable_per_command():
 
 def test_choice_lists_are_the_libraries_own():
     """The config enums are muon's and models' own constants: one source for every choice."""
-    from models.glm.config import PRESET_NAMES
+    from models.glm.presets import PRESET_NAMES
     from muon.groups import ROUTER_CHOICES
     from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
     from muon.optimizer import ADJUST_LR, NS_DTYPES

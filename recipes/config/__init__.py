@@ -1,0 +1,112 @@
+"""The training config: its typed schema, its checks, the run directory's name, its Hydra glue.
+
+`conf/train.yaml` puts `config_schema` first in its defaults list, so every group file and
+every command-line override is merged into these types: an unknown key or a value outside an
+Enum fails at compose time, naming the key and the allowed values. What types cannot say
+(ranges, cross-field rules, files that must exist) `validate` checks, before any rank starts.
+Every field carries a one-line help in `metadata["help"]`; `describe()` prints them all.
+
+One module per purpose, every public name re-exported here (`from recipes.config import X`):
+- `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
+- `checks`: `validate` of a composed config;
+- `describe`: the schema as text (`describe`, `key_help`);
+- `run_dir`: the run directory's name (`same_run_keys`, `run_id`);
+- `store`: registration with Hydra and conf/'s resolvers (`register`, `slurm_tasks`), the YAML
+  round trip of a resolved config (`to_plain`, `from_yaml`).
+Importing the package registers the schema (`register()`).
+"""
+
+from recipes.config.checks import validate
+from recipes.config.describe import describe, key_help
+from recipes.config.run_dir import RUN_ID_MAX, SAME_RUN_GROUPS, run_id, same_run_keys
+from recipes.config.schema import (
+    MUON_SPLIT,
+    OPTIM_SCHEMAS,
+    ActivationCheckpointing,
+    AdamWOptimConfig,
+    AdjustLr,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    ConfigSchema,
+    DataConfig,
+    DataSource,
+    Device,
+    EvalConfig,
+    HFDtype,
+    IndexerTraining,
+    LoggerBackend,
+    LoggerConfig,
+    MeshConfig,
+    MetricsConfig,
+    ModelConfig,
+    ModelPreset,
+    MuonOptimConfig,
+    MuonSplit,
+    NsAlgorithm,
+    NsCoefficients,
+    NsDtype,
+    OptimConfig,
+    OptimName,
+    RemainderStrategy,
+    RouterOptim,
+    RunConfig,
+    Schedule,
+    TokenDtype,
+    TrainConfig,
+    TrainDtype,
+    WandbMode,
+)
+from recipes.config.store import from_yaml, register, slurm_tasks, to_plain
+
+__all__ = [
+    "MUON_SPLIT",
+    "OPTIM_SCHEMAS",
+    "RUN_ID_MAX",
+    "SAME_RUN_GROUPS",
+    "ActivationCheckpointing",
+    "AdamWOptimConfig",
+    "AdjustLr",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "ConfigSchema",
+    "DataConfig",
+    "DataSource",
+    "Device",
+    "EvalConfig",
+    "HFDtype",
+    "IndexerTraining",
+    "LoggerBackend",
+    "LoggerConfig",
+    "MeshConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "ModelPreset",
+    "MuonOptimConfig",
+    "MuonSplit",
+    "NsAlgorithm",
+    "NsCoefficients",
+    "NsDtype",
+    "OptimConfig",
+    "OptimName",
+    "RemainderStrategy",
+    "RouterOptim",
+    "RunConfig",
+    "Schedule",
+    "TokenDtype",
+    "TrainConfig",
+    "TrainDtype",
+    "WandbMode",
+    "describe",
+    "from_yaml",
+    "key_help",
+    "register",
+    "run_id",
+    "same_run_keys",
+    "slurm_tasks",
+    "to_plain",
+    "validate",
+]
+
+register()

@@ -1,0 +1,368 @@
+"""What types cannot say about a composed config, checked before any rank starts.
+
+`validate` checks finite numbers, ranges, divisibility, the data files and their meta.json,
+the model config and its layout on the mesh, the checkpoint to start from; every failure is a
+`ConfigError` naming the key, the value, the rule and the key's help.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from recipes.config.describe import key_help
+from recipes.config.schema import (
+    OPTIM_SCHEMAS,
+    ConfigError,
+    DataSource,
+    Device,
+    ModelPreset,
+    OptimName,
+)
+
+
+def _fail(key: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{key}={value}: {rule} ({key}: {key_help(key)})")
+
+
+def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise _fail(key, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def validate(
+    cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
+) -> None:
+    """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
+    config and its layout on the mesh. Raises ConfigError naming the key. Fills
+    `data.vocab_size` and `data.dtype` from a prepared token directory's meta.json."""
+    _finite(cfg)
+    _validate_data(cfg)
+    _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
+    _positive(cfg, "data.vocab_size", "data.seq_len")
+    _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
+    _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")
+    _positive(cfg, "optim.weight_decay", allow_zero=True)
+    _validate_optim_option(cfg)
+    _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
+    _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
+    if cfg.optim.get("memory_budget_gib") is not None:
+        _positive(cfg, "optim.memory_budget_gib")
+    mesh = cfg.mesh
+    if mesh.world_size % mesh.ep:
+        allowed = [d for d in range(1, mesh.world_size + 1) if mesh.world_size % d == 0]
+        raise _fail(
+            "mesh.ep",
+            mesh.ep,
+            f"must divide mesh.world_size={mesh.world_size}; "
+            f"allowed: {', '.join(map(str, allowed))}",
+        )
+    if env_world_size is not None and env_world_size != mesh.world_size:
+        raise _fail(
+            "mesh.world_size",
+            mesh.world_size,
+            f"the launcher started WORLD_SIZE={env_world_size} ranks; "
+            f"pass mesh.world_size={env_world_size}",
+        )
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise _fail("optim.betas", list(cfg.optim.betas), "must be two values in [0, 1)")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise _fail("train.min_lr_ratio", cfg.train.min_lr_ratio, "must be in [0, 1]")
+    nan_step = cfg.train.inject_nan_at_step
+    if nan_step is not None and not 1 <= nan_step <= cfg.train.steps:
+        raise _fail("train.inject_nan_at_step", nan_step, f"must be in [1, {cfg.train.steps}]")
+    if cfg.data.source == DataSource.stdlib and cfg.data.vocab_size < 256:
+        raise _fail(
+            "data.vocab_size", cfg.data.vocab_size, "data.source=stdlib has byte tokens: >= 256"
+        )
+    max_token = {"uint8": 2**8, "uint16": 2**16, "uint32": 2**32}[cfg.data.dtype.value]
+    if cfg.data.vocab_size > max_token:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"does not fit data.dtype={cfg.data.dtype.value} (max {max_token})",
+        )
+    _validate_model(cfg)
+    _validate_checkpoint(cfg)
+    if check_devices and mesh.device == Device.cuda:
+        import torch
+
+        if torch.cuda.device_count() < (1 if env_world_size else mesh.world_size):
+            raise _fail(
+                "mesh.device",
+                "cuda",
+                f"needs {mesh.world_size} CUDA devices; "
+                f"this machine has {torch.cuda.device_count()}; allowed: auto, cpu, cuda",
+            )
+
+
+def _validate_optim_option(cfg: DictConfig) -> None:
+    """`optim.name` matches the schema its group option composed; Muon's own ranges."""
+    optim = cfg.optim
+    name = optim.name.value if isinstance(optim.name, Enum) else str(optim.name)
+    if OmegaConf.get_type(optim) is not OPTIM_SCHEMAS[name]:
+        composed = next(k for k, v in OPTIM_SCHEMAS.items() if v is OmegaConf.get_type(optim))
+        raise _fail(
+            "optim.name",
+            name,
+            f"the optimizer is chosen with the config group: optim={name} instead of "
+            f"optim.name={name} (this config composed optim={composed}); "
+            f"allowed: {', '.join(OPTIM_SCHEMAS)}",
+        )
+    if optim.qk_clip_tau is not None:
+        _positive(cfg, "optim.qk_clip_tau")
+    if not 0.0 <= optim.qk_clip_alpha <= 1.0:
+        raise _fail("optim.qk_clip_alpha", optim.qk_clip_alpha, "must be in [0, 1]")
+    if name != OptimName.muon:
+        return
+    _positive(cfg, "optim.adamw_lr", "optim.ns_steps", "optim.max_inflight")
+    _positive(cfg, "optim.adamw_weight_decay", allow_zero=True)
+    for key in ("momentum", "normuon_beta2"):
+        if not 0.0 <= optim[key] < 1.0:
+            raise _fail(f"optim.{key}", optim[key], "must be in [0, 1)")
+
+
+def _validate_data(cfg: DictConfig) -> None:
+    """The data source's path, its held-out split for `eval`, and the vocab size and dtype:
+    a prepared directory's meta.json fills them, and a value set that contradicts it fails."""
+    data = cfg.data
+    _positive(cfg, "eval.every", allow_zero=True)
+    _positive(cfg, "eval.batches")
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise _fail("data.val_fraction", data.val_fraction, "must be in [0, 1)")
+    if data.source == DataSource.stdlib:
+        if data.path is not None and not Path(os.path.expanduser(data.path)).is_dir():
+            raise _fail("data.path", data.path, "no such source directory of .py files")
+        if cfg.eval.every and data.val_fraction == 0:
+            raise _fail("data.val_fraction", 0.0, "eval.every > 0 needs held-out files")
+    elif data.path is None:
+        raise _fail("data.path", None, "data.source=tokens needs a prepare_data.py directory")
+    elif Path(os.path.expanduser(data.path)).is_dir():
+        _resolve_prepared(cfg)
+    elif not Path(os.path.expanduser(data.path)).is_file():
+        raise _fail(
+            "data.path",
+            data.path,
+            "neither a scripts/prepare_data.py directory (train.bin, val.bin, meta.json) "
+            "nor a token file",
+        )
+    elif cfg.eval.every:
+        raise _fail(
+            "eval.every",
+            cfg.eval.every,
+            f"data.path={data.path} is one token file, with no validation split: prepare a "
+            "directory with scripts/prepare_data.py, or pass eval.every=0",
+        )
+    for key in ("vocab_size", "dtype"):
+        if data[key] is None:
+            raise _fail(
+                f"data.{key}",
+                None,
+                "needed for a token file (a scripts/prepare_data.py directory's meta.json "
+                "gives it)",
+            )
+
+
+def _resolve_prepared(cfg: DictConfig) -> None:
+    from recipes.data import is_prepared, read_meta
+
+    data = cfg.data
+    if not is_prepared(data.path):
+        raise _fail(
+            "data.path",
+            data.path,
+            "a directory without meta.json: not a finished scripts/prepare_data.py output",
+        )
+    try:
+        meta = read_meta(Path(os.path.expanduser(data.path)))
+    except ValueError as err:
+        raise _fail("data.path", data.path, str(err)) from None
+    for key in ("vocab_size", "dtype"):
+        value = data[key].value if isinstance(data[key], Enum) else data[key]
+        if value is None:
+            data[key] = meta[key]
+        elif value != meta[key]:
+            raise _fail(
+                f"data.{key}",
+                value,
+                f"contradicts {data.path}/meta.json ({key}: {meta[key]}); leave it unset",
+            )
+    val_tokens = meta["splits"].get("val", {}).get("tokens", 0)
+    if cfg.eval.every and not val_tokens:
+        raise _fail(
+            "eval.every",
+            cfg.eval.every,
+            f"{data.path} has no validation tokens (prepare it with --val-fraction > 0), "
+            "or pass eval.every=0",
+        )
+    if cfg.eval.every and val_tokens < data.seq_len + 1:
+        raise _fail(
+            "data.seq_len",
+            data.seq_len,
+            f"a sample is seq_len + 1 tokens; {data.path}'s validation split holds {val_tokens}",
+        )
+
+
+def _validate_model(cfg: DictConfig) -> None:
+    """The model the ranks would build, and its layout on the mesh, without building it."""
+    from models.glm import GLMConfig
+    from models.glm.parallelize import check_layout
+    from recipes.parallel import model_config
+
+    model = cfg.model
+    chosen = str(cfg.train.indexer_training)
+    if str(model.overrides.get("indexer_training", chosen)) != chosen:
+        raise _fail(
+            "model.overrides.indexer_training",
+            model.overrides.indexer_training,
+            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
+        )
+    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
+    for key in model.overrides:
+        if key not in allowed:
+            raise _fail(
+                f"model.overrides.{key}",
+                model.overrides[key],
+                f"not a GLMConfig field; allowed: {', '.join(allowed)}",
+            )
+    from_hf = str(model.preset) == ModelPreset.hf
+    if from_hf:
+        _validate_model_path(model.path)
+    elif model.path is not None:
+        raise _fail("model.path", model.path, "is read by model=hf only; drop it or use model=hf")
+    try:
+        config = model_config(cfg)
+    except (TypeError, ValueError) as err:
+        raise _model_error(cfg, str(err)) from None
+    if from_hf and cfg.data.vocab_size > config.vocab_size:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"token ids must fit the vocabulary of {model.path}/config.json "
+            f"(vocab_size {config.vocab_size}): <= {config.vocab_size}",
+        )
+    try:
+        check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
+    except ValueError as err:
+        raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
+    _validate_seq_len(cfg, config.max_position_embeddings)
+
+
+def _validate_seq_len(cfg: DictConfig, max_positions: int) -> None:
+    """`data.seq_len` fits the model's positions and the token stream (file sizes only)."""
+    seq_len = cfg.data.seq_len
+    if seq_len > max_positions:
+        raise _fail(
+            "data.seq_len",
+            seq_len,
+            f"exceeds the model's max_position_embeddings={max_positions} "
+            f"(model.preset={cfg.model.preset.value}; "
+            "+model.overrides.max_position_embeddings=N raises it)",
+        )
+    count = _token_count(cfg.data)
+    if count is not None and count < seq_len + 1:
+        raise _fail(
+            "data.seq_len",
+            seq_len,
+            f"a sample is seq_len + 1 tokens; data.path={cfg.data.path} holds {count}",
+        )
+
+
+def _token_count(data: DictConfig) -> int | None:
+    """Tokens the stream will hold, from file sizes; None for this Python's own standard
+    library (tens of millions of bytes, and summing them costs a second per check)."""
+    from recipes.data import stdlib_files
+
+    if data.source == DataSource.stdlib:
+        if data.path is None:
+            return None
+        files = stdlib_files(Path(os.path.expanduser(data.path)))
+        if not files:
+            raise _fail("data.path", data.path, "no .py files in this source directory")
+        return sum(p.stat().st_size for p in files) + 2 * max(len(files) - 1, 0)  # b"\n\n"
+    path = Path(os.path.expanduser(data.path))
+    if path.is_dir():  # a prepare_data.py directory: its training split
+        from recipes.data import PREPARED_FILES
+
+        path = path / PREPARED_FILES["train"]
+    itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}[data.dtype.value]
+    size = path.stat().st_size
+    meta = path.with_suffix(".json")  # written beside it by recipes.data.write_tokens
+    written = json.loads(meta.read_text()).get("dtype") if meta.is_file() else None
+    if written not in (None, data.dtype.value) or size % itemsize:
+        raise _fail(
+            "data.dtype",
+            data.dtype.value,
+            f"{data.path} is {size} bytes"
+            + (f", written as {written}" if written else f", not whole {itemsize}-byte tokens"),
+        )
+    return size // itemsize
+
+
+def _validate_model_path(path: str | None) -> None:
+    if path is None:
+        raise _fail("model.path", None, "model=hf needs a transformers directory")
+    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("model.path", path, "not a transformers directory (no config.json)")
+
+
+def _model_error(cfg: DictConfig, message: str) -> ConfigError:
+    """Name the key the user set that the model's message mentions first (else the preset)."""
+    keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
+    from_hf = str(cfg.model.preset) == ModelPreset.hf
+    if not from_hf:  # model=hf takes the vocabulary of its config.json
+        keys["data.vocab_size"] = "vocab_size"
+    found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
+    if found:
+        key = min(found)[1]
+        return _fail(key, OmegaConf.select(cfg, key), message)
+    if from_hf:
+        return _fail("model.path", cfg.model.path, message)
+    return _fail("model.preset", cfg.model.preset.value, message)
+
+
+def _word(name: str, text: str) -> re.Match | None:
+    return re.search(rf"\b{re.escape(name)}\b", text)
+
+
+def _finite(node: Any, prefix: str = "") -> None:
+    """Every float of the config is a finite number (NaN passes every range check)."""
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+    for key, value in items:
+        path = f"{prefix}.{key}" if isinstance(node, DictConfig) else f"{prefix}[{key}]"
+        path = path.lstrip(".")
+        if isinstance(value, DictConfig | ListConfig):
+            _finite(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise _fail(path, value, "must be a finite number")
+
+
+def _validate_checkpoint(cfg: DictConfig) -> None:
+    _positive(cfg, "checkpoint.hf_max_shard_gib")
+    from models.glm.hf_config import config_to_hf
+    from recipes.parallel import model_config
+
+    if cfg.checkpoint.export_hf:
+        try:  # the final export needs a transformers layout of the model
+            config_to_hf(model_config(cfg))
+        except ValueError as err:
+            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
+    path = cfg.checkpoint.init_from
+    if path is None:
+        return
+    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
+    from recipes.hf import check_init_from
+
+    try:  # config fields, every tensor's presence and shape: headers only, no weights read
+        check_init_from(os.path.expanduser(path), model_config(cfg))
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
