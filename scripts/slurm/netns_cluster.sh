@@ -117,9 +117,9 @@ write_config() {
         echo "SlurmdSpoolDir=$dir/spool/%n"
         echo "SlurmdPidFile=$run_dir/slurmd-%n.pid"
         echo "SlurmdLogFile=$log_dir/slurmd-%n.log"
-        # A killed node: srun waits until slurmctld marks it down, after its pings have
-        # failed for SlurmdTimeout (pinging every third of it; a failed ping takes
-        # MessageTimeout + 1 s), and then ends the step.
+        # A killed node: srun waits until slurmctld marks it down, once its pings (every third
+        # of SlurmdTimeout, each failing after about MessageTimeout) have failed for
+        # SlurmdTimeout, and then ends the step.
         echo "SlurmdTimeout=$slurmd_timeout"
         echo "MessageTimeout=$message_timeout"
         common_conf "$dir"

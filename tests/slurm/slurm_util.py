@@ -124,8 +124,9 @@ class Cluster:
 
         Releasing at once can start the job in the same second its previous run's credential
         was revoked, which slurmd compares at one-second resolution ("Job credential
-        revoked"): wait for the nodes to be idle (the revocation came before), then for the
-        second in which they were seen idle to pass.
+        revoked"): wait for the job to be PENDING again (a requeued job is COMPLETING until
+        every node has ended its run, the revocation included), then for the second in which
+        it was seen so to pass.
         """
         self.wait(
             job_id,
@@ -134,7 +135,6 @@ class Cluster:
             "requeued",
             log,
         )
-        self.wait_idle(60)
         time.sleep(1.05 - time.time() % 1)  # into the next second (same clock as slurmd's)
         self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
@@ -184,11 +184,16 @@ def committed_steps(run_root: Path) -> list[int]:
 
 
 def slow_saves(
-    env: dict[str, str], tmp_path: Path, seconds: float, steps: tuple[int, ...] = ()
+    env: dict[str, str],
+    tmp_path: Path,
+    seconds: float,
+    steps: tuple[int, ...] = (),
+    job_name: str | None = None,
 ) -> tuple[dict[str, str], Path]:
     """`env` for a job in which rank 0 takes `seconds` longer for each checkpoint of the job's
-    first run (those of `steps` only, if given; the tests/slurm/slurm_hooks/sitecustomize.py
-    hook), and the directory of its progress marks (saving_<step>, saved_<step>)."""
+    first run (those of `steps` only, if given; only in the job named `job_name`, if given: the
+    tests/slurm/slurm_hooks/sitecustomize.py hook), and the directory of its progress marks
+    (saving_<step>, saved_<step>)."""
     marks = tmp_path / "marks"
     marks.mkdir()
     env = dict(
@@ -198,4 +203,6 @@ def slow_saves(
         SLOW_SAVE_DIR=str(marks),
         SLOW_SAVE_STEPS=",".join(map(str, steps)),
     )
+    if job_name is not None:
+        env["SLOW_SAVE_JOB"] = job_name
     return env, marks

@@ -205,17 +205,6 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _train_args(run_root, name: str, steps: int, every: int) -> list[str]:
-    return [
-        *TRAIN_ARGS,
-        *FAST_ARGS,
-        f"train.steps={steps}",
-        f"checkpoint.every={every}",
-        f"run.root={run_root}",
-        f"run.name={name}",
-    ]
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_cluster_status(cluster):
@@ -247,27 +236,46 @@ def test_train_sbatch_dry_run_three_nodes(cluster):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_path):
-    """`sbatch train.sbatch` runs a 2-rank CPU world through srun + torchrun (1 node x 2 ranks,
-    world 2); USR1 to the batch script (what --signal=B:USR1@120 does) makes it checkpoint and
-    requeue, and the requeued run resumes from that checkpoint and trains to completion (the
-    job COMPLETED, exit 0). One job carries both claims: launching, and preemption."""
+def test_sweep_trains_one_job_per_strategy_and_a_preempted_one_resumes(cluster, tmp_path):
+    """sweep_strategies.sh submits one `sbatch train.sbatch` job per remainder strategy; each
+    runs a 2-rank CPU world through srun + torchrun (1 node x 2 ranks) and trains to the end
+    (COMPLETED, exit 0). The first strategy's job is preempted: USR1 to its batch script (what
+    --signal=B:USR1@120 does) makes it checkpoint and requeue, and the requeued run resumes
+    from that checkpoint and finishes. (The sweep's jobs carry the claims of the sweep, of
+    train.sbatch training to completion, and of preemption.) A job asks for one CPU
+    (NPROC_PER_NODE gives it its 2 ranks), so two of them run at once."""
     steps, every = 5, 2
-    log = tmp_path / "preempt.out"
     run_root = tmp_path / "runs"
-    # Rank 0's step-2 checkpoint takes 2 s longer (first run only): the signal comes while it
-    # is written, so the run stops after step 3, whose checkpoint only the signal writes
-    # (the periodic ones are at even steps).
-    env, marks = slow_saves(cluster.env, tmp_path, seconds=2, steps=(2,))
-    job = cluster.sbatch(
+    preempted = STRATEGIES[0]
+    # Rank 0's step-2 checkpoint takes 2 s longer in the preempted job's first run: the signal
+    # comes while it is written, so the run stops after step 3, whose checkpoint only the
+    # signal writes (the periodic ones are at even steps).
+    env, marks = slow_saves(
+        dict(cluster.env, SWEEP_NAME="sweep", NPROC_PER_NODE="2"),
+        tmp_path,
+        seconds=2,
+        steps=(2,),
+        job_name=f"muon-sweep-{preempted}",
+    )
+    out = _run(
         [
-            "--cpus-per-task=2",
-            f"--output={log}",
-            str(SLURM_DIR / "train.sbatch"),
-            *_train_args(run_root, "preempt", steps, every),
+            str(SLURM_DIR / "sweep_strategies.sh"),
+            "--cpus-per-task=1",
+            f"--output={tmp_path}/%x-%j.out",
+            "--",
+            *TRAIN_ARGS,
+            *FAST_ARGS,
+            f"train.steps={steps}",
+            f"checkpoint.every={every}",
+            f"run.root={run_root}",
         ],
         env=env,
-    )
+    ).stdout
+    jobs = dict(line.split() for line in out.strip().splitlines())
+    assert sorted(jobs) == sorted(STRATEGIES)
+    logs = {k: tmp_path / f"muon-sweep-{k}-{job}.out" for k, job in jobs.items()}
+    job, log = jobs[preempted], logs[preempted]
+
     cluster.wait(job, lambda i: (marks / "saving_2").exists(), 90, "writing step 2", log)
     cluster.run(["scancel", "--batch", "--signal=USR1", job])
     # The batch script forwards the signal, the step ends, the script requeues the job: it
@@ -280,60 +288,32 @@ def test_sbatch_trains_and_a_preempted_run_requeues_and_resumes(cluster, tmp_pat
         log,
     )
     # The checkpoint was written at the signal: no step trained before it was lost.
-    last_logged = rows(run_root)[-1]["step"]
-    assert committed_steps(run_root)[-1:] == [last_logged] == [3], tail(log)
-    k = 3
+    preempted_root = run_root / f"sweep-{preempted}"
+    last_logged = rows(preempted_root)[-1]["step"]
+    assert committed_steps(preempted_root)[-1:] == [last_logged] == [3], tail(log)
     cluster.release_requeued(job, log)
-    cluster.wait_done(job, 120, log)
+    for strategy, job_id in jobs.items():
+        cluster.wait_done(job_id, 150, logs[strategy])
 
+    for strategy, job_id in jobs.items():
+        text = logs[strategy].read_text()
+        assert f"[train.sbatch] job {job_id} restart 0 on 1 node(s) x 2 rank(s)" in text, text
+        assert "training step exited with 0" in text
+        got = metrics(run_root / f"sweep-{strategy}")
+        assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2, got[0]
+        # One uninterrupted run each: a resumed run logs every step after its checkpoint.
+        assert [r["step"] for r in got] == list(range(1, steps + 1)), got
     text = log.read_text()
-    assert f"[train.sbatch] job {job} restart 0 on 1 node(s) x 2 rank(s)" in text
     assert "[train.sbatch] got SIGUSR1" in text
     # The node's wrapper passed it on to the ranks; torchrun and the step ended cleanly.
     assert "asking the ranks to stop" in text
     assert "torchrun exited with 0 after SIGUSR1" in text
-    assert "training step exited with 0" in text
     assert f"requeueing job {job}" in text
     assert f"[train.sbatch] job {job} restart 1 " in text
-    assert f"SIGUSR1: stopped at step {k}" in text  # train.py's checkpoint-and-stop
-    resumed = re.findall(r"resumed from \S*step_(\d+)", text)
-    assert resumed and int(resumed[-1]) == k, tail(log)
-    got = metrics(run_root)
-    assert got[-1]["step"] == steps
-    assert got[0]["world_size"] == 2 and len(got[0]["hosts"]) == 2, got[0]
-    # One uninterrupted run: the resumed run logs every step after its checkpoint.
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_sweep_submits_one_finished_job_per_strategy(cluster, tmp_path):
-    """One job per remainder strategy, each a 2-rank world that trains to the end. A job asks
-    for one CPU (NPROC_PER_NODE gives it its 2 ranks), so two of them run at once."""
-    steps = 2
-    run_root = tmp_path / "runs"
-    env = dict(cluster.env, SWEEP_NAME="sweep", NPROC_PER_NODE="2")
-    out = _run(
-        [
-            str(SLURM_DIR / "sweep_strategies.sh"),
-            "--cpus-per-task=1",
-            f"--output={tmp_path}/%x-%j.out",
-            "--",
-            *TRAIN_ARGS,
-            *FAST_ARGS,
-            f"train.steps={steps}",
-            f"checkpoint.every={steps}",
-            f"run.root={run_root}",
-        ],
-        env=env,
-    ).stdout
-    jobs = dict(line.split() for line in out.strip().splitlines())
-    assert sorted(jobs) == sorted(STRATEGIES)
-    for strategy, job in jobs.items():
-        cluster.wait_done(job, 150, tmp_path / f"muon-sweep-{strategy}-{job}.out")
-    for strategy in STRATEGIES:
-        got = metrics(run_root / f"sweep-{strategy}")
-        assert got[-1]["step"] == steps and got[0]["world_size"] == 2, got
+    assert "SIGUSR1: stopped at step 3" in text  # train.py's checkpoint-and-stop
+    assert [int(k) for k in re.findall(r"resumed from \S*step_(\d+)", text)] == [3], tail(log)
+    for strategy in set(STRATEGIES) - {preempted}:
+        assert "SIGUSR1" not in logs[strategy].read_text()
 
 
 @pytest.mark.slurm
@@ -348,10 +328,10 @@ def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, t
     latest checkpoint, has trained to the end. One job carries both claims: the launcher runs
     a job (with a swept key's override) to completion, and the requeue."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    steps = 6
+    steps = 5
     run_root = tmp_path / "runs"
     # Rank 0's checkpoints (every step) take 1 s longer in the first run only: the job is
-    # still training when the signal comes (sent while step 2 is saved), and the requeued run
+    # still training when the signal comes (sent while step 1 is saved), and the requeued run
     # is quick. The stop's own checkpoint fits well within KillWait (10 s) all the same.
     env, marks = slow_saves(cluster.env, tmp_path, seconds=1)
     waiting = subprocess.Popen(
@@ -378,7 +358,7 @@ def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, t
     )
     try:
         end = time.monotonic() + 120
-        while time.monotonic() < end and not (marks / "saving_2").exists():
+        while time.monotonic() < end and not (marks / "saving_1").exists():
             assert waiting.poll() is None, waiting.communicate()[0][-3000:]
             time.sleep(0.3)
         (job_dir,) = (p for p in (run_root / "requeue" / ".submitit").iterdir() if p.is_dir())
@@ -396,7 +376,7 @@ def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, t
     # lands; release_requeued above saw the job requeued.)
     assert "Caught signal SIGUSR2" in log, log[-3000:]
     stopped = re.search(r"SIGTERM: stopped at step (\d+), checkpoint", log)
-    assert stopped and 2 <= int(stopped[1]) < steps, log[-3000:]
+    assert stopped and 1 <= int(stopped[1]) < steps, log[-3000:]
     resumed = [int(k) for k in re.findall(r"resumed from \S*step_(\d+)", log)]
     assert resumed[-1:] == [int(stopped[1])], log[-3000:]
     assert "Job completed successfully" in log, log[-3000:]

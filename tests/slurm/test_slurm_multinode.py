@@ -104,10 +104,10 @@ def _state(proc: Path) -> str:
     return stat[stat.rindex(")") + 2]
 
 
-def _sbatch_train(cluster, log: Path, run_root: Path, steps: int, every: int, env=None, nodes=2):
+def _sbatch_train(cluster, log: Path, run_root: Path, steps: int, every: int, env=None):
     return cluster.sbatch(
         [
-            f"-N{nodes}",
+            "-N2",
             "--cpus-per-task=2",
             f"--output={log}",
             str(SLURM_DIR / "train.sbatch"),

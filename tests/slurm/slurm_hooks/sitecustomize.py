@@ -7,7 +7,7 @@ With SLOW_SAVE_S set, rank 0's
 `<SLOW_SAVE_DIR>/saving_<step>` and sleeps SLOW_SAVE_S seconds (the other ranks wait for it
 inside the collective save), then writes the checkpoint as usual; `saved_<step>` marks the end.
 SLOW_SAVE_STEPS (comma-separated steps) limits the sleep to those steps' saves (marks are
-written for every save).
+written for every save); SLOW_SAVE_JOB (a Slurm job name) limits the hook to that job's ranks.
 Only the first run of a job is slowed (a requeued one, SLURM_RESTART_COUNT > 0, writes at full
 speed). Nothing else changes.
 """
@@ -60,5 +60,10 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("SLOW_SAVE_S") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+_job = os.environ.get("SLOW_SAVE_JOB")
+if (
+    os.environ.get("SLOW_SAVE_S")
+    and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    and _job in (None, os.environ.get("SLURM_JOB_NAME"))
+):
     sys.meta_path.insert(0, _Finder())
