@@ -24,6 +24,8 @@ LOCAL_CLUSTER = str(SLURM_DIR / "local_cluster.sh")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 # local_cluster.sh's exit status for "cannot run here" (not root, packages or namespaces missing).
 CANNOT_RUN = 3
+# Between two looks at a job or the nodes (a `scontrol`/`sinfo` call costs milliseconds).
+POLL_S = 0.1
 HOOKS = Path(__file__).resolve().parent / "slurm_hooks"
 # Cheap training runs (launching is what these tests are about): short sequences, no transformers
 # export, no progress bar, no evaluation, and a small corpus: the stdlib's json package, not the
@@ -94,7 +96,7 @@ class Cluster:
             info = self.job(job_id)
             if until(info):
                 return info
-            time.sleep(0.3)
+            time.sleep(POLL_S)
         msg = f"job {job_id}: not {what} after {deadline_s}s: {info}"
         pytest.fail(f"{msg}\n--- log ---\n{tail(log)}")
 
@@ -106,7 +108,7 @@ class Cluster:
             states = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
             if states and all(s == "idle" for s in states):
                 return
-            time.sleep(0.3)
+            time.sleep(POLL_S)
         pytest.fail(f"nodes not idle after {deadline_s}s: {states}")
 
     def wait_final(self, job_id: str, deadline_s: float, log: Path | None = None):

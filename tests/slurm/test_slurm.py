@@ -29,6 +29,7 @@ import pytest
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.slurm.slurm_util import (
     FAST_ARGS,
+    POLL_S,
     REPO,
     SLURM_DIR,
     committed_steps,
@@ -360,7 +361,7 @@ def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, t
         end = time.monotonic() + 120
         while time.monotonic() < end and not (marks / "saving_1").exists():
             assert waiting.poll() is None, waiting.communicate()[0][-3000:]
-            time.sleep(0.3)
+            time.sleep(POLL_S)
         (job_dir,) = (p for p in (run_root / "requeue" / ".submitit").iterdir() if p.is_dir())
         job = job_dir.name
         cluster.run(["scancel", "--signal=USR2", job])
