@@ -29,7 +29,8 @@ import hashlib
 import heapq
 from dataclasses import dataclass, replace
 
-from muon.cost import batch_block_flops, batch_blocks_flops, bytes_sent, ns_flops_on
+from muon.cost import batch_block_flops, batch_blocks_flops, ns_flops_on
+from muon.paths import bytes_sent
 from muon.plan import BatchPlan, MeshCommPlan
 
 Plans = list[tuple[MeshCommPlan, list[BatchPlan]]]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from muon.cost import bytes_sent
+from muon.paths import bytes_sent
 from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from muon.cost import bytes_sent
+from muon.paths import bytes_sent
 from muon.plan import REMAINDER_STRATEGIES
 from tests.distributed.test_muon_distributed import NORMUON, _flat_shard, _run_case
 from tests.harness import init_mesh, run_world
