@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch.optim.adamw import adamw as torch_adamw
 
 from muon import normuon, update
 from muon.blocks import SplitGroups, split_groups
@@ -389,24 +390,39 @@ class Muon(torch.optim.Optimizer):
         self._stats = stats
 
     def _adamw_group(self, g: dict) -> None:
-        """AdamW over the group's parameters with a grad, per (device, dtype) in foreach form
-        (`muon.update.adamw_`); step counters live on the parameters' device."""
-        lists: dict[tuple, tuple[list, ...]] = {}
+        """torch's fused AdamW over the group's parameters with a grad (one kernel per device
+        and dtype; bias corrections computed on the device from the step counters, which live
+        on the parameters' device as torch keeps them for `fused=True`: no host read)."""
+        lists: tuple[list, ...] = ([], [], [], [], [])
         for p in g["params"]:
             if p.grad is None:
                 continue
             st, x = self.state[p], local(p)
             if st["step"].device != x.device:  # a counter loaded onto the host: moved once
                 st["step"] = st["step"].to(x.device, torch.float32)
-            out = lists.setdefault((x.device, x.dtype), ([], [], [], [], []))
             tensors = (x, local(p.grad), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"])
-            for seq, t in zip(out, tensors, strict=True):
+            for seq, t in zip(lists, tensors, strict=True):
                 seq.append(t)
+        if not lists[0]:
+            return
         b1, b2 = g["betas"]
-        for X, G, m, v, t in lists.values():
-            update.adamw_(
-                X, G, m, v, t, lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], wd=g["weight_decay"]
-            )
+        X, G, m, v, t = lists
+        torch_adamw(
+            X,
+            G,
+            m,
+            v,
+            [],
+            t,
+            fused=True,
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=g["lr"],
+            weight_decay=g["weight_decay"],
+            eps=g["eps"],
+            maximize=False,
+        )
 
     def _tasks(self, stats: StepStats):
         """One AsyncTask per batch (per chunk on the local path), created lazily in plan order."""

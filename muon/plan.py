@@ -15,7 +15,8 @@ Paths (each one object in `muon.paths` holding its name, its exchange and its co
   subgroup    each expert block spans k consecutive FSDP ranks: the ranks of a sub-group (the k,
               or m * k when `muon.owners` widens it to balance the step) exchange so that every
               block is assembled on exactly one of them, orthogonalized once, returned
-  full        W matrices on a W-rank group: all-to-all, one matrix assembled per rank
+  full        k * W matrices on a W-rank group (k as many as fit `BATCH_BYTES`): all-to-all,
+              k matrices assembled per rank and orthogonalized in one call
   agrs | pad_all2all | ragged_all_to_all   a remainder batch of R < W matrices
   (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
 
@@ -358,11 +359,21 @@ def _cut_bucket(
                 for i in range(0, len(indices), n)
             ]
     out = []
-    for i in range(0, len(indices), w):
-        batch = indices[i : i + w]
+    # a full batch holds k matrices per rank (k * W in all), so that one Newton-Schulz call
+    # orthogonalizes an owner's k: its k received matrices, their stacked copy and the output
+    # (~4 matrices per k with its send buffer) within `batch_bytes`
+    matrix = visible * (math.prod(common["global_shape"]) // common["global_shape"][d])
+    k = max(1, batch_bytes // (4 * matrix * getattr(torch, common["wire_dtype"]).itemsize))
+    cuts, i = [], 0
+    while a2a and len(indices) - i >= w:
+        n = w * min(k, (len(indices) - i) // w)
+        cuts.append(indices[i : i + n])
+        i += n
+    cuts += [indices[j : j + w] for j in range(i, len(indices), w)]
+    for batch in cuts:
         if not a2a:
             path = "agrs"
-        elif len(batch) == w:
+        elif len(batch) >= w:
             path = "full"
         elif strategy == "auto":
             path = choose_remainder(

@@ -4,8 +4,8 @@ launches per batch, not per parameter; no host reads, so a CUDA graph can captur
 Every argument is a list over the batch's parameters, each entry this rank's local tensor:
 `M` momentum buffers, `G` gradients, `X` parameters, `U` orthogonalized updates laid out like
 `X`, `target_RC` the `[rows, C]` send-buffer slots the Newton-Schulz inputs are written into
-(possibly of a narrower wire dtype), `m`/`v` AdamW's moments, `t` AdamW's step counters
-(float32 scalars on the parameters' device, as torch.optim's `capturable=True` keeps them).
+(possibly of a narrower wire dtype). AdamW groups use torch's own fused AdamW
+(`torch.optim.adamw.adamw(..., fused=True)`, see `muon.optimizer.Muon._adamw_group`).
 """
 
 from __future__ import annotations
@@ -39,30 +39,3 @@ def muon_apply_(X, U, *, decay: float, lr: float, row_scale=None) -> None:
         torch._foreach_add_(X, U, alpha=-lr)
     else:
         torch._foreach_addcmul_(X, U, [row_scale] * len(X), value=-lr)
-
-
-def adamw_(X, G, m, v, t, *, lr: float, beta1: float, beta2: float, eps: float, wd: float) -> None:
-    """AdamW (torch.optim.AdamW's update, with the bias corrections computed on the device from
-    the step counters `t`, as its `capturable=True` form does)."""
-    if not X:
-        return
-    torch._foreach_add_(t, 1.0)
-    if wd:
-        torch._foreach_mul_(X, 1 - lr * wd)
-    torch._foreach_lerp_(m, G, 1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, G, G, value=1 - beta2)
-    # step = -lr / (1 - beta1^t); denominator sqrt(v) / sqrt(1 - beta2^t) + eps
-    bias1 = torch._foreach_pow(beta1, t)
-    torch._foreach_sub_(bias1, 1.0)
-    torch._foreach_div_(bias1, lr)
-    torch._foreach_reciprocal_(bias1)
-    bias2 = torch._foreach_pow(beta2, t)
-    torch._foreach_neg_(bias2)
-    torch._foreach_add_(bias2, 1.0)
-    torch._foreach_sqrt_(bias2)
-    denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, bias2)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_div_(denom, bias1)
-    torch._foreach_addcdiv_(X, m, denom)
