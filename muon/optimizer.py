@@ -468,7 +468,7 @@ class Muon(torch.optim.Optimizer):
             stats.wait(ex.work)
             ex.work = None
         # 5. apply the returned shards
-        self._apply(params, path.returned(b, ex, r), b, chunk)
+        self._apply(params, path.returned(b, ex, slots), b, chunk)
 
     def _orthogonalizer(self, b: BatchPlan, chunk: _Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
@@ -513,7 +513,8 @@ class Muon(torch.optim.Optimizer):
             out = lists.setdefault((g["momentum"], g["nesterov"]), ([], [], []))
             out[0].append(buf)
             out[1].append(local(p.grad))
-            out[2].append(from_rows(slot, buf, shard_dim))
+            same = shard_dim == 0 and slot.shape == buf.shape  # from_rows would be a no-op view
+            out[2].append(slot if same else from_rows(slot, buf, shard_dim))
         if zero:
             torch._foreach_zero_(zero)
         for (mu, nesterov), (M, G, target) in lists.items():
@@ -534,7 +535,8 @@ class Muon(torch.optim.Optimizer):
             out = lists.setdefault(key, ([], []))
             x = local(p)
             out[0].append(x)
-            out[1].append(from_rows(o, x, b.shard_tensor_dim))
+            same = b.shard_tensor_dim == 0 and o.shape == x.shape
+            out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
         for (decay, lr, mode, rows, cols), (X, U) in lists.items():
             if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
                 update.muon_apply_(X, U, decay=decay, lr=lr, row_scale=chunk.row_scales[mode])

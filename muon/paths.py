@@ -6,7 +6,8 @@ Every path is registered once, in `PATHS`. A path object has
   `send_buffer` (the buffer the momentum phase writes the Newton-Schulz inputs into, one slot
   view per parameter) -> `launch` (the first collective, `async_op=True`) -> wait ->
   `received` (what this rank orthogonalizes, or None) -> `give_back` (the orthogonalized units
-  written back, the return collective launched) -> wait -> `returned` (this rank's shards);
+  written back, the return collective launched) -> wait -> `returned` (this rank's shards: on
+  the exchange paths the send buffer's slots, where the return lands);
 - its cost, counted from the plan alone (`blocks_on`, `bytes_sent`, `collective_buffer_bytes`,
   `exchange_buffer_bytes`, `ns_workspace_bytes`), which the tests check against the exchange.
 Which units a rank holds and owns is the plan's (`BatchPlan.exchange_view`, `unit_blocks`,
@@ -77,6 +78,11 @@ class Path:
         """Parameter positions of `b` that go through the phases together: the whole batch."""
         return [range(b.size)]
 
+    def returned(self, b, ex: Exchange, slots: Shards) -> Shards:
+        """This rank's orthogonalized shards: the return landed in the send buffer's slots."""
+        ex.recv = None
+        return slots
+
     def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
         return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)
 
@@ -105,7 +111,7 @@ class Local(Path):
         if result is not None:
             ex.send = result.view(ex.send.shape)
 
-    def returned(self, b, ex: Exchange, fsdp_rank: int) -> Shards:
+    def returned(self, b, ex: Exchange, slots: Shards) -> Shards:
         return list(ex.send.unbind(0))
 
     # cost
@@ -149,12 +155,12 @@ class OwnerAllToAll(Path):
 
     def _slots(self, send: torch.Tensor, b, view) -> Shards:
         """Parameter j's `[rows, C]` view of the send buffer, which is ordered by owner."""
-        rows, held = view.sizes[view.me], view.held
-        size = rows * b.other_numel
+        held = view.held
         order = sorted(range(view.n), key=lambda j: (held[j], j))
+        parts = send.view(view.n, view.sizes[view.me], b.other_numel).unbind(0)
         slots: Shards = [send] * view.n
         for pos, j in enumerate(order):
-            slots[j] = send[pos * size : (pos + 1) * size].view(rows, b.other_numel)
+            slots[j] = parts[pos]
         return slots
 
     def _splits(self, b, r: int):
@@ -216,10 +222,6 @@ class OwnerAllToAll(Path):
         out_elems, in_elems = ex.extra["elems"]
         item = ex.send.element_size()
         stats.moved(self.name, sent=in_elems * item, recv=out_elems * item)
-        ex.recv = None
-
-    def returned(self, b, ex: Exchange, fsdp_rank: int) -> Shards:
-        return self._slots(ex.send, b, ex.extra["view"])
 
     # cost
     def _figures(self, b, r: int) -> tuple[int, int, int, int, int]:
@@ -299,10 +301,6 @@ class PadAllToAll(Path):
         moved = ex.send.numel() // b.fsdp_size * (b.fsdp_size - 1) * ex.send.element_size()
         stats.moved(self.name, sent=moved, recv=moved)
 
-    def returned(self, b, ex: Exchange, fsdp_rank: int) -> Shards:
-        ex.recv = None
-        return [ex.send[o, : b.shard_sizes[fsdp_rank]] for o in b.owners]
-
     # cost
     def blocks_on(self, b, r: int) -> int:
         return b.num_blocks if r in b.owners else 0
@@ -364,10 +362,6 @@ class Agrs(Path):
         )
         moved = ex.send.numel() * (W - 1) * ex.send.element_size()
         stats.moved(self.name, sent=moved, recv=moved)
-
-    def returned(self, b, ex: Exchange, fsdp_rank: int) -> Shards:
-        ex.recv = None
-        return [ex.send[j, : b.shard_sizes[fsdp_rank]] for j in range(b.size)]
 
     # cost
     def _owned(self, b, r: int) -> int:
