@@ -442,6 +442,8 @@ class Muon(torch.optim.Optimizer):
         device = local(params[0][0]).device
         group = self.plan.groups.get((mp, b.subgroup_size if b.path == "subgroup" else 0))
         wire = getattr(torch, b.wire_dtype)
+        if chunk.positions[0] == 0:  # a batch counts once, however many chunks it has
+            stats.batches[b.path] += 1
         # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
         send, slots = path.send_buffer(b, r, dtype=wire, device=device, count=len(params))
         self._momentum(params, slots, b.shard_tensor_dim)
