@@ -32,19 +32,16 @@ call it on every rank in the same order, as the constructor is.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.optim.adamw import adamw as torch_adamw
 
 from muon import normuon, update
-from muon.blocks import SplitGroups, split_groups
 from muon.blocks import orthogonalize as _orthogonalize
 from muon.census import GradCensus
+from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
 from muon.layout import from_rows, local, moved_shape
 from muon.paths import PATHS
@@ -65,15 +62,6 @@ from muon.validate import (
 )
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
-
-
-def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
-    """The Muon learning rate for one `[rows, cols]` block."""
-    if adjust_lr == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
 
 
 class Muon(torch.optim.Optimizer):
@@ -315,48 +303,9 @@ class Muon(torch.optim.Optimizer):
         self._step_stats, self._stats = value, None
 
     def _prepare(self) -> None:
-        """What every step reuses, made once per plan: each batch's chunks on this rank, their
-        units, and for blocks of unequal heights their row indices and per-row lr factors, on
-        the parameters' device (`_Chunk`)."""
+        """What every step reuses, made once per plan (`muon.chunks`)."""
         self._census = GradCensus()
-        self._chunks: dict[tuple[int, int], list[_Chunk]] = {}
-        for mi, (mp, batches) in enumerate(self.plan.plans):
-            for bi, b in enumerate(batches):
-                r = mp.fsdp_rank
-                p0, _ = self.plan.params[b.param_indices[0]]
-                device = local(p0).device
-                path = PATHS[b.path]
-                chunks = []
-                for positions in path.chunks(b, r):
-                    if b.path == "local":
-                        first, count = b.unit_blocks(r)
-                        units = [(j, first, count) for j in positions] if count else []
-                    else:
-                        units = b.units_on(r)
-                    split = None
-                    if b.split_sizes and units:
-                        heights = [b.block_heights[i] for _, f, c in units for i in range(f, f + c)]
-                        split = split_groups(heights, device)
-                    chunks.append(_Chunk(positions, units, split, self._row_scales(b, r, device)))
-                self._chunks[(mi, bi)] = chunks
-
-    def _row_scales(self, b: BatchPlan, r: int, device) -> dict[str, torch.Tensor]:
-        """Blocks of unequal heights: per `adjust_lr` mode, the lr factor of each of this rank's
-        rows of dim 0 (`adjusted_lr(1, mode, height, cols)`), shaped to broadcast over a shard."""
-        if not b.split_sizes:
-            return {}
-        heights = [h for h in b.block_heights for _ in range(h)]
-        if b.shard_tensor_dim == 0 and b.fsdp_size > 1:
-            start = sum(b.shard_sizes[:r])
-            heights = heights[start : start + b.shard_sizes[r]]
-        shape = (len(heights),) + (1,) * (len(b.global_shape) - 1)
-        modes = {self.param_groups[self.plan.params[i][1]]["adjust_lr"] for i in b.param_indices}
-        return {
-            mode: torch.tensor(
-                [adjusted_lr(1.0, mode, h, b.block_cols) for h in heights], device=device
-            ).view(shape)
-            for mode in modes
-        }
+        self._chunks = prepare_chunks(self.plan, self.param_groups)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -390,38 +339,14 @@ class Muon(torch.optim.Optimizer):
         self._stats = stats
 
     def _adamw_group(self, g: dict) -> None:
-        """torch's fused AdamW over the group's parameters with a grad (one kernel per device
-        and dtype; bias corrections computed on the device from the step counters, which live
-        on the parameters' device as torch keeps them for `fused=True`: no host read)."""
-        lists: tuple[list, ...] = ([], [], [], [], [])
-        for p in g["params"]:
-            if p.grad is None:
-                continue
-            st, x = self.state[p], local(p)
-            if st["step"].device != x.device:  # a counter loaded onto the host: moved once
-                st["step"] = st["step"].to(x.device, torch.float32)
-            tensors = (x, local(p.grad), local(st["exp_avg"]), local(st["exp_avg_sq"]), st["step"])
-            for seq, t in zip(lists, tensors, strict=True):
-                seq.append(t)
-        if not lists[0]:
-            return
-        b1, b2 = g["betas"]
-        X, G, m, v, t = lists
-        torch_adamw(
-            X,
-            G,
-            m,
-            v,
-            [],
-            t,
-            fused=True,
-            amsgrad=False,
-            beta1=b1,
-            beta2=b2,
+        """torch's fused AdamW over the group's parameters with a grad (`muon.update`)."""
+        update.adamw_group_(
+            [p for p in g["params"] if p.grad is not None],
+            self.state,
             lr=g["lr"],
-            weight_decay=g["weight_decay"],
+            betas=g["betas"],
             eps=g["eps"],
-            maximize=False,
+            weight_decay=g["weight_decay"],
         )
 
     def _tasks(self, stats: StepStats):
@@ -431,7 +356,7 @@ class Muon(torch.optim.Optimizer):
                 for chunk in self._chunks[(mi, bi)]:
                     yield self._task(mp, b, chunk, stats)
 
-    def _task(self, mp: MeshCommPlan, b: BatchPlan, chunk: _Chunk, stats: StepStats):
+    def _task(self, mp: MeshCommPlan, b: BatchPlan, chunk: Chunk, stats: StepStats):
         """One batch through its path's phases: momentum -> launch -> wait -> orthogonalize ->
         return -> wait -> apply (the local path has nothing to wait for)."""
         r, path = mp.fsdp_rank, PATHS[b.path]
@@ -472,7 +397,7 @@ class Muon(torch.optim.Optimizer):
         # 5. apply the returned shards
         self._apply(params, path.returned(b, ex, slots), b, chunk)
 
-    def _orthogonalizer(self, b: BatchPlan, chunk: _Chunk, params: list):
+    def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
         parameters that have it (`muon.normuon.normalize_blocks`, given their moments)."""
         g0 = params[0][1]
@@ -522,7 +447,7 @@ class Muon(torch.optim.Optimizer):
         for (mu, nesterov), (M, G, target) in lists.items():
             update.muon_momentum_(M, G, target, momentum=mu, nesterov=nesterov)
 
-    def _apply(self, params: list, shards: list, b: BatchPlan, chunk: _Chunk) -> None:
+    def _apply(self, params: list, shards: list, b: BatchPlan, chunk: Chunk) -> None:
         """The apply phase (`muon.update.muon_apply_`): decoupled weight decay, then the
         orthogonalized update at the per-block lr, per (lr, weight decay, adjust_lr) group."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
@@ -544,18 +469,3 @@ class Muon(torch.optim.Optimizer):
                 update.muon_apply_(X, U, decay=decay, lr=lr, row_scale=chunk.row_scales[mode])
             else:
                 update.muon_apply_(X, U, decay=decay, lr=adjusted_lr(lr, mode, rows, cols))
-
-
-@dataclass
-class _Chunk:
-    """What a step reuses of one batch (or, on the local path, of one chunk of it) on this
-    rank, made once per plan (`Muon._prepare`)."""
-
-    #: positions in the batch of the parameters that go through the phases together
-    positions: range
-    #: the units this rank orthogonalizes: (position j, first block, block count)
-    units: list
-    #: blocks of unequal heights: their groups by height, row indices on the device
-    split: SplitGroups | None
-    #: blocks of unequal heights: per `adjust_lr` mode, the lr factor of each local row
-    row_scales: dict
