@@ -41,7 +41,7 @@ import torch
 from muon import normuon, update
 from muon.blocks import orthogonalize as _orthogonalize
 from muon.census import GradCensus
-from muon.chunks import Chunk, adjusted_lr, prepare_chunks
+from muon.chunks import Chunk, adjusted_lr, prepare_chunks, row_scales
 from muon.cost import LinkModel
 from muon.layout import from_rows, local, moved_shape
 from muon.paths import PATHS
@@ -395,7 +395,7 @@ class Muon(torch.optim.Optimizer):
             stats.wait(ex.work)
             ex.work = None
         # 5. apply the returned shards
-        self._apply(params, path.returned(b, ex, slots), b, chunk)
+        self._apply(params, path.returned(b, ex, slots), b, chunk, r)
 
     def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
@@ -447,7 +447,7 @@ class Muon(torch.optim.Optimizer):
         for (mu, nesterov), (M, G, target) in lists.items():
             update.muon_momentum_(M, G, target, momentum=mu, nesterov=nesterov)
 
-    def _apply(self, params: list, shards: list, b: BatchPlan, chunk: Chunk) -> None:
+    def _apply(self, params: list, shards: list, b: BatchPlan, chunk: Chunk, r: int) -> None:
         """The apply phase (`muon.update.muon_apply_`): decoupled weight decay, then the
         orthogonalized update at the per-block lr, per (lr, weight decay, adjust_lr) group."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
@@ -466,6 +466,8 @@ class Muon(torch.optim.Optimizer):
             out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
         for (decay, lr, mode, rows, cols), (X, U) in lists.items():
             if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
+                if mode not in chunk.row_scales:  # adjust_lr changed since planning: made once
+                    chunk.row_scales.update(row_scales(b, r, [mode], X[0].device))
                 update.muon_apply_(X, U, decay=decay, lr=lr, row_scale=chunk.row_scales[mode])
             else:
                 update.muon_apply_(X, U, decay=decay, lr=adjusted_lr(lr, mode, rows, cols))
