@@ -100,16 +100,20 @@ def expert_kernel(x_SD: torch.Tensor, *weights: torch.Tensor) -> str:
     return "grouped_mm" if native and rows_aligned else "padded_bmm"
 
 
-def _contiguous(grad: torch.Tensor) -> torch.Tensor:
-    return grad.contiguous()
+def _row_major(grad_SD: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's backward takes row-major gradients only; that of .sum() is broadcast
+    # (strides 0, which even an empty gradient may keep through .contiguous()).
+    if grad_SD.stride() == (grad_SD.shape[1], 1):
+        return grad_SD
+    return grad_SD.clone(memory_format=torch.contiguous_format)
 
 
 def _grouped_mm(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
     ends_L = torch.cumsum(counts_L, 0, dtype=torch.int32)  # group j: rows ends[j-1]..ends[j]-1
     gate_SI, up_SI = torch._grouped_mm(x_SD, w_gu_L2ID.transpose(1, 2), offs=ends_L).chunk(2, -1)
     y_SD = torch._grouped_mm(F.silu(gate_SI) * up_SI, w_down_LDI.transpose(1, 2), offs=ends_L)
-    if y_SD.requires_grad:  # its backward rejects a broadcast gradient such as that of .sum()
-        y_SD.register_hook(_contiguous)
+    if y_SD.requires_grad:
+        y_SD.register_hook(_row_major)
     return y_SD
 
 
