@@ -7,6 +7,8 @@ destination rank: one all_to_all_single (uneven splits) sends them, the owner ru
 and a second one brings the outputs back. Both exchanges are differentiable (`all_to_all`):
 backward is the same exchange with the splits swapped.
 
+Row gathers are index_select, whose backward is a plain index_add_ (no sort of the indices).
+
 Shape legend: N tokens, K experts per token, D hidden, A = N*K assignments, E experts,
 P EP ranks, L local experts (E / P), S rows received by this rank.
 """
@@ -69,7 +71,7 @@ def routed_experts_forward(
     order_A = torch.argsort(flat_A, stable=True)
     token_A = order_A // K  # the token of each expert-sorted assignment
     counts_E = expert_counts(flat_A, num_experts)
-    x_AD = x_ND[token_A]
+    x_AD = x_ND.index_select(0, token_A)
 
     ep = 1 if group is None else dist.get_world_size(group)
     if ep == 1:
@@ -88,11 +90,11 @@ def routed_experts_forward(
         row_S = torch.arange(sum(recv_splits), device=x_ND.device)
         run_S = torch.searchsorted(torch.cumsum(recv_counts_E, 0), row_S, right=True)
         perm_S = torch.argsort(run_S % L, stable=True)
-        y_grouped_SD = experts(x_SD[perm_S], recv_counts_PL.sum(0))
-        y_SD = y_grouped_SD[torch.argsort(perm_S)]
+        y_grouped_SD = experts(x_SD.index_select(0, perm_S), recv_counts_PL.sum(0))
+        y_SD = y_grouped_SD.index_select(0, torch.argsort(perm_S))
         y_AD = all_to_all(y_SD, recv_splits, send_splits, group)
 
-    w_A = w_NK.reshape(-1)[order_A]
+    w_A = w_NK.reshape(-1).index_select(0, order_A)
     out_ND = torch.zeros_like(x_ND)
     out_ND.index_add_(0, token_A, (y_AD * w_A[:, None]).to(x_ND.dtype))
     return out_ND

@@ -125,11 +125,12 @@ def _padded_bmm(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
     ends_L = torch.cumsum(counts_L, 0)
     row_S = torch.arange(S, device=x_SD.device)
     expert_S = torch.searchsorted(ends_L, row_S, right=True)
-    slot_S = row_S - (ends_L - counts_L)[expert_S]
-    x_LCD = x_SD.new_zeros(L, C, D).index_put((expert_S, slot_S), x_SD)
+    start_S = (ends_L - counts_L).index_select(0, expert_S)
+    flat_S = expert_S * C + row_S - start_S  # row s goes to slot (expert, row - its start)
+    x_LCD = x_SD.new_zeros(L * C, D).index_copy(0, flat_S, x_SD).view(L, C, D)
     gate_LCI, up_LCI = torch.bmm(x_LCD, w_gu_L2ID.transpose(1, 2)).chunk(2, -1)
     y_LCD = torch.bmm(F.silu(gate_LCI) * up_LCI, w_down_LDI.transpose(1, 2))
-    return y_LCD[expert_S, slot_S]
+    return y_LCD.view(L * C, D).index_select(0, flat_S)
 
 
 def _loop(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
