@@ -5,7 +5,8 @@ The layer is a preset's MoE block (router, routed experts, shared expert) with
 `n_routed_experts` set to each of `experts`, on `tokens` random rows; all kernels run on the
 same layer and rows. Ops and host reads come from one counted call (`recipes.bench.op_count`);
 the time is the median over `rounds` interleaved, rotated rounds (`recipes.bench.timing`), the
-device synchronized around each call on CUDA.
+device synchronized around each call on CUDA; on CPU one thread (the figures of a shared
+machine are then comparable from run to run).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def moe_layer(preset: str, num_experts: int, device: str, dtype: torch.dtype, se
     from models.glm.moe import MoE
 
     torch.manual_seed(seed)
-    layer = MoE(get_preset(preset, n_routed_experts=num_experts))
+    with torch.device(device):
+        layer = MoE(get_preset(preset, n_routed_experts=num_experts))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-    return layer.to(device=device, dtype=dtype)
+    return layer.to(dtype=dtype)
 
 
 def _step(layer, x, g) -> dict[str, torch.Tensor]:
@@ -52,6 +54,8 @@ def measure(cfg: dict) -> list[dict]:
 
 def _measure_layer(cfg: dict, num_experts: int) -> list[dict]:
     dtype, device = DTYPES[cfg["dtype"]], cfg["device"]
+    if device == "cpu":
+        torch.set_num_threads(1)
     layer = moe_layer(cfg["preset"], num_experts, device, dtype, cfg["seed"])
     gen = torch.Generator(device=device).manual_seed(cfg["seed"] + 1)
     D = layer.experts.hidden_size
