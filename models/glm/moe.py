@@ -198,9 +198,9 @@ class FusedExperts(nn.Module):
         return _KERNELS[kernel](x_SD, w_gu_L2ID, w_down_LDI, counts_L)
 
 
-# Data-dependent dispatch (expert counts read on the host, uneven all-to-alls) runs eagerly
-# under torch.compile: compiled, it would break the graph and recompile for every new set of
-# counts. The rest of the layer (attention, norms, router, shared expert) compiles.
+# Data-dependent dispatch (with EP the split sizes read on the host and uneven all-to-alls)
+# runs eagerly under torch.compile: compiled, it would break the graph and recompile for every
+# new set of splits. The rest of the layer (attention, norms, router, shared expert) compiles.
 _routed = torch.compiler.disable(routed_experts_forward, recursive=True)
 
 
