@@ -82,10 +82,13 @@ def expert_kernel(x_SD: torch.Tensor, *weights: torch.Tensor) -> str:
     torch._grouped_mm takes float32, bfloat16 and float16 operands whose row strides are
     multiples of 16 bytes (hidden and inner size times the element size). On CPU it then runs
     (a loop of matmuls inside one op, reading the offsets directly). On CUDA its native kernel
-    needs bf16 on compute capability 9.x or 10.x (Hopper, Blackwell) and 16-byte aligned data;
-    anything else would take torch's own fallback, which copies the offsets to the host on
-    every call (six blocking reads per layer, forward and backward). The padded bmm needs one
-    host read per forward and runs on every device and dtype (float64 included).
+    needs bf16 on compute capability 9.x or 10.x (Hopper, Blackwell), fewer than 1024 groups and
+    16-byte aligned data; anything else would take torch's own fallback, which copies the
+    offsets to the host on every call (six blocking reads per layer, forward and backward). The
+    kernel checks group sizes on the device: any size, zero included, passes with row-major
+    rows and row-major output gradients (the weight gradients contract a column-major x^T with
+    a row-major gradient), which `_grouped_mm` below keeps. The padded bmm needs one host read
+    per forward and runs on every device and dtype (float64 included).
     """
     dtype, device = x_SD.dtype, x_SD.device
     operands = (x_SD, *weights)
@@ -94,6 +97,7 @@ def expert_kernel(x_SD: torch.Tensor, *weights: torch.Tensor) -> str:
         native = dtype in (torch.float32, torch.bfloat16, torch.float16)
     elif device.type == "cuda":
         native = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        native = native and all(w.shape[0] < 1024 for w in weights if w.dim() == 3)
         rows_aligned = rows_aligned and all(t.data_ptr() % 16 == 0 for t in operands)
     else:
         native = False
