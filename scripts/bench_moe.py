@@ -44,13 +44,18 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    value = _ints(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return value[0]
+
+
 def _kernels(text: str) -> list[str]:
     kernels = text.split(",")
     bad = [k for k in kernels if k not in KERNELS]
     if bad or kernels[0] != "loop":
-        raise argparse.ArgumentTypeError(
-            f"--kernels: {text!r}; allowed {KERNELS}, the reference 'loop' first"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed {KERNELS}, the reference 'loop' first")
     return kernels
 
 
@@ -58,11 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small", help="model preset whose MoE layer is timed")
     p.add_argument("--experts", type=_ints, default=[16, 64], help="routed experts, e.g. 16,64")
-    p.add_argument("--tokens", type=int, default=1024, help="rows into the layer (8 x 128)")
+    p.add_argument("--tokens", type=_positive, default=1024, help="rows into the layer (8 x 128)")
     p.add_argument("--kernels", type=_kernels, default=list(KERNELS), help="loop first")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds per kernel")
+    p.add_argument("--rounds", type=_positive, default=20, help="timed rounds per kernel")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per kernel first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_moe_out", help="output directory")
