@@ -135,23 +135,39 @@ def normalize_blocks(o_BRC: torch.Tensor, blocks, moments) -> torch.Tensor:
     (parameter j, block index) of `o_BRC[i]`, `moments[j]` parameter j's (local second moments
     `[num_blocks, L]`, beta2), or None to leave its blocks as they are (NorMuon off, or no
     gradient). Normalizes in place and updates the moments of those blocks; returns `o_BRC`.
-    Runs of positions and block indices are slices, so no index tensor is made."""
-    rows, cols = o_BRC.shape[1:]
-    length = state_len(rows, cols)  # blocks of unequal heights: a prefix of the row
+    Parameters of one beta2 whose blocks are one run of `o_BRC` are normalized in one call
+    (their moments stacked, then copied back); runs of positions and block indices are slices,
+    so no index tensor is made."""
     by_param: dict[int, tuple[list, list]] = {}
     for pos, (j, i) in enumerate(blocks):
         by_param.setdefault(j, ([], []))[0].append(pos)
         by_param[j][1].append(i)
+    by_beta2: dict[float, list] = {}
     for j, (pos, idx) in by_param.items():
-        if moments[j] is None:
-            continue
-        v_all, beta2 = moments[j]
-        at, rows_of = _selector(pos, o_BRC.device), _selector(idx, v_all.device)
-        v = v_all[rows_of, :length]
-        o_BRC[at] = normalize(o_BRC[at], v, beta2)
-        if not isinstance(rows_of, slice):  # a copy, not a view: write the moments back
-            v_all[rows_of, :length] = v
+        if moments[j] is not None:
+            v_all, beta2 = moments[j]
+            by_beta2.setdefault(beta2, []).append((pos, v_all, _selector(idx, v_all.device)))
+    for beta2, members in by_beta2.items():
+        at = _selector([q for pos, _, _ in members for q in pos], o_BRC.device)
+        if len(members) > 1 and not isinstance(at, slice):  # not one run: one at a time
+            for member in members:
+                _normalize_members(o_BRC, [member], _selector(member[0], o_BRC.device), beta2)
+        else:
+            _normalize_members(o_BRC, members, at, beta2)
     return o_BRC
+
+
+def _normalize_members(o_BRC, members, at, beta2: float) -> None:
+    """`normalize` of the blocks `o_BRC[at]`, whose moments are the members' rows, in order."""
+    length = state_len(*o_BRC.shape[1:])  # blocks of unequal heights: a prefix of the row
+    views = [v_all[rows_of, :length] for _, v_all, rows_of in members]
+    v = views[0] if len(views) == 1 else torch.cat(views)
+    o_BRC[at] = normalize(o_BRC[at], v, beta2)
+    if len(views) > 1:  # the stacked moments back into each parameter's state
+        torch._foreach_copy_(views, list(v.split([w.size(0) for w in views])))
+    for (_, v_all, rows_of), w in zip(members, views, strict=True):
+        if not isinstance(rows_of, slice):  # an index copy, not a view: write it back
+            v_all[rows_of, :length] = w
 
 
 def _selector(seq: list[int], device) -> slice | torch.Tensor:
