@@ -160,9 +160,21 @@ def mtp_input_bytes_per_token(config: GLMConfig, a: int) -> int:
 
 
 def head_bytes_per_token(config: GLMConfig, a: int) -> int:
-    """Final norm, its output (saved by lm_head), log-softmax output, target, token ids."""
-    D, V = config.hidden_size, config.vocab_size
-    return norm_bytes_per_token(D, a) + D * a + V * 4 + 8 + 8
+    """A loss head, per token, kept for backward: the final norm, its output (the checkpointed
+    input of the cross-entropy chunks), the target and the token ids. The [T, V] logits are
+    never kept: `loss_head_chunk_bytes`."""
+    D = config.hidden_size
+    return norm_bytes_per_token(D, a) + D * a + 8 + 8
+
+
+def loss_head_chunk_bytes(config: GLMConfig, a: int, tokens: int) -> int:
+    """The loss head's transient: one chunk of `loss_chunk_tokens` tokens (at most `tokens`)
+    in backward (models/glm/model.py `chunked_cross_entropy`), at its peak three float32
+    [chunk, V] tensors: the log-softmax output cross-entropy keeps, its incoming gradient
+    and the gradient of the logits (the logits in the compute dtype and their float32 copy,
+    while the chunk is recomputed, are fewer bytes; so is every forward chunk)."""
+    c = min(config.loss_chunk_tokens, tokens)
+    return c * config.vocab_size * 3 * 4
 
 
 @dataclass
@@ -289,8 +301,8 @@ def estimate_step_memory(
     else:
         parts["activations (all layers)"] = sum(per_layer)
     parts["loss head activations"] = head
-    # The gradient of the logits (float32) and its cast to the compute dtype, at backward start.
-    parts["loss head gradients"] = tokens * config.vocab_size * (4 + a)
+    # One cross-entropy chunk recomputed in backward (the heads run one after another).
+    parts["loss head chunk (recomputed)"] = loss_head_chunk_bytes(config, a, tokens)
     root = _unsharded_bytes(model.model.embed_tokens, a, ep)
     root += _unsharded_bytes(model.lm_head, a, ep) + _unsharded_bytes(model.model.norm, a, ep)
     parts["root parameters (unsharded)"] = root

@@ -7,8 +7,13 @@ output, what lm_head reads; h^k: MTP layer k's output before its shared_head.nor
 chains its MTP steps) and the embedding of the token k positions ahead,
     h^k = Layer_k(eh_proj(cat(enorm(embed(t_{i+k})), hnorm(h^{k-1}))))
 (the embedding first, as vLLM's and SGLang's GLM / DeepSeek MTP modules and Megatron-LM read
-`eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. The MTP loss
-is the mean over depths of their cross-entropies; `losses` returns it next to the next-token loss.
+`eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. Layer_k is
+MTP layer k - 1, or, with one MTP layer and `mtp_depths` D > 1, that one layer at every depth
+(GLM-5 trains three depths on one layer); each depth re-runs its indexer. The MTP loss is the
+mean over depths of their cross-entropies; `losses` returns it next to the next-token loss,
+with D > 1 also each depth's own (`mtp_loss/depth_k`, detached: for the logs).
+Every cross-entropy runs over `loss_chunk_tokens` tokens at a time (`chunked_cross_entropy`), so
+a long sequence never holds its [T, V] float32 logits at once.
 
 Shape legend: B batch, T sequence, D hidden, V vocab, E experts, K kept keys (DSA).
 """
@@ -175,13 +180,15 @@ class GLMForCausalLM(nn.Module):
             h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
             kls += [kl] if kl is not None else []
         h_BTD = self.model.norm(h_BTD)
-        logits_BTV = self.lm_head(h_BTD)
         if labels is None:
-            return logits_BTV
-        out = {"loss": _cross_entropy(logits_BTV, labels)}
-        if with_mtp and len(self.model.mtp_layers):
+            return self.lm_head(h_BTD)
+        out = {"loss": self._head_loss(h_BTD, labels)}
+        depths = c.mtp_depths_resolved if with_mtp else 0
+        if depths:
             mtp = []
-            for k, layer in enumerate(self.model.mtp_layers, start=1):
+            for k in range(1, depths + 1):
+                # GLM-5's depths share one layer (num_mtp_layers 1), else layer k - 1.
+                layer = self.model.mtp_layers[0 if len(self.model.mtp_layers) == 1 else k - 1]
                 # Position i reads token t_{i+k} = input_ids[i + k] and predicts labels[i + k];
                 # the last k positions have no target (the wrapped ids there are never seen by
                 # an earlier position: attention is causal).
@@ -190,11 +197,18 @@ class GLMForCausalLM(nn.Module):
                 kls += [kl] if kl is not None else []
                 target = labels.roll(-k, dims=1)
                 target[:, seq_len - k :] = IGNORE_INDEX
-                mtp.append(_cross_entropy(self.lm_head(normed_BTD), target))
+                mtp.append(self._head_loss(normed_BTD, target))
             out["mtp_loss"] = torch.stack(mtp).mean()
+            if depths > 1:  # each depth's own, for the logs (the objective uses the mean)
+                out.update({f"mtp_loss/depth_{k}": v.detach() for k, v in enumerate(mtp, 1)})
         if kls:
             out["indexer_kl"] = torch.stack(kls).mean()
         return out
+
+    def _head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return chunked_cross_entropy(
+            self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens
+        )
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
@@ -325,9 +339,31 @@ class GLMForCausalLM(nn.Module):
         return drawn
 
 
-def _cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits_BTV.float().reshape(-1, logits_BTV.shape[-1]),
-        labels_BT.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-    )
+def _chunk_loss_sum(head: nn.Module, h_CD: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:
+    logits_CV = head(h_CD).float()
+    return F.cross_entropy(logits_CV, labels_C, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(
+    head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Mean float32 cross-entropy of `head(h)` (the lm_head) against labels [B, T] (-100
+    ignored; 0 when every label is ignored, as the sum over no tokens), computed over
+    `chunk_tokens` tokens at a time: the [chunk, V] logits exist during one chunk's forward
+    and again during its backward (each chunk is activation-checkpointed), never [B*T, V].
+    With gradients off the chunks simply run one after another. Equal to the unchunked
+    cross-entropy up to float32 summation order (tests/unit/test_models_mtp.py derives the
+    bound)."""
+    h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
+    labels_N = labels_BT.reshape(-1)
+    grad = torch.is_grad_enabled() and h_ND.requires_grad
+    total = h_ND.new_zeros((), dtype=torch.float32)
+    for lo in range(0, h_ND.shape[0], chunk_tokens):
+        h_CD, labels_C = h_ND[lo : lo + chunk_tokens], labels_N[lo : lo + chunk_tokens]
+        if grad:
+            part = checkpoint(_chunk_loss_sum, head, h_CD, labels_C, use_reentrant=False)
+        else:
+            part = _chunk_loss_sum(head, h_CD, labels_C)
+        total = total + part
+    count = (labels_N != IGNORE_INDEX).sum().clamp(min=1)
+    return total / count
