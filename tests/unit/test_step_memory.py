@@ -9,6 +9,7 @@ import torch
 
 from models.glm import GLMForCausalLM, get_preset
 from models.glm.layers import rope_cos_sin
+from models.glm.model import chunked_cross_entropy
 from recipes.step_memory import (
     head_bytes_per_token,
     layer_activation_bytes,
@@ -75,21 +76,20 @@ def test_activation_bytes_match_autograd(name, dtype):
         got = _saved_bytes(lambda layer=layer, h=h: layer(h, cos, sin), params)
         want = B * T * layer_bytes_per_token(config, layer.is_moe, itemsize, ep=1)
         assert got == want, (name, dtype, i)
-    # The loss head: final norm, lm_head, float32 log-softmax, targets (and the embedding ids).
+    # The loss head: final norm, chunked cross-entropy (its checkpoints save the chunks'
+    # inputs, views of the normed output and the targets; and the embedding ids).
     ids = torch.randint(0, config.vocab_size, (B, T + 1))
 
     def head():
         h = model.model.embed_tokens(ids[:, :-1])
-        logits = model.lm_head(model.model.norm(h))
-        torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)
-        )
+        target = ids[:, 1:].reshape(B, T)
+        chunked_cross_entropy(model.lm_head, model.model.norm(h), target, chunk_tokens=20)
 
     got = _saved_bytes(head, params)
     # Slack: the embedding's ids are a view of `ids`, whose storage holds one more int64
-    # column (B * 8 bytes), and cross-entropy saves a float32 scalar total weight (4 bytes).
+    # column (B * 8 bytes), and the mean divides by an int64 token count (8 bytes).
     slack = got - B * T * head_bytes_per_token(config, itemsize)
-    assert slack == B * 8 + 4, (name, dtype, slack)
+    assert slack == B * 8 + 8, (name, dtype, slack)
 
 
 @pytest.mark.parametrize("name", sorted(MLA_CONFIGS))
@@ -129,15 +129,14 @@ def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
     def mtp_step():
         emb = model.model.embed_tokens(ids)
         _, normed, _ = mtp(h, emb, cos, sin, kl)
-        logits = model.lm_head(normed)
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        chunked_cross_entropy(model.lm_head, normed, target, chunk_tokens=20)
 
     got = _saved_bytes(mtp_step, params)
     N = config.num_hidden_layers
     want = layer_activation_bytes(config, N, True, itemsize, 1, B, T)
     want += B * T * head_bytes_per_token(config, itemsize)
-    # Slack: cross-entropy's float32 scalar total weight.
-    assert got - want == 4, (name, dtype, got - want)
+    # Slack: the loss mean's int64 token count.
+    assert got - want == 8, (name, dtype, got - want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -159,17 +158,14 @@ def test_gqa_mtp_layer_bytes_match_autograd(dtype):
     def mtp():
         emb = model.model.embed_tokens(ids[:, :-1].roll(-1, dims=1))
         _, normed, _ = model.model.mtp_layers[0](h, emb, cos, sin)
-        logits = model.lm_head(normed)
-        torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)
-        )
+        chunked_cross_entropy(model.lm_head, normed, ids[:, 1:].reshape(B, T), chunk_tokens=20)
 
     got = _saved_bytes(mtp, [*model.parameters(), cos, sin])
     want = layer_activation_bytes(config, 2, True, itemsize, 1, B, T)
     want += B * T * head_bytes_per_token(config, itemsize)
-    # Slack: cross-entropy's float32 scalar total weight (both id tensors are fresh [B, T]
-    # copies here: the rolled ids and the reshaped targets).
-    assert got - want == 4, dtype
+    # Slack: the loss mean's int64 token count (both id tensors are fresh [B, T] copies
+    # here: the rolled ids and the reshaped targets).
+    assert got - want == 8, dtype
 
 
 @pytest.mark.slow
