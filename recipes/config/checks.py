@@ -363,6 +363,10 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
     from recipes.hf import check_init_from
 
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
-        check_init_from(os.path.expanduser(path), model_config(cfg))
+        check_init_from(
+            os.path.expanduser(path),
+            model_config(cfg),
+            init_missing_mtp=bool(cfg.checkpoint.init_missing_mtp),
+        )
     except (ValueError, OSError) as err:
         raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
