@@ -204,6 +204,7 @@ def _run_config(src, *extra: str) -> str:
     from recipes.config import Config
 
     dotlist = ["model.preset=hf", f"model.path={src}", f"checkpoint.init_from={src}"]
+    dotlist += ["checkpoint.init_missing_mtp=true"]  # the glm_moe_dsa files lack their MTP layer
     dotlist += ["mesh.world_size=4", "mesh.ep=2", *extra]
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
     return OmegaConf.to_yaml(cfg)
@@ -229,7 +230,7 @@ def _hf_world(jobs: list[dict], ids):
         # leaves the weights those of the files.
         opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)
         with meter.measure("import") as m:
-            initialized = init_from(model, job["src"])
+            initialized = init_from(model, job["src"], init_missing_mtp=True)
         ids_t = torch.tensor(ids)
         with torch.no_grad():
             logits = model(ids_t).numpy()
@@ -371,6 +372,7 @@ def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_pa
     _glm_moe_dsa_dir(src)
     # Absolute paths, twice in the run directory's name: recipes.config.run_id shortens it.
     args = ["model=hf", f"model.path={src}", f"checkpoint.init_from={src}"]
+    args += ["checkpoint.init_missing_mtp=true"]
     args += ["mesh.world_size=4", "mesh.ep=2", "train.steps=1", "logger=none"]
     args += ["optim.lr=1e-9", "optim.adamw_lr=1e-9", "train.router_bias_rate=0"]
     args += ["data.seq_len=16", "data.batch_size=1", f"data.cache_dir={tmp_path / 'cache'}"]

@@ -337,7 +337,10 @@ def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
     assert "optim" in named  # the optimizer choice changes what is trained
     # Logging and checkpointing never change the weights; the keys that once were missing:
     assert {k for k in leaves if k.split(".")[0] in ("logger", "metrics")} <= declared
-    assert {k for k in leaves if k.startswith("checkpoint.")} - declared == {"checkpoint.init_from"}
+    assert {k for k in leaves if k.startswith("checkpoint.")} - declared == {
+        "checkpoint.init_from",
+        "checkpoint.init_missing_mtp",
+    }
     assert {"checkpoint.async_mode", "checkpoint.hf_dtype", "logger.project"} <= declared
 
 

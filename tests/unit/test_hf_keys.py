@@ -118,3 +118,33 @@ def test_mtp_depths_on_one_layer_export_that_layer(tmp_path):
     assert back.num_mtp_layers == 1 and back.mtp_depths is None  # a training choice
     for k, v in model.state_dict().items():
         assert torch.equal(state[k], v), k
+
+
+def test_run_from_files_without_mtp_weights_needs_the_config_key(tmp_path):
+    """`checkpoint.init_from` of a directory whose config.json declares an MTP layer it holds
+    no weights of: refused before launch, naming checkpoint.init_missing_mtp; allowed with it."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import Config, ConfigError, validate
+    from recipes.parallel import model_config
+
+    def cfg(*extra):
+        dotlist = [f"checkpoint.init_from={tmp_path}", "model.overrides.num_mtp_layers=1"]
+        return OmegaConf.merge(
+            OmegaConf.structured(Config), OmegaConf.from_dotlist([*dotlist, *extra])
+        )
+
+    config = model_config(cfg())
+    _export(tmp_path, config)
+    tensors = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+        f.unlink()
+    (tmp_path / INDEX).unlink()
+    mtp = f"model.layers.{config.num_hidden_layers}."
+    kept = {k: v for k, v in tensors.items() if not k.startswith(mtp)}
+    assert len(kept) < len(tensors)
+    save_file(kept, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="set checkpoint.init_missing_mtp=true"):
+        validate(cfg())
+    validate(cfg("checkpoint.init_missing_mtp=true"))
