@@ -272,7 +272,7 @@ dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=512)
 from models.glm import GLMForCausalLM, get_preset
 from models.glm.parallelize import build_meshes, parallelize
 with torch.device("meta"):
-    model = GLMForCausalLM(get_preset("glm52"))
+    model = GLMForCausalLM(get_preset("glm5"))
 meshes = build_meshes(512, 8, "cpu")
 parallelize(model, meshes, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 experts = [m for m in model.modules() if hasattr(m, "orthogonal_blocks")]
@@ -283,8 +283,8 @@ print(len(experts), [repr(p) for p in down.placements], tuple(down.to_local().sh
 
 
 @pytest.mark.slow
-def test_glm52_plans_on_512_fake_ranks():
-    """The planner's view: GLM-5.2 on meta, parallelized for 512 ranks (efsdp 64 x ep 8)."""
+def test_glm5_plans_on_512_fake_ranks():
+    """The planner's view: GLM-5 on meta, parallelized for 512 ranks (efsdp 64 x ep 8)."""
     import subprocess
     import sys
 
