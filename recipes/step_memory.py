@@ -6,12 +6,14 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 
 - resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
 - forward/backward peak (at the start of backward, where every activation is still alive):
-  activations of all decoder layers and MTP layers (those when train.mtp_loss_weight > 0) for
-  one micro-batch (or, with activation checkpointing, each layer's input plus one recomputed
-  layer), the loss heads (next-token and one per running MTP layer), the root's unsharded
+  activations of all decoder layers and MTP layers (those when train.mtp_loss_weight > 0; an
+  MTP layer once per prediction depth it runs) for one micro-batch (or, with activation
+  checkpointing, each layer's input plus one recomputed layer), the loss heads (next-token and
+  one per MTP depth: what they keep, plus one cross-entropy chunk recomputed in backward,
+  never [T, V] logits), the root's unsharded
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
-  flat staging copy of an all-gather on CPU, one layer's unsharded gradients before their
-  reduce-scatter, and the gradient temporaries of the loss head;
+  flat staging copy of an all-gather on CPU, and one layer's unsharded gradients before their
+  reduce-scatter;
 - optimizer peak: gradient shards plus the optimizer's transient from its plans (the
   exchange buffers and Newton-Schulz workspace of `max_inflight` consecutive batches).
 The step peak is resident + the larger of the two peaks.
@@ -272,14 +274,18 @@ def estimate_step_memory(
     a = torch.finfo(param_dtype).bits // 8
     seq_len = seq_len or tokens
     batch = max(1, tokens // seq_len)
-    mtp_layers = list(model.model.mtp_layers) if mtp else []  # idle with mtp_loss_weight 0
+    # One MTP run per prediction depth (several on one shared layer: GLM-5's training); none
+    # with mtp_loss_weight 0.
+    mtp_layers = list(model.model.mtp_layers)
+    depths = config.mtp_depths_resolved if mtp else 0
+    mtp_layers = [mtp_layers[0 if len(mtp_layers) == 1 else k] for k in range(depths)]
     layers = [*model.model.layers, *mtp_layers]
     per_layer = [
         layer_activation_bytes(config, i, x.is_moe, a, ep, batch, seq_len)
         for i, x in enumerate(layers)
     ]
     inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
-    # The next-token head, and per MTP layer its own (shared_head.norm, lm_head, loss).
+    # The next-token head, and per MTP depth its own (shared_head.norm, lm_head, loss).
     head = tokens * head_bytes_per_token(config, a) * (1 + len(mtp_layers))
     parts: dict[str, int] = {}
     trained = [  # no gradient: a frozen indexer, idle MTP layers

@@ -96,7 +96,7 @@ class GLMConfig:
     indexer_training: str = "kl"  # dsa: "kl" (pretraining) or "frozen" (fine-tuning)
     rope_scaling: dict[str, Any] | None = None  # yarn RoPE scaling (see module doc); None: none
     mtp_depths: int | None = None  # MTP prediction depths; None: one per MTP layer (see above)
-    loss_chunk_tokens: int = 4096  # tokens per cross-entropy chunk (the [chunk, V] logits)
+    loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk (the [chunk, V] logits)
     bos_token_id: int | None = None  # tokenizer ids, carried to and from config.json
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None

@@ -183,3 +183,28 @@ def test_planner_prints_the_whole_step_estimate_against_a_budget():
     assert text.count("fits in 8 GiB") == 2
     tight = subprocess.run([*args, "--budget-gib", "0.001"], capture_output=True, text=True)
     assert tight.returncode == 1 and "DOES NOT FIT in 0.001 GiB" in tight.stdout
+
+
+def test_planner_counts_one_mtp_run_and_head_per_depth():
+    """mtp_depths 3 on one MTP layer: three runs of that layer and four loss heads (one
+    cross-entropy chunk recomputed at a time), against one depth."""
+    from recipes.step_memory import estimate_step_memory, layer_activation_bytes
+
+    def estimate(**overrides):
+        model = GLMForCausalLM(get_preset("mla_tiny", **overrides))
+        opt = torch.optim.AdamW(model.parameters())
+        kw = dict(ep=1, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw |= dict(ns_itemsize=2, nesterov=True, max_inflight=1, gloo=False)
+        return model.config, estimate_step_memory(
+            model, opt, tokens=64, seq_len=32, activation_checkpointing=False, **kw
+        )
+
+    config, one = estimate()
+    _, three = estimate(mtp_depths=3)
+    N = config.num_hidden_layers
+    mtp_layer = layer_activation_bytes(config, N, True, 2, 1, 2, 32)
+    got = three.parts["activations (all layers)"] - one.parts["activations (all layers)"]
+    assert got == 2 * mtp_layer
+    assert three.parts["loss head activations"] * 2 == one.parts["loss head activations"] * 4
+    chunk = "loss head chunk (recomputed)"
+    assert three.parts[chunk] == one.parts[chunk] == 64 * config.vocab_size * 12
