@@ -4,11 +4,11 @@
 are refused by name: a cast would turn them into weights); `check_hf` compares them with the
 model of a GLMConfig (missing, mis-shaped, unplaced and wrongly quantized tensors are errors
 naming them; so is a declared MTP layer the files lack, unless `init_missing_mtp` says to
-keep it initialized: transformers' save_pretrained drops MTP weights); `load_hf` fills a model's local shards
-(DTensor or plain) from `safe_open(...).get_slice`, reading at most `chunk_elems` elements per
-read (by default one expert matrix; block-wise fp8: the scale rows covering them, see hf_fp8.py)
-and casting into the shard, so a rank never holds a tensor it does not own, nor a fused expert
-stack.
+keep it initialized: transformers' save_pretrained drops MTP weights); `load_hf` fills a
+model's local shards (DTensor or plain) from `safe_open(...).get_slice`, reading at most
+`chunk_elems` elements per read (by default one expert matrix; block-wise fp8: the scale rows
+covering them, see hf_fp8.py) and casting into the shard, so a rank never holds a tensor it
+does not own, nor a fused expert stack.
 """
 
 from __future__ import annotations

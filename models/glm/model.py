@@ -206,9 +206,7 @@ class GLMForCausalLM(nn.Module):
         return out
 
     def _head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        return chunked_cross_entropy(
-            self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens
-        )
+        return chunked_cross_entropy(self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""

@@ -1,6 +1,7 @@
 """Import of transformers directories beyond the plain layout: block-wise fp8 checkpoints
 (dequantized, each read cut at any row), other quantizations refused, MTP layers absent from the
-files (an error unless initialized on request, then reported), tensors the model has no place for, and `model=hf model.path`."""
+files (an error unless initialized on request, then reported), tensors the model has no place
+for, and `model=hf model.path`."""
 
 import json
 
