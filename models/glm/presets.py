@@ -103,13 +103,13 @@ _PRESETS: dict[str, GLMConfig] = {
     # GLM-5.2 as InternLM xtuner's public Glm52MoEConfig sets it: GLM-5's shapes with RoPE theta
     # 8e6 over 1,048,576 positions, IndexShare (an indexer in layers 0, 1, 2, 6, 10, ..., 74: 21
     # of 78; the others reuse the nearest one before them; the MTP layer runs its own) and the
-    # GLM-5.2 token ids (eos: the list transformers' config.json carries).
+    # GLM-5.2 token ids (eos: the list transformers' config.json carries; bos as GLM-5's, the
+    # transformers default xtuner's export leaves).
     "glm52": replace(
         _GLM5,
         rope_theta=8_000_000.0,
         max_position_embeddings=1_048_576,
         indexer_types=index_share_types(78, freq=4, offset=3),
-        bos_token_id=None,
         eos_token_id=[154820, 154827, 154829],
         pad_token_id=154820,
     ),

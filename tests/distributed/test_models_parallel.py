@@ -48,7 +48,13 @@ MLA_CFG = GLMConfig(
         "indexer_types": ["full", "shared", "full"],
     }
 )
-CONFIGS = {"gqa": CFG, "mla": MLA_CFG}
+# GLM-5's MTP training: three prediction depths on the one MTP layer (one FSDP2 unit run three
+# times a step; its gradient, the sum over depths, reduce-scattered as one).
+CONFIGS = {
+    "gqa": CFG,
+    "mla": MLA_CFG,
+    "mla_depths": GLMConfig(**{**MLA_CFG.to_dict(), "mtp_depths": 3}),
+}
 B, T = 2, 6  # per-rank batch
 
 
@@ -189,7 +195,7 @@ def _check(results, W, cases, tol=1e-5):
         no_grad = sorted(k for k, v in res["errors"].items() if v is None)
         # GQA runs `loss` (no MTP); MLA the whole objective: every parameter has a gradient.
         assert all(k.startswith("model.mtp_layers.") for k in no_grad), (label, no_grad)
-        assert not no_grad if family == "mla" else no_grad, (label, no_grad)
+        assert not no_grad if family.startswith("mla") else no_grad, (label, no_grad)
         res["errors"] = {k: v for k, v in res["errors"].items() if v is not None}
         exact = param_dtype in (None, torch.float32)
         # float32: the same terms summed in another order (ranks, experts), a few ulps (2^-24)
@@ -227,6 +233,7 @@ CASES_4 = [
     (2, False, torch.bfloat16, "gqa"),  # bf16 compute: runs, expert gradient scale right
     (2, False, None, "mla"),  # MLA + DSA + KL indexer + MTP, ep 2, efsdp 2
     (2, False, torch.float32, "mla"),  # ... with the mixed-precision units (weights_proj)
+    (2, False, None, "mla_depths"),  # ... with 3 MTP depths on the one MTP layer
 ]
 CASES_8 = [(2, False, None, "gqa"), (2, True, None, "gqa")]  # ep 2, efsdp 4
 

@@ -297,7 +297,6 @@ def test_glm52_preset_is_glm5_with_index_share_rope_and_token_ids():
         "rope_theta",
         "max_position_embeddings",
         "indexer_types",
-        "bos_token_id",
         "eos_token_id",
         "pad_token_id",
     }
