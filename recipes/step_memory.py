@@ -170,13 +170,13 @@ def head_bytes_per_token(config: GLMConfig, a: int) -> int:
 
 
 def loss_head_chunk_bytes(config: GLMConfig, a: int, tokens: int) -> int:
-    """The loss head's transient: one chunk of `loss_chunk_tokens` tokens (at most `tokens`)
-    in backward (models/glm/model.py `chunked_cross_entropy`), at its peak three float32
-    [chunk, V] tensors: the log-softmax output cross-entropy keeps, its incoming gradient
-    and the gradient of the logits (the logits in the compute dtype and their float32 copy,
-    while the chunk is recomputed, are fewer bytes; so is every forward chunk)."""
+    """The loss head's transient: one chunk of `loss_chunk_tokens` tokens (at most `tokens`;
+    models/glm/model.py `chunked_cross_entropy`), at its peak the chunk's [chunk, V] logits in
+    the compute dtype and in float32 (forward, and again in backward, where the float32 copy
+    becomes the gradient in place and is cast back to the compute dtype): (a + 4) bytes per
+    logit, 4 in float32 compute (no copy)."""
     c = min(config.loss_chunk_tokens, tokens)
-    return c * config.vocab_size * 3 * 4
+    return c * config.vocab_size * (4 + (a if a < 4 else 0))
 
 
 @dataclass

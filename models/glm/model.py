@@ -337,31 +337,59 @@ class GLMForCausalLM(nn.Module):
         return drawn
 
 
-def _chunk_loss_sum(head: nn.Module, h_CD: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:
-    logits_CV = head(h_CD).float()
-    return F.cross_entropy(logits_CV, labels_C, ignore_index=IGNORE_INDEX, reduction="sum")
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """Summed cross-entropy of logits h W^T (float32) over the non-ignored rows of h [N, D],
+    `chunk` rows at a time in forward and again in backward, where each chunk's gradient
+    softmax(z) - onehot(y) is formed in place; only h, W and the labels are saved."""
+
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, labels_N, chunk: int):
+        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for lo in range(0, h_ND.shape[0], chunk):
+            z_CV = (h_ND[lo : lo + chunk] @ weight_VD.T).float()
+            y_C = labels_N[lo : lo + chunk]
+            keep_C = y_C != IGNORE_INDEX
+            picked_C = z_CV.gather(1, y_C.clamp(min=0)[:, None])[:, 0]
+            total += ((torch.logsumexp(z_CV, dim=-1) - picked_C) * keep_C).sum()
+            del z_CV  # before the next chunk's logits exist
+        ctx.save_for_backward(h_ND, weight_VD, labels_N)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h_ND, weight_VD, labels_N = ctx.saved_tensors
+        grad_h_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
+        grad_w_VD = torch.zeros_like(weight_VD) if ctx.needs_input_grad[1] else None
+        for lo in range(0, h_ND.shape[0], ctx.chunk):
+            h_CD, y_C = h_ND[lo : lo + ctx.chunk], labels_N[lo : lo + ctx.chunk]
+            g_CV = (h_CD @ weight_VD.T).float()
+            g_CV.sub_(g_CV.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
+            g_CV.div_(g_CV.sum(dim=-1, keepdim=True))
+            keep_C = y_C != IGNORE_INDEX
+            g_CV.scatter_add_(1, y_C.clamp(min=0)[:, None], -keep_C[:, None].to(g_CV.dtype))
+            g_CV.mul_((grad_total * keep_C)[:, None])
+            g_CV = g_CV.to(weight_VD.dtype)
+            if grad_h_ND is not None:
+                torch.mm(g_CV, weight_VD, out=grad_h_ND[lo : lo + ctx.chunk])
+            if grad_w_VD is not None:
+                grad_w_VD.addmm_(g_CV.T, h_CD)
+            del g_CV  # before the next chunk's logits exist
+        return grad_h_ND, grad_w_VD, None, None
 
 
 def chunked_cross_entropy(
     head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
-    """Mean float32 cross-entropy of `head(h)` (the lm_head) against labels [B, T] (-100
-    ignored; 0 when every label is ignored, as the sum over no tokens), computed over
-    `chunk_tokens` tokens at a time: the [chunk, V] logits exist during one chunk's forward
-    and again during its backward (each chunk is activation-checkpointed), never [B*T, V].
-    With gradients off the chunks simply run one after another. Equal to the unchunked
-    cross-entropy up to float32 summation order (tests/unit/test_models_mtp.py derives the
-    bound)."""
+    """Mean float32 cross-entropy of `head(h)` (the bias-free lm_head) against labels [B, T]
+    (-100 ignored; 0 when every label is ignored, the sum over no tokens), `chunk_tokens`
+    tokens at a time: a chunk's [chunk, V] logits exist during its forward and again during
+    its backward (`_ChunkedCrossEntropySum`), never [B*T, V]. Equal to the unchunked
+    cross-entropy up to float32 rounding (tests/unit/test_loss_head.py derives the bound)."""
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("chunked_cross_entropy needs a head without bias (the lm_head has none)")
     h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
     labels_N = labels_BT.reshape(-1)
-    grad = torch.is_grad_enabled() and h_ND.requires_grad
-    total = h_ND.new_zeros((), dtype=torch.float32)
-    for lo in range(0, h_ND.shape[0], chunk_tokens):
-        h_CD, labels_C = h_ND[lo : lo + chunk_tokens], labels_N[lo : lo + chunk_tokens]
-        if grad:
-            part = checkpoint(_chunk_loss_sum, head, h_CD, labels_C, use_reentrant=False)
-        else:
-            part = _chunk_loss_sum(head, h_CD, labels_C)
-        total = total + part
+    total = _ChunkedCrossEntropySum.apply(h_ND, head.weight, labels_N, chunk_tokens)
     count = (labels_N != IGNORE_INDEX).sum().clamp(min=1)
     return total / count

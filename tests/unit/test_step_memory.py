@@ -207,4 +207,4 @@ def test_planner_counts_one_mtp_run_and_head_per_depth():
     assert got == 2 * mtp_layer
     assert three.parts["loss head activations"] * 2 == one.parts["loss head activations"] * 4
     chunk = "loss head chunk (recomputed)"
-    assert three.parts[chunk] == one.parts[chunk] == 64 * config.vocab_size * 12
+    assert three.parts[chunk] == one.parts[chunk] == 64 * config.vocab_size * (4 + 2)
