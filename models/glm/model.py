@@ -24,7 +24,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
