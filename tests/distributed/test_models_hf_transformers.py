@@ -7,6 +7,7 @@ One world serves every directory (`_hf_world` runs them in turn) and one train.p
 the logged step-1 loss of a GlmMoeDsa fine-tune against transformers' loss on the same tokens.
 """
 
+import gc
 import json
 import math
 import os
@@ -238,6 +239,9 @@ def _hf_world(jobs: list[dict], ids):
         opt.step()
         state = {"model_config": model_config(cfg).to_dict()}
         ckpt = checkpoint.save(job["ckpt"], 1, model, opt, state, keep=1)
+        # Collect garbage of the steps above first: a cycle freed inside the export would
+        # count as negative bytes and hide the export's own peak.
+        gc.collect()
         with meter.measure("export") as e:
             written = export_checkpoint(ckpt, job["out"], max_shard_gib=50 / 2**20)  # 50 KiB
         # What one export read may hold: the tensor and the saved piece it is cut from.
