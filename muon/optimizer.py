@@ -55,6 +55,7 @@ from muon.validate import (
     check_group_keys,
     check_loaded_groups,
     dtype_name,
+    fold_adamw_momentum,
     group_algorithm,
     plan_keys,
     validate_group,
@@ -222,15 +223,13 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
-        check_loaded_groups(self.param_groups, state_dict, self.state)
+        loaded = check_loaded_groups(self.param_groups, state_dict, self.state)
         before = plan_keys(self.param_groups)
         super().load_state_dict(state_dict)
-        for g in self.param_groups:
-            if g["algorithm"] == "adamw":
-                for key in MUON_ONLY_KEYS:
-                    g.pop(key, None)
-            else:
-                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        for g, checked in zip(self.param_groups, loaded, strict=True):
+            # what was checked is what is loaded: saved values over current ones, normalized
+            g.clear()
+            g.update(checked)
         if plan_keys(self.param_groups) != before:
             self._plan()
 
@@ -275,6 +274,7 @@ class Muon(torch.optim.Optimizer):
             for key in MUON_ONLY_KEYS:
                 self.param_groups[-1].pop(key, None)
         if planned:  # after construction: state and plans for the new group
+            kept = (self.plan, self._planned_params)
             try:
                 self._init_state()
                 self._plan()
@@ -282,6 +282,7 @@ class Muon(torch.optim.Optimizer):
                 del self.param_groups[n_groups:]
                 for p in [p for p in self.state if p not in known]:
                     del self.state[p]
+                self.plan, self._planned_params = kept  # the plan of the groups that remain
                 raise
 
     def _init_state(self) -> None:
@@ -304,6 +305,9 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_params_unchanged()
+        for g in self.param_groups:  # a scheduler's cycled momentum is an AdamW group's beta1
+            if g["algorithm"] == "adamw":
+                fold_adamw_momentum(g)
         finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
