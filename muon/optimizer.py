@@ -18,6 +18,11 @@ Non-finite gradients: if any gradient of any parameter on any rank holds a NaN o
 step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
 `skipped_steps` counts it.
 
+Updates that do not fit: finite gradients can still give an update whose `lr * O` overflows
+the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps its value (its
+momentum has moved), the others are updated, and the step is marked skipped on every rank
+(`last_step_skipped`, `skipped_steps`).
+
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
 zeros and its result is dropped, so the batch keeps its plan). Ranks that disagree about a
@@ -43,6 +48,7 @@ from muon.blocks import orthogonalize as _orthogonalize
 from muon.comm import PATHS
 from muon.cost import LinkModel
 from muon.grads import grad_census
+from muon.guard import fit, guard_update, updates_finite
 from muon.layout import from_rows, moved_shape, to_rows
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
@@ -318,9 +324,13 @@ class Muon(torch.optim.Optimizer):
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
         stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
+        self._updates_ok = []
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
+        if not updates_finite(self._updates_ok):  # none of those updates was applied
+            self.skipped_steps += 1
+            self.last_step_skipped = True
         return loss
 
     def _adamw_group(self, g: dict) -> None:
@@ -397,18 +407,19 @@ class Muon(torch.optim.Optimizer):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
                 self._apply(p, g, o, b, mp.fsdp_rank)
 
-    @staticmethod
-    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
-        """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
+    def _apply(self, p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
+        """Decoupled weight decay, then the orthogonalized update at the per-block lr; neither
+        when the update does not fit the parameter's dtype (`muon.guard`)."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
             rows, cols = b.block_shape
         else:
             rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         x = _local(p)
-        x.mul_(1 - g["lr"] * g["weight_decay"])
         update = from_rows(o, x, b.shard_tensor_dim)
+        lrs = {h: adjusted_lr(g["lr"], g["adjust_lr"], h, cols) for h in b.split_sizes or (rows,)}
+        update = guard_update(x, update, max(lrs.values()), g, self._updates_ok)
         if not b.split_sizes:
-            x.add_(update, alpha=-adjusted_lr(g["lr"], g["adjust_lr"], rows, cols))
+            x.add_(update, alpha=-fit(lrs[rows], x.dtype))
             return
         # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
         heights = torch.tensor(b.split_sizes)
@@ -419,9 +430,8 @@ class Muon(torch.optim.Optimizer):
         for h in sorted(set(b.split_sizes)):
             rows = (row_height == h).nonzero().view(-1).to(x.device)
             if rows.numel():
-                lr = adjusted_lr(g["lr"], g["adjust_lr"], h, cols)
                 # the update may arrive in a narrower wire dtype; add_ would promote it too
-                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lr)
+                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lrs[h])
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
