@@ -229,7 +229,7 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
-        loaded = check_loaded_groups(self.param_groups, state_dict, self.state)
+        loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)
         super().load_state_dict(state_dict)
         for g, checked in zip(self.param_groups, loaded, strict=True):

@@ -12,6 +12,7 @@ import math
 import torch
 
 from muon.newton_schulz import check_algorithm, resolve_coefficients
+from muon.normuon import state_len
 
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 ALGORITHMS = ("muon", "adamw")
@@ -298,15 +299,23 @@ def plan_keys(groups: list[dict]) -> list[tuple]:
     return [tuple(repr(g.get(k)) for k in PLAN_KEYS) for g in groups]
 
 
-def check_loaded_groups(
-    groups: list[dict], state_dict: dict, current: dict | None = None
-) -> list[dict]:
+def normuon_state_shape(shape: tuple[int, ...], g: dict) -> tuple[int, int]:
+    """The global shape of NorMuon's moments of a parameter of `shape` in the validated Muon
+    group `g`: one row per block, as long as the longest block's `muon.normuon.state_len`."""
+    cols = math.prod(shape[1:])
+    if len(shape) > 2:  # one [d1, d2 * ...] block per dim-0 slice
+        return shape[0], state_len(shape[1], math.prod(shape[2:]))
+    heights = g.get("split_sizes") or (shape[0] // g["num_blocks"],)
+    return g["num_blocks"], max(state_len(h, cols) for h in heights)
+
+
+def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
     """Validate a state dict against the optimizer's current `groups` before anything is loaded:
     every saved group's keys and values (as if added with its current parameters), its
     algorithm and its `normuon` (each keeps its own state: build the optimizer for them), and
     the shape of every saved state tensor (the parameter's, or for per-block state such as
-    NorMuon's moments that of the `current` optimizer state). Raises ValueError naming the group
-    and key. Returns the groups to load: each saved group over the current one (keys an older
+    NorMuon's moments the one the loaded group's blocks give). Raises ValueError naming the
+    group and key. Returns the groups to load: each saved group over the current one (keys an older
     state dict lacks keep their current values), normalized as `validate_group` leaves a group
     added with them, with the current parameters."""
     saved = state_dict.get("param_groups")
@@ -350,13 +359,14 @@ def check_loaded_groups(
             for key, value in saved_state.items():
                 if key == "step" or not torch.is_tensor(value):
                     continue
-                expected, what = p.shape, "the parameter"
+                expected, what = tuple(p.shape), "the parameter"
                 if key in PER_BLOCK_STATE:  # one row per block, not the parameter's shape
-                    here = (current or {}).get(p, {}).get(key)
-                    if here is None:
-                        continue
-                    expected, what = here.shape, "this optimizer's"
-                if value.shape != expected:
+                    expected = normuon_state_shape(tuple(p.shape), group)
+                    what = (
+                        f"NorMuon's one row per block of num_blocks={group['num_blocks']}, "
+                        f"split_sizes={group['split_sizes']}"
+                    )
+                if tuple(value.shape) != expected:
                     raise ValueError(
                         f"{where} param {j}: state {key!r} has shape {tuple(value.shape)}, "
                         f"{what} {tuple(expected)}"
