@@ -106,6 +106,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 MAX_NS_STEPS = 100
 
 
+#: the largest `eps`: the norm is clamped to it in the Newton-Schulz dtype (bfloat16's largest
+#: value, the smallest of the dtypes that clamp; float16 normalizes in float32)
+MAX_EPS = torch.finfo(torch.bfloat16).max
+
+
 def _number(g: dict, key: str) -> float:
     """`g[key]` as a finite real number (a bool, a string, NaN or an infinity is an error)."""
     value = g[key]
@@ -138,8 +143,8 @@ def _check_common(g: dict) -> None:
             f"weight_decay: lr * weight_decay = {g['lr'] * g['weight_decay']:.3g} > 1 makes the "
             "decay factor 1 - lr * weight_decay negative"
         )
-    if not _number(g, "eps") > 0:
-        raise ValueError(f"eps: must be > 0, got {g['eps']}")
+    if not 0 < _number(g, "eps") <= MAX_EPS:
+        raise ValueError(f"eps: must be in (0, {MAX_EPS:.4g}], got {g['eps']}")
     names = g.get("param_names")
     if names is not None:
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):

@@ -169,7 +169,7 @@ def invalid_keys(shape: tuple[int, ...], group: dict) -> set[str]:
         else False,
         "ns_algorithm": isinstance(g["ns_algorithm"], str)
         and g["ns_algorithm"] in ("auto", "gram", "standard"),
-        "eps": _real(g["eps"]) and g["eps"] > 0,
+        "eps": _real(g["eps"]) and 0 < g["eps"] <= torch.finfo(torch.bfloat16).max,
         "adjust_lr": isinstance(g["adjust_lr"], str)
         and g["adjust_lr"] in ("match_rms_adamw", "original", "none"),
         "normuon": isinstance(g["normuon"], bool),

@@ -112,5 +112,7 @@ def check_edit(shape, dtype, group, index, key, value):
 @example(((8, 4), torch.float32, {}, 0, "normuon", True))  # NorMuon state where none is kept
 @example(((8, 4), torch.float32, {"normuon": True}, 0, "normuon", False))
 @example(((8, 4), torch.float32, {}, 1, "momentum", 0.85))  # OneCycleLR's cycled beta1
+# found: NorMuon's moments were checked against the blocks before the load, not the loaded ones
+@example(((2, 1), torch.float32, {"num_blocks": 2, "normuon": True}, 0, "num_blocks", 1))
 def test_loaded_groups_are_the_reference_or_a_named_error(case):
     check_edit(*case)

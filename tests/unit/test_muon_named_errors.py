@@ -157,6 +157,7 @@ def test_split_sizes_saved_as_a_list_loads_and_steps():
         ("ns_steps", 2.0),
         ("ns_steps", 10**9),
         ("eps", math.inf),
+        ("eps", 1e300),
         ("eps", math.nan),
         ("lr", math.inf),
         ("lr", True),
