@@ -328,7 +328,7 @@ class Muon(torch.optim.Optimizer):
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
-        if not updates_finite(self._updates_ok):  # none of those updates was applied
+        if not updates_finite(self._updates_ok):  # an update that did not fit was not written
             self.skipped_steps += 1
             self.last_step_skipped = True
         return loss
@@ -431,7 +431,9 @@ class Muon(torch.optim.Optimizer):
             rows = (row_height == h).nonzero().view(-1).to(x.device)
             if rows.numel():
                 # the update may arrive in a narrower wire dtype; add_ would promote it too
-                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lrs[h])
+                x.index_add_(
+                    0, rows, update.index_select(0, rows).to(x.dtype), alpha=-fit(lrs[h], x.dtype)
+                )
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None

@@ -2,7 +2,7 @@
 its blocks (`num_blocks` / `split_sizes`, valid or not), its dtype, and every hyperparameter
 with a value of any type; an independent statement of which values are valid (`invalid_keys`,
 written from the documented contract, not from `muon.validate`); and the per-block reference
-step (`reference_update`)."""
+step (`reference_step`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 
 import torch
 from hypothesis import strategies as st
+from torch.optim._muon import _adjust_lr
 
 from muon import NS_COEFFICIENTS, newton_schulz
 from muon.newton_schulz import resolve_coefficients
@@ -164,9 +165,7 @@ def invalid_keys(shape: tuple[int, ...], group: dict) -> set[str]:
         and not isinstance(g["ns_steps"], bool)
         and 1 <= g["ns_steps"] <= 100,
         "ns_coefficients": _coefficients_ok(g["ns_coefficients"]),
-        "ns_dtype": any(g["ns_dtype"] is d or g["ns_dtype"] == d for d in NS_DTYPES)
-        if isinstance(g["ns_dtype"], (str, torch.dtype))
-        else False,
+        "ns_dtype": isinstance(g["ns_dtype"], (str, torch.dtype)) and g["ns_dtype"] in NS_DTYPES,
         "ns_algorithm": isinstance(g["ns_algorithm"], str)
         and g["ns_algorithm"] in ("auto", "gram", "standard"),
         "eps": _real(g["eps"]) and 0 < g["eps"] <= torch.finfo(torch.bfloat16).max,
@@ -205,22 +204,10 @@ def _invalid_blocks(shape, g) -> set[str]:
 
 # ------------------------------------------------------------------ the per-block reference
 def block_heights(shape, g) -> list[int]:
-    """Rows of each block along dim 0 of the parameter's Muon matrix `[shape[0], rest]`, or
-    for a >2-D parameter one block per dim-0 slice."""
-    if len(shape) > 2:
-        return [shape[1]] * shape[0]
+    """Rows of each block along dim 0 of a 2-D parameter in the normalized group `g`."""
     if g["split_sizes"]:
         return list(g["split_sizes"])
     return [shape[0] // g["num_blocks"]] * g["num_blocks"]
-
-
-def adjusted(lr: float, adjust: str, rows: int, cols: int) -> float:
-    """The per-block learning rate, as torch.optim.Muon's `adjust_lr_fn` defines it."""
-    if adjust == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
 
 
 def normalized_group(group: dict) -> dict:
@@ -261,13 +248,12 @@ def reference_step(shape, dtype, group: dict, grad: torch.Tensor):
     ns_u = unit_roundoff(g["ns_dtype"])
     slack = amp * 64 * ns_u if g["ns_dtype"] == torch.float32 else 4 * ns_u
     if len(shape) > 2:
-        mats, heights = list(u.reshape(shape[0], shape[1], -1).unbind(0)), [shape[1]] * shape[0]
+        mats = list(u.reshape(shape[0], shape[1], -1).unbind(0))
     else:
-        heights = block_heights(shape, g)
-        mats = list(u.reshape(shape[0], -1).split(heights))
+        mats = list(u.reshape(shape[0], -1).split(block_heights(shape, g)))
     new, tol, peak = [], [], 0.0
     p_u = unit_roundoff(dtype)
-    for m, h in zip(mats, heights, strict=True):
+    for m in mats:
         kw = dict(steps=g["ns_steps"], coefficients=g["ns_coefficients"], eps=g["eps"])
         o_d = newton_schulz(m, dtype=g["ns_dtype"], algorithm=g["ns_algorithm"], **kw)
         o_64 = ref_ns(m, schedule, steps=g["ns_steps"], eps=g["eps"])
@@ -275,7 +261,7 @@ def reference_step(shape, dtype, group: dict, grad: torch.Tensor):
             v = torch.zeros(1, state_len(*m.shape))
             o_d = normalize(o_d[None], v.clone(), g["normuon_beta2"])[0]
             o_64 = normalize(o_64.float()[None], v, g["normuon_beta2"])[0].double()
-        lr = adjusted(g["lr"], g["adjust_lr"], h, m.shape[1])
+        lr = _adjust_lr(g["lr"], g["adjust_lr"], m.shape)  # torch.optim.Muon's own (torch pinned)
         peak = max(peak, o_d.abs().max().item() * lr if o_d.numel() else 0.0)
         dist = (o_d.double() - o_64).abs().max().item() if o_d.numel() else 0.0
         tol_o = 2 * dist + slack + 2 * p_u * max(1.0, o_d.abs().max().item() if o_d.numel() else 0)
