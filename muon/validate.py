@@ -352,6 +352,8 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
                 f"{where}: {len(s['params'])} saved parameters for {len(g['params'])} here"
             )
         group = {**g, **s, "params": g["params"]}
+        if group.get("param_names", ()) is None:  # no names: the key absent, as torch keeps it
+            del group["param_names"]
         try:
             validate_group(group)
         except ValueError as e:
@@ -376,4 +378,10 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
                         f"{where} param {j}: state {key!r} has shape {tuple(value.shape)}, "
                         f"{what} {tuple(expected)}"
                     )
+    named = ["param_names" in group for group in loaded]
+    if any(named) and not all(named):  # torch's rule, which a later add_param_group enforces
+        raise ValueError(
+            f"load_state_dict: param_names given for groups {[i for i, n in enumerate(named) if n]}"
+            " only; torch.optim needs them in every group or in none"
+        )
     return loaded

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from muon import Muon
 from tests.property.muon_cases import JUNK, VALID, blocks_of, muon_groups, value_for
 
-MUON_KEYS = sorted(VALID) + ["num_blocks", "split_sizes", "algorithm"]
+MUON_KEYS = sorted(VALID) + ["num_blocks", "split_sizes", "algorithm", "param_names"]
+NAMES = st.sampled_from([["w"], ["renamed"], ["a", "b"], [3], [None], "w", None])
 ADAMW_VALUES = {
     "lr": st.one_of(st.sampled_from([1e-3, 0.0, -1.0, math.inf]), JUNK),
     "weight_decay": st.one_of(st.sampled_from([0.0, 0.1, -1.0]), JUNK),
@@ -43,6 +44,8 @@ def edits(draw):
     if key in ("num_blocks", "split_sizes"):
         blocks = draw(blocks_of(shape, draw(st.booleans())))
         value = blocks.get(key, draw(st.sampled_from([None, 1])))
+    elif key == "param_names":
+        value = draw(NAMES)
     elif key == "algorithm":
         value = draw(st.sampled_from(["adamw", "sgd", None]))
     else:
@@ -112,6 +115,8 @@ def check_edit(shape, dtype, group, index, key, value):
 @example(((8, 4), torch.float32, {}, 0, "normuon", True))  # NorMuon state where none is kept
 @example(((8, 4), torch.float32, {"normuon": True}, 0, "normuon", False))
 @example(((8, 4), torch.float32, {}, 1, "momentum", 0.85))  # OneCycleLR's cycled beta1
+@example(((8, 4), torch.float32, {}, 0, "param_names", ["w"]))  # found: names in one group only
+@example(((8, 4), torch.float32, {}, 0, "param_names", None))  # found: a None kept as a key
 # found: NorMuon's moments were checked against the blocks before the load, not the loaded ones
 @example(((2, 1), torch.float32, {"num_blocks": 2, "normuon": True}, 0, "num_blocks", 1))
 def test_loaded_groups_are_the_reference_or_a_named_error(case):
