@@ -6,7 +6,8 @@ a float16 parameter overflows at 65504, so an lr large enough for `lr * O` to pa
 coefficient schedule whose outputs leave the band) would write infinities. Each parameter's
 update is checked on the device (no host sync per parameter) and replaced by zeros, its
 weight decay undone, when it fails; the step's verdict is read once, after the last batch
-(`updates_finite`).
+(`updates_finite`). An AdamW update whose scale lr / (1 - beta1^t) passes the dtype's
+largest value is not written either (`muon.optimizer.Muon._adamw_group`).
 """
 
 from __future__ import annotations

@@ -320,11 +320,11 @@ class Muon(torch.optim.Optimizer):
             self.last_step_skipped = True
             return loss
         self.last_step_skipped = False
+        self._updates_ok = []
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
         stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
-        self._updates_ok = []
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
@@ -346,6 +346,9 @@ class Muon(torch.optim.Optimizer):
             m.lerp_(grad, 1 - b1)
             v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
             denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(g["eps"])
+            if g["lr"] / (1 - b1**t) > torch.finfo(x.dtype).max:  # cannot be written (guard)
+                self._updates_ok.append(torch.tensor(False))
+                continue
             x.mul_(1 - g["lr"] * g["weight_decay"])
             x.addcdiv_(m, denom, value=-g["lr"] / (1 - b1**t))
 

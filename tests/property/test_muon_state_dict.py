@@ -117,6 +117,7 @@ def check_edit(shape, dtype, group, index, key, value):
 @example(((8, 4), torch.float32, {}, 1, "momentum", 0.85))  # OneCycleLR's cycled beta1
 @example(((8, 4), torch.float32, {}, 0, "param_names", ["w"]))  # found: names in one group only
 @example(((8, 4), torch.float32, {}, 0, "param_names", None))  # found: a None kept as a key
+@example(((1, 1, 1), torch.float32, {}, 1, "lr", 1e300))  # found: AdamW's scale overflowed
 # found: NorMuon's moments were checked against the blocks before the load, not the loaded ones
 @example(((2, 1), torch.float32, {"num_blocks": 2, "normuon": True}, 0, "num_blocks", 1))
 def test_loaded_groups_are_the_reference_or_a_named_error(case):

@@ -60,6 +60,17 @@ def test_update_that_overflows_float16_is_skipped_not_written():
     assert not torch.equal(w, before_w) and torch.isfinite(w).all()
 
 
+def test_adamw_update_that_cannot_be_written_is_skipped():
+    """An AdamW lr whose bias-corrected scale passes float16's range (or float32's: it once
+    raised mid-step) leaves the parameter as it was and marks the step skipped."""
+    for dtype, lr in ((torch.float16, 1e6), (torch.float32, 1e300)):
+        b = nn.Parameter(torch.ones(4, dtype=dtype))
+        opt = Muon([{"params": [b], "algorithm": "adamw", "lr": lr}])
+        _grad(b)
+        opt.step()
+        assert opt.last_step_skipped and torch.equal(b, torch.ones(4, dtype=dtype))
+
+
 # ------------------------------------------------------------------ split_sizes
 
 
