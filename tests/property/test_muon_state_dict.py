@@ -105,7 +105,7 @@ def check_edit(shape, dtype, group, index, key, value):
         assert torch.equal(p, q)
 
 
-@settings(max_examples=2 * settings.default.max_examples)
+@settings(max_examples=4 * settings.default.max_examples)
 @given(edits())
 @example(((12, 4), torch.float32, {"split_sizes": (6, 6)}, 0, "split_sizes", (4, 4)))
 @example(((12, 4), torch.float32, {"split_sizes": (6, 6)}, 0, "split_sizes", (3, 3, 3)))
