@@ -60,6 +60,7 @@ from muon.validate import (
     NS_DTYPES,
     check_group_keys,
     check_loaded_groups,
+    check_options,
     dtype_name,
     fold_adamw_momentum,
     group_algorithm,
@@ -154,7 +155,7 @@ class Muon(torch.optim.Optimizer):
         normuon: bool = False,
         normuon_beta2: float = 0.95,
     ) -> None:
-        if remainder_strategy not in REMAINDER_CHOICES:
+        if not isinstance(remainder_strategy, str) or remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
                 f"remainder_strategy: {remainder_strategy!r} is not one of "
                 f"{', '.join(REMAINDER_CHOICES)}"
@@ -168,11 +169,13 @@ class Muon(torch.optim.Optimizer):
             )
         if not enable_all2all:
             remainder_strategy = "agrs"  # "auto" too: agrs is the only path without all-to-all
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
-        if memory_budget is not None and not memory_budget > 0:
-            raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
-        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(betas), "eps": adamw_eps}
+        check_options(
+            enable_all2all=enable_all2all,
+            expert_aware=expert_aware,
+            max_inflight=max_inflight,
+            memory_budget=memory_budget,
+        )
+        self._adamw_defaults = {"lr": adamw_lr, "betas": betas, "eps": adamw_eps}
         defaults = dict(
             lr=lr,
             algorithm="muon",

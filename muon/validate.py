@@ -155,6 +155,21 @@ def _check_common(g: dict) -> None:
             )
 
 
+def check_options(*, enable_all2all, expert_aware, max_inflight, memory_budget) -> None:
+    """The optimizer-wide options of `muon.Muon` (not group keys); raises naming the option."""
+    for key, value in (("enable_all2all", enable_all2all), ("expert_aware", expert_aware)):
+        _check_bool({key: value}, key)
+    if not (isinstance(max_inflight, int) and not isinstance(max_inflight, bool)) or (
+        max_inflight < 1
+    ):
+        raise ValueError(f"max_inflight: must be an int >= 1, got {max_inflight!r}")
+    if (
+        memory_budget is not None
+        and not _number({"memory_budget": memory_budget}, "memory_budget") > 0
+    ):
+        raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget!r}")
+
+
 def validate_group(g: dict) -> None:
     """Check the values of a group whose defaults are filled in; raises ValueError naming the key.
 

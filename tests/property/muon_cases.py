@@ -133,6 +133,39 @@ def muon_groups(draw, valid: bool = False) -> tuple[tuple[int, ...], torch.dtype
     return shape, dtype, group
 
 
+#: optimizer-wide options of `muon.Muon` (not group keys), valid or junk
+OPTIONS = {
+    "enable_all2all": st.one_of(st.booleans(), JUNK),
+    "expert_aware": st.one_of(st.booleans(), JUNK),
+    "max_inflight": st.one_of(st.integers(1, 4), JUNK),
+    "memory_budget": st.one_of(st.none(), st.integers(1, 2**40), JUNK),
+    "remainder_strategy": st.one_of(
+        st.sampled_from(["agrs", "pad_all2all", "ragged_all_to_all", "auto"]), JUNK
+    ),
+}
+
+
+@st.composite
+def options(draw) -> dict:
+    """Up to two optimizer-wide options, mostly left at their defaults."""
+    keys = draw(st.sets(st.sampled_from(sorted(OPTIONS)), max_size=2))
+    return {k: draw(OPTIONS[k]) for k in sorted(keys)}
+
+
+def invalid_options(opts: dict) -> set[str]:
+    """The options the documented contract refuses."""
+    checks = {
+        "enable_all2all": lambda v: isinstance(v, bool),
+        "expert_aware": lambda v: isinstance(v, bool),
+        "max_inflight": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "memory_budget": lambda v: v is None or (_real(v) and v > 0),
+        "remainder_strategy": lambda v: (
+            isinstance(v, str) and v in ("agrs", "pad_all2all", "ragged_all_to_all", "auto")
+        ),
+    }
+    return {k for k, v in opts.items() if not checks[k](v)}
+
+
 # ------------------------------------------------------------------ what is valid
 def _real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -222,6 +222,31 @@ def test_wrong_hyperparameter_is_an_error_naming_it(key, value):
 
 @pytest.mark.parametrize(
     "key, value",
+    [
+        ("enable_all2all", "False"),
+        ("expert_aware", "no"),
+        ("max_inflight", True),
+        ("max_inflight", 2.5),
+        ("memory_budget", math.nan),
+        ("memory_budget", math.inf),
+        ("remainder_strategy", ["agrs"]),
+        ("betas", 5),
+    ],
+)
+def test_wrong_optimizer_option_is_an_error_naming_it(key, value):
+    """Optimizer-wide options are checked like group keys ('False' ran as True)."""
+    with pytest.raises(ValueError, match=key):
+        Muon(
+            [
+                {"params": [_w(8, 4)]},
+                {"params": [nn.Parameter(torch.zeros(4))], "algorithm": "adamw"},
+            ],
+            **{key: value},
+        )
+
+
+@pytest.mark.parametrize(
+    "key, value",
     [("betas", (0.9, math.nan)), ("betas", "ab"), ("betas", (0.9,)), ("eps", math.inf)],
 )
 def test_wrong_adamw_hyperparameter_is_an_error_naming_it(key, value):
