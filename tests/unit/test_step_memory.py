@@ -12,7 +12,6 @@ from models.glm.layers import rope_cos_sin
 from recipes.step_memory import (
     head_bytes_per_token,
     layer_activation_bytes,
-    layer_bytes_per_token,
 )
 
 CONFIGS = {
