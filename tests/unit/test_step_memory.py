@@ -13,7 +13,6 @@ from models.glm.model import chunked_cross_entropy
 from recipes.step_memory import (
     head_bytes_per_token,
     layer_activation_bytes,
-    layer_bytes_per_token,
 )
 
 CONFIGS = {
@@ -74,7 +73,7 @@ def test_activation_bytes_match_autograd(name, dtype):
     for i, layer in enumerate(model.model.layers):
         h = torch.randn(B, T, config.hidden_size, dtype=dtype, requires_grad=True)
         got = _saved_bytes(lambda layer=layer, h=h: layer(h, cos, sin), params)
-        want = B * T * layer_bytes_per_token(config, layer.is_moe, itemsize, ep=1)
+        want = layer_activation_bytes(config, i, layer.is_moe, itemsize, 1, B, T)
         assert got == want, (name, dtype, i)
     # The loss head: final norm, chunked cross-entropy (its checkpoints save the chunks'
     # inputs, views of the normed output and the targets; and the embedding ids).
