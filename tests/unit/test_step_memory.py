@@ -75,8 +75,8 @@ def test_activation_bytes_match_autograd(name, dtype):
         got = _saved_bytes(lambda layer=layer, h=h: layer(h, cos, sin), params)
         want = layer_activation_bytes(config, i, layer.is_moe, itemsize, 1, B, T)
         assert got == want, (name, dtype, i)
-    # The loss head: final norm, chunked cross-entropy (its checkpoints save the chunks'
-    # inputs, views of the normed output and the targets; and the embedding ids).
+    # The loss head: final norm, chunked cross-entropy (it saves its input, a view of the
+    # normed output, and the targets; and the embedding ids).
     ids = torch.randint(0, config.vocab_size, (B, T + 1))
 
     def head():
