@@ -178,7 +178,7 @@ def _case(make, ep: int, ids: torch.Tensor) -> dict:
         torch.optim.SGD(m.parameters(), lr=LR).step()  # QK-clip runs after the update
     ref_pre, pre = _params(ref), _params(model)
     tau = _tau(ref_logits)
-    clipped = (ref.qk_clip_(ref_logits, tau), model.qk_clip_(logits, tau))
+    clipped = (int(ref.qk_clip_(ref_logits, tau)), int(model.qk_clip_(logits, tau)))
     ref_post, post = _params(ref), _params(model)
     expected = _expected(ref, ref_logits, tau)
     finite = torch.isfinite(ref_logits)
