@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from recipes.config.describe import key_help
 from recipes.config.schema import (
     OPTIM_SCHEMAS,
     ConfigError,
+    ConfigSchema,
     DataSource,
     Device,
     ModelPreset,
@@ -52,6 +54,7 @@ def validate(
     _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")
     _positive(cfg, "optim.weight_decay", allow_zero=True)
     _validate_optim_option(cfg)
+    _schema_keys(cfg, ConfigSchema)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
@@ -331,6 +334,23 @@ def _model_error(cfg: DictConfig, message: str) -> ConfigError:
 
 def _word(name: str, text: str) -> re.Match | None:
     return re.search(rf"\b{re.escape(name)}\b", text)
+
+
+def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
+    """Every key of `node` is a field of its schema dataclass `cls`: Hydra's `+` appends to any
+    node (`+train.no_such_key=1` composes), and every rank's `store.from_yaml` would then stop
+    on the key; it is refused here, by name, before any rank starts. Free-form dicts
+    (`model.overrides`) are checked by their own rules."""
+    hints = typing.get_type_hints(cls)
+    for key in node:
+        path = f"{prefix}{key}"
+        if key not in hints:
+            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+            value = OmegaConf.select(node, str(key))
+            raise ConfigError(f"{path}={value}: not in the schema; allowed: {allowed}")
+        child = OmegaConf.get_type(node, str(key)) if key == "optim" else hints[key]
+        if dataclasses.is_dataclass(child) and isinstance(node[key], DictConfig):
+            _schema_keys(node[key], child, f"{path}.")
 
 
 def _finite(node: Any, prefix: str = "") -> None:

@@ -428,3 +428,12 @@ def test_attention_knobs_reach_the_model_and_optimizer():
         if g.get("num_blocks", 1) > 1
         for n in g["param_names"]
     )
+
+
+@pytest.mark.parametrize("key", ["+train.no_such_key", "+optim.no_such_key", "+no_such_key"])
+def test_an_appended_unknown_key_is_refused_before_the_ranks(key):
+    """Hydra's `+` appends to any node: the config composed, and every rank's `from_yaml`
+    then failed on the unknown key."""
+    cfg = _compose([f"{key}=1"])
+    with pytest.raises(schema.ConfigError, match=re.escape(f"{key[1:]}=1: not in the schema")):
+        schema.validate(cfg)
