@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 from functools import partial
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -208,7 +207,6 @@ def _clip_world() -> dict[str, dict]:
     return {name: _case(make, ep, ids) for name, (make, ep) in CASES.items()}
 
 
-@pytest.mark.slow
 def test_sharded_clip_equals_single_process():
     results = run_world(_clip_world, 3)
     for name, res in results[0].items():
