@@ -80,7 +80,7 @@ def choose_device(device: str, ranks_on_this_node: int) -> str:
 def run(cfg: DictConfig) -> float | None:
     """Validate `cfg` and train; returns the last loss (rank 0 / local launcher), else None."""
     env_world = launcher_world_size()
-    validate(cfg, env_world_size=env_world)
+    validate(cfg, env_world_size=env_world, overrides=HydraConfig.get().overrides.task)
     payload = {
         "config": OmegaConf.to_yaml(cfg, resolve=True),
         "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import typing
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,17 @@ def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:
 
 
 def validate(
-    cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
+    cfg: DictConfig,
+    env_world_size: int | None = None,
+    *,
+    check_devices: bool = True,
+    overrides: Sequence[str] = (),
 ) -> None:
     """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
-    config and its layout on the mesh. Raises ConfigError naming the key. Fills
-    `data.vocab_size` and `data.dtype` from a prepared token directory's meta.json."""
+    config and its layout on the mesh, and the command's `overrides` (`check_overrides`).
+    Raises ConfigError naming the key. Fills `data.vocab_size` and `data.dtype` from a
+    prepared token directory's meta.json."""
+    check_overrides(overrides)
     _finite(cfg)
     _validate_data(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
@@ -334,6 +341,35 @@ def _model_error(cfg: DictConfig, message: str) -> ConfigError:
 
 def _word(name: str, text: str) -> re.Match | None:
     return re.search(rf"\b{re.escape(name)}\b", text)
+
+
+def _bool_keys(cls: type, prefix: str = "") -> set[str]:
+    """Dotted keys of the schema's bool fields (every optimizer's)."""
+    hints, out = typing.get_type_hints(cls), set()
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if f.name == "optim" and not prefix:
+            for schema in OPTIM_SCHEMAS.values():
+                out |= _bool_keys(schema, "optim.")
+        elif dataclasses.is_dataclass(hint):
+            out |= _bool_keys(hint, f"{prefix}{f.name}.")
+        elif hint is bool:
+            out.add(f"{prefix}{f.name}")
+    return out
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """A bool key takes `true` or `false` on the command line: OmegaConf would turn any other
+    int (`checkpoint.async_mode=2`) and strings such as `yes` into a bool without a word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    bools = _bool_keys(ConfigSchema)
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.key_or_group not in bools or o.is_sweep_override() or o.is_delete():
+            continue
+        value = o.value()
+        if not (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+            raise _fail(o.key_or_group, value, "must be true or false")
 
 
 def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:

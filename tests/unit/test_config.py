@@ -437,3 +437,15 @@ def test_an_appended_unknown_key_is_refused_before_the_ranks(key):
     cfg = _compose([f"{key}=1"])
     with pytest.raises(schema.ConfigError, match=re.escape(f"{key[1:]}=1: not in the schema")):
         schema.validate(cfg)
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "1"])
+def test_a_bool_key_takes_true_or_false_only(value):
+    """OmegaConf turns `checkpoint.async_mode=2` (or `yes`) into True without a word."""
+    overrides = [f"checkpoint.async_mode={value}"]
+    cfg = _compose(overrides)
+    with pytest.raises(schema.ConfigError, match="checkpoint.async_mode=.*must be true or false"):
+        schema.validate(cfg, overrides=overrides)
+    schema.validate(
+        _compose(["checkpoint.async_mode=true"]), overrides=["checkpoint.async_mode=true"]
+    )
