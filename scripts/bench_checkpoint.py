@@ -28,7 +28,7 @@ import torch
 
 from recipes.bench.cli import command_line
 from recipes.bench.fixtures import MiB
-from recipes.bench.world import run_world as _run_world
+from recipes.world import run_world as _run_world
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def _worker(cfg: dict) -> dict:
 
 
 def run_world(cfg: dict) -> list[dict]:
-    """The W gloo ranks (recipes.bench.world); every rank's record."""
+    """The W gloo ranks (recipes.world); every rank's record."""
     return _run_world(_worker, cfg["world_size"], cfg, timeout_s=1800)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.bench.fixtures import MiB
-from recipes.bench.world import run_world
+from recipes.world import run_world
 
 
 def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:

@@ -1,4 +1,4 @@
-"""The world runner itself (recipes.bench.world, through tests.harness): passing collectives,
+"""The world runner itself (recipes.world, through tests.harness): passing collectives,
 a world that joins its process group from the environment, forwarded errors, bounded hangs,
 stop signals forwarded to non-daemonic ranks, ranks that die with the calling process."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.bench.world import WorldStopped
+from recipes.world import WorldStopped
 from tests.harness import WorldError, init_mesh, run_world
 
 ROOT = Path(__file__).resolve().parents[2]
