@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from models.glm import get_preset
+from models.glm.local import local_tensor
 from muon import cost
 from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
@@ -83,7 +84,7 @@ def resident_bytes(opt) -> int:
     for g in opt.param_groups:
         copies = 3 if g["algorithm"] == "muon" else 4  # param, grad, momentum | exp_avg, _sq
         for p in g["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             total += copies * local.numel() * local.element_size()
     return total
 
@@ -247,11 +248,7 @@ def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: 
     QK-clip's recording (one more causal Q K^T per layer and sequence, no backward)
     and its one MAX all-reduce of [layers, heads] float32 per step."""
     state = sum(
-        st["normuon_v"].to_local().numel() * 4
-        if hasattr(st["normuon_v"], "to_local")
-        else st["normuon_v"].numel() * 4
-        for st in opt.state.values()
-        if "normuon_v" in st
+        local_tensor(st["normuon_v"]).numel() * 4 for st in opt.state.values() if "normuon_v" in st
     )
     if config.attention == "mla":
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.glm.local import local_tensor
 from recipes import checkpoint
 from recipes.checkpoint import COMMITTED
 from tests.harness import WorldError, run_world
@@ -239,11 +240,9 @@ def test_glm_muon_checkpoint_reshards_4x_ep2_to_2x_ep1(tmp_path):
 
 def _local_tensors(trainer) -> list[torch.Tensor]:
     """This rank's own state: local shards of parameters and optimizer state, buffers."""
-    out = [
-        t.to_local() if hasattr(t, "to_local") else t for t in trainer.model.state_dict().values()
-    ]
+    out = [local_tensor(t) for t in trainer.model.state_dict().values()]
     for st in trainer.opt.state.values():
-        out += [v.to_local() if hasattr(v, "to_local") else v for v in st.values()]
+        out += [local_tensor(v) for v in st.values()]
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
