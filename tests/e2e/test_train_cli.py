@@ -82,4 +82,7 @@ def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path
         "sweep job [optim.lr=nan" in proc.stderr and "optim.lr=nan: must be a finite" in proc.stderr
     )
     assert "[rank" not in proc.stdout + proc.stderr
+    proc = _train_py("-m", "checkpoint.async_mode=true,2", cwd=tmp_path)  # 2 ran as true
+    assert "sweep job [checkpoint.async_mode=2" in proc.stderr
+    assert "checkpoint.async_mode=2: must be true or false" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written
