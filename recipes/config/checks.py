@@ -319,7 +319,7 @@ def _token_count(data: DictConfig) -> int | None:
 
 def _validate_model_path(path: str | None) -> None:
     if path is None:
-        raise _fail("model.path", None, "model=hf needs a transformers directory")
+        raise _fail("model.path", None, "model=hf needs a transformers directory (model.preset=hf)")
     if not (Path(os.path.expanduser(path)) / "config.json").is_file():
         raise _fail("model.path", path, "not a transformers directory (no config.json)")
 
