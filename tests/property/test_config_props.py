@@ -169,6 +169,7 @@ def _same(got, rendered: str) -> bool:
 @example(("muon", [("optim.qk_clip_tau", "nan")]))
 @example(("adamw", [("optim.qk_clip_alpha", "1.5")]))
 @example(("muon", [("optim.betas", "[0.9]")]))
+@example(("adamw", [("logger.group", "null"), ("optim.betas", "[nan]")]))  # optim.betas[0]=nan
 @example(("muon", [("+model.overrides.num_attention_heads", "3")]))
 def test_overrides_refuse_by_name_or_compose_to_what_every_rank_accepts(case):
     optim, pairs = case
@@ -182,8 +183,8 @@ def test_overrides_refuse_by_name_or_compose_to_what_every_rank_accepts(case):
     try:
         schema.validate(cfg, check_devices=False, overrides=_args(optim, pairs))
     except schema.ConfigError as err:
-        # `key=value` of a key the command set, anywhere in the message
-        said = [k for k in named if re.search(rf"(?<![\w.]){re.escape(k)}=", str(err))]
+        # `key=value` (or `key[i]=value`) of a key the command set, anywhere in the message
+        said = [k for k in named if re.search(rf"(?<![\w.]){re.escape(k)}[=\[]", str(err))]
         assert said, (pairs, str(err))
         return
     for k, v in pairs:  # no override dropped or bent
