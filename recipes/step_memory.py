@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.glm import GLMConfig
+from models.glm.local import local_tensor
 from muon.cost import window_peak_bytes
 
 GiB = 1 << 30
@@ -222,7 +223,7 @@ class StepMemory:
 def _local_bytes(params, itemsize: int | None = None) -> int:
     total = 0
     for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_tensor(p)
         total += local.numel() * (itemsize or local.element_size())
     return total
 

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from models.glm import init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from models.glm.local import local_tensor
 from models.glm.mla import MLAttention
 from models.glm.moe import FusedExperts, MoE, Router
 from models.glm.qk_clip import clip_attention_
@@ -303,7 +304,7 @@ class GLMForCausalLM(nn.Module):
             if id(p) in seen or p.is_meta:
                 return
             seen.add(id(p))
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             if kind != "normal":
                 local.fill_(1.0 if kind == "ones" else 0.0)
                 return

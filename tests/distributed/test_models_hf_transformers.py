@@ -270,7 +270,6 @@ def _close(ours, theirs) -> None:
     torch.testing.assert_close(torch.as_tensor(ours), theirs, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_transformers_dirs_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_path):
     """Glm4Moe with an MTP layer (bf16, several files), its block-fp8 copy and a GlmMoeDsa
     whose config declares an MTP layer its files lack start 4-rank ep=2 runs: logits equal to
@@ -359,7 +358,6 @@ def _run(cmd: list[str], cwd) -> str:
     return proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
 def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_path):
     """`python train.py model=hf model.path=DIR checkpoint.init_from=DIR` on 4 ranks (ep 2)
     with a directory transformers wrote: the logged step-1 loss is transformers' loss on the

@@ -91,7 +91,6 @@ def glm5_512(tmp_path_factory):
     return _run_planner(tmp_path_factory.mktemp("plan512"))
 
 
-@pytest.mark.slow
 def test_glm5_expert_aware_paths(glm5_512):
     report = glm5_512
     assert report["meta"]["build_s"] < 60
@@ -125,7 +124,6 @@ def test_glm5_expert_aware_paths(glm5_512):
     )
 
 
-@pytest.mark.slow
 def test_glm5_busiest_rank_work_halves_from_512_to_1024_ranks(glm5_512, tmp_path):
     """Strong scaling of the optimizer step: doubling the ranks shrinks the busiest rank's
     Newton-Schulz work by at least 1.8x (sub-group blocks of k = 2 and 4 once each)."""
@@ -137,7 +135,6 @@ def test_glm5_busiest_rank_work_halves_from_512_to_1024_ranks(glm5_512, tmp_path
     assert ratio >= 1.8, (at_512["ns_flops_busiest"], at_1024["ns_flops_busiest"])
 
 
-@pytest.mark.slow
 def test_glm5_without_expert_paths_agrs_remainder_is_9_gib(tmp_path):
     report = _run_planner(tmp_path, "--no-expert-aware", "--budget-gib", "80")
     down = _expert_groups(report)[DOWN]
@@ -280,7 +277,6 @@ def _by_role(ranks, strategy):
     return busy + idle
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_exchange_buffers_match_measured(measured, strategy):
     for row in _by_role(measured, strategy):
@@ -292,7 +288,6 @@ def test_planned_exchange_buffers_match_measured(measured, strategy):
         assert lo <= row["measured_exchange"] <= hi, row
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_step_peak_bounds_measured(measured, strategy):
     for row in _by_role(measured, strategy):
@@ -328,7 +323,6 @@ def test_indexer_training_flag_frozen_vs_kl():
     assert bad.returncode == 2 and "has no sparse-attention indexer" in bad.stderr
 
 
-@pytest.mark.slow
 def test_glm5_muon_split_and_normuon(tmp_path, glm5_512):
     """Muon Split on GLM-5's MLA: q_b_proj / kv_b_proj / kv_a_proj_with_mqa plan as blocks
     of unequal heights, their Newton-Schulz work is below whole-matrix Muon's, and the
@@ -348,3 +342,19 @@ def test_glm5_muon_split_and_normuon(tmp_path, glm5_512):
     # the owners balance the per-head blocks as well as the whole matrices (widened sub-groups)
     assert split["totals"]["pad_all2all"]["ns"]["busiest_over_ideal"] <= 1.05
     assert "128 (64/192 rows)" in split["stdout"]  # the planner prints the blocks' heights
+
+
+def test_planner_prints_the_whole_step_estimate_against_a_budget():
+    """`scripts/plan_memory.py --step` (fake 8-rank world): both checkpointing modes, the
+    verdict against --budget-gib, and the exit status when nothing fits."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "plan_memory.py"
+    args = [sys.executable, str(script), "--model", "small", "--world-size", "8", "--ep", "2"]
+    args += ["--step", "--seq-len", "256", "--micro-batch", "2", "--strategy", "pad_all2all"]
+    fits = subprocess.run([*args, "--budget-gib", "8"], capture_output=True, text=True)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    text = fits.stdout[fits.stdout.index("whole step per rank") :]
+    peaks = [float(line.split()[4]) for line in text.splitlines() if "step peak per rank" in line]
+    assert len(peaks) == 2 and 0 < peaks[1] < peaks[0], text  # checkpointing saves memory
+    assert text.count("fits in 8 GiB") == 2
+    tight = subprocess.run([*args, "--budget-gib", "0.001"], capture_output=True, text=True)
+    assert tight.returncode == 1 and "DOES NOT FIT in 0.001 GiB" in tight.stdout
