@@ -20,6 +20,11 @@ Non-finite gradients: if any gradient of any parameter on any rank holds a NaN o
 step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
 `skipped_steps` counts it.
 
+Updates that do not fit: finite gradients can still give an update whose `lr * O` overflows
+the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps its value (its
+momentum has moved), the others are updated, and the step is marked skipped on every rank
+(`last_step_skipped`, `skipped_steps`).
+
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
 zeros and its result is dropped, so the batch keeps its plan). Ranks that disagree about a
@@ -43,6 +48,7 @@ from muon.blocks import orthogonalize as _orthogonalize
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks, row_scales
 from muon.cost import LinkModel
+from muon.guard import fit, guard_update, updates_finite
 from muon.layout import from_rows, local, moved_shape
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
@@ -55,7 +61,9 @@ from muon.validate import (
     NS_DTYPES,
     check_group_keys,
     check_loaded_groups,
+    check_options,
     dtype_name,
+    fold_adamw_momentum,
     group_algorithm,
     plan_keys,
     validate_group,
@@ -139,7 +147,7 @@ class Muon(torch.optim.Optimizer):
         normuon: bool = False,
         normuon_beta2: float = 0.95,
     ) -> None:
-        if remainder_strategy not in REMAINDER_CHOICES:
+        if not isinstance(remainder_strategy, str) or remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
                 f"remainder_strategy: {remainder_strategy!r} is not one of "
                 f"{', '.join(REMAINDER_CHOICES)}"
@@ -153,11 +161,13 @@ class Muon(torch.optim.Optimizer):
             )
         if not enable_all2all:
             remainder_strategy = "agrs"  # "auto" too: agrs is the only path without all-to-all
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
-        if memory_budget is not None and not memory_budget > 0:
-            raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
-        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(betas), "eps": adamw_eps}
+        check_options(
+            enable_all2all=enable_all2all,
+            expert_aware=expert_aware,
+            max_inflight=max_inflight,
+            memory_budget=memory_budget,
+        )
+        self._adamw_defaults = {"lr": adamw_lr, "betas": betas, "eps": adamw_eps}
         defaults = dict(
             lr=lr,
             algorithm="muon",
@@ -215,15 +225,13 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
-        check_loaded_groups(self.param_groups, state_dict, self.state)
+        loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)
         super().load_state_dict(state_dict)
-        for g in self.param_groups:
-            if g["algorithm"] == "adamw":
-                for key in MUON_ONLY_KEYS:
-                    g.pop(key, None)
-            else:
-                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        for g, checked in zip(self.param_groups, loaded, strict=True):
+            # what was checked is what is loaded: saved values over current ones, normalized
+            g.clear()
+            g.update(checked)
         if plan_keys(self.param_groups) != before:
             self._plan()
 
@@ -268,6 +276,7 @@ class Muon(torch.optim.Optimizer):
             for key in MUON_ONLY_KEYS:
                 self.param_groups[-1].pop(key, None)
         if planned:  # after construction: state and plans for the new group
+            kept = (self.plan, self._planned_params)
             try:
                 self._init_state()
                 self._plan()
@@ -275,6 +284,7 @@ class Muon(torch.optim.Optimizer):
                 del self.param_groups[n_groups:]
                 for p in [p for p in self.state if p not in known]:
                     del self.state[p]
+                self.plan, self._planned_params = kept  # the plan of the groups that remain
                 raise
 
     def _init_state(self) -> None:
@@ -284,7 +294,7 @@ class Muon(torch.optim.Optimizer):
                 st = self.state[p]
                 if g["algorithm"] == "muon":
                     st.setdefault("momentum_buffer", torch.zeros_like(p))
-                else:  # on the parameter's device, as torch.optim's capturable AdamW keeps it
+                else:  # on the parameter's device, as torch.optim's fused AdamW keeps it
                     st.setdefault("step", torch.zeros((), device=local(p).device))
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))
@@ -315,6 +325,9 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_params_unchanged()
+        for g in self.param_groups:  # a scheduler's cycled momentum is an AdamW group's beta1
+            if g["algorithm"] == "adamw":
+                fold_adamw_momentum(g)
         finite, self._gradless = self._census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
@@ -322,6 +335,9 @@ class Muon(torch.optim.Optimizer):
             return loss
         self.last_step_skipped = False
         self.update()
+        if not updates_finite(self._updates_ok):  # an update that did not fit was not written
+            self.skipped_steps += 1
+            self.last_step_skipped = True
         return loss
 
     @torch.no_grad()
@@ -329,7 +345,9 @@ class Muon(torch.optim.Optimizer):
         """The step after the census, on the gradients as they are: AdamW groups, then every
         Muon batch. No host reads on the local path and the AdamW groups (the exchanges read
         their plan, never a device value), so a CUDA graph can capture it (`timed=False`: no
-        timing events, which a graph cannot record: `step_stats` then times on the host)."""
+        timing events, which a graph cannot record: `step_stats` then times on the host). The
+        verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
+        self._updates_ok: list[torch.Tensor] = []
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
@@ -340,8 +358,16 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw_group(self, g: dict) -> None:
         """torch's fused AdamW over the group's parameters with a grad (`muon.update`)."""
+        params = [p for p in g["params"] if p.grad is not None]
+        beta1 = g["betas"][0]
+        # the bias-corrected scale lr / (1 - beta1^t) is largest at t = 1: a dtype it passes
+        # there cannot be written at all (`muon.guard`), decided on the host without t
+        big = {p.dtype for p in params if g["lr"] / (1 - beta1) > torch.finfo(p.dtype).max}
+        if big:
+            self._updates_ok.append(torch.tensor(False))
+            params = [p for p in params if p.dtype not in big]
         update.adamw_group_(
-            [p for p in g["params"] if p.grad is not None],
+            params,
             self.state,
             lr=g["lr"],
             betas=g["betas"],
@@ -449,7 +475,8 @@ class Muon(torch.optim.Optimizer):
 
     def _apply(self, params: list, shards: list, b: BatchPlan, chunk: Chunk, r: int) -> None:
         """The apply phase (`muon.update.muon_apply_`): decoupled weight decay, then the
-        orthogonalized update at the per-block lr, per (lr, weight decay, adjust_lr) group."""
+        orthogonalized update at the per-block lr, per (lr, adjust_lr) group; neither for a
+        parameter whose update does not fit its dtype (`muon.guard`, which applies the decay)."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
             rows, cols = b.block_shape
         lists: dict[tuple, tuple[list, list]] = {}
@@ -458,16 +485,25 @@ class Muon(torch.optim.Optimizer):
                 continue
             if len(b.global_shape) <= 2:
                 rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
-            key = (1 - g["lr"] * g["weight_decay"], g["lr"], g["adjust_lr"], rows, cols)
-            out = lists.setdefault(key, ([], []))
+            key = (g["lr"], g["adjust_lr"], rows, cols)
+            top = max(
+                adjusted_lr(g["lr"], g["adjust_lr"], h, cols) for h in b.split_sizes or (rows,)
+            )
             x = local(p)
-            out[0].append(x)
             same = b.shard_tensor_dim == 0 and o.shape == x.shape
-            out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
-        for (decay, lr, mode, rows, cols), (X, U) in lists.items():
+            u = guard_update(
+                x, o if same else from_rows(o, x, b.shard_tensor_dim), top, g, self._updates_ok
+            )
+            out = lists.setdefault(key, ([], []))
+            out[0].append(x)
+            out[1].append(u)
+        for (lr, mode, rows, cols), (X, U) in lists.items():
+            dtype = X[0].dtype
             if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
                 if mode not in chunk.row_scales:  # adjust_lr changed since planning: made once
                     chunk.row_scales.update(row_scales(b, r, [mode], X[0].device))
-                update.muon_apply_(X, U, decay=decay, lr=lr, row_scale=chunk.row_scales[mode])
+                scale = chunk.row_scales[mode]
+                update.muon_apply_(X, U, decay=1.0, lr=fit(lr, dtype), row_scale=scale)
             else:
-                update.muon_apply_(X, U, decay=decay, lr=adjusted_lr(lr, mode, rows, cols))
+                alpha = fit(adjusted_lr(lr, mode, rows, cols), dtype)
+                update.muon_apply_(X, U, decay=1.0, lr=alpha)

@@ -5,12 +5,10 @@ several blocks of Newton-Schulz work, lands on a rank of one pair: with pairs as
 that pair stays above the mean, so `muon.owners` widens the sub-groups to all four ranks and
 moves blocks to the other pair, whose owner then receives both shards of a block. Parameters,
 momentum and NorMuon moments must equal the single-process reference, and the bytes each rank
-sends must equal what `muon.cost` counts from the plan.
+sends must equal what `muon.paths` counts from the plan.
 """
 
 from __future__ import annotations
-
-import pytest
 
 from muon.paths import bytes_sent
 from muon.plan import REMAINDER_STRATEGIES
@@ -54,7 +52,6 @@ def _cases():
     return results
 
 
-@pytest.mark.slow
 def test_widened_subgroups_equal_single_process():
     ranks = run_world(_cases, W, timeout_s=600)
     for rank, results in enumerate(ranks):
