@@ -3,7 +3,7 @@
 The path of one Muon batch through a step: at construction `planner.py` decided which
 matrices travel together (`plan.py`) and who assembles them (`owners.py`), and `_prepare` made
 once what the step needs on the device (row indices and lr factors of blocks of unequal
-heights). A step is the gradient census (`census.py`, the step's one host read), then
+heights). A step is the gradient census (`census.py`, one host read), then
 `update`: the AdamW groups, then each batch as an AsyncTask (`_task`) that runs the same phases
 for every path (`paths.py`): momentum -> launch -> wait -> orthogonalize -> return -> wait ->
 apply, the math being the foreach functions of `update.py`. `runtime.py` keeps a sliding
@@ -319,7 +319,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        """One step: the gradient census (one host read), then `update` unless it skips."""
+        """One step: the gradient census (one host read), then `update` unless it skips, then
+        the update guard's verdict (`muon.guard`, one host read)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -96,8 +96,9 @@ def test_the_local_path_and_adamw_make_no_host_read_and_the_same_buffers_each_st
     assert len(second) > 0
 
 
-def test_the_whole_step_reads_the_host_once():
-    """`step` = the census (its one read of the device: was every gradient finite) + `update`."""
+def test_the_whole_step_reads_the_host_twice():
+    """`step` = the census (its read of the device: was every gradient finite) + `update` +
+    the verdict of `muon.guard` (did every update fit its dtype), read once after the update."""
     opt, params = _optimizer()
     _fill_grads(params, 0)
     opt.step()
@@ -105,7 +106,7 @@ def test_the_whole_step_reads_the_host_once():
     with Recorder() as rec:
         opt.step()
     reads = [name for name, _ in rec.ops if name in HOST_READS]
-    assert reads == ["_local_scalar_dense"], reads
+    assert reads == ["_local_scalar_dense"] * 2, reads
 
 
 def test_update_after_the_census_equals_step():
