@@ -17,7 +17,7 @@ import torch
 
 from models.glm.config import GLMConfig
 
-TRAINING_ONLY = ("indexer_training",)
+TRAINING_ONLY = ("indexer_training", "dsa_impl", "dsa_chunk_mib")
 
 # Defaults common to both transformers configs (where they agree).
 _COMMON = dict(
