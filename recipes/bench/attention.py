@@ -19,6 +19,7 @@ input.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -106,8 +107,6 @@ def run_fresh(seq_len: int, path: str, mode: str, repeats: int, timeout: float) 
     """`measure` in a fresh Python process (one thread); its row, or a row saying why not."""
     cmd = [sys.executable, "-m", "recipes.bench.attention", str(seq_len), path, mode, str(repeats)]
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    import os
-
     try:
         done = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
@@ -121,17 +120,18 @@ def run_fresh(seq_len: int, path: str, mode: str, repeats: int, timeout: float) 
 
 
 def sweep(
-    lengths, paths, modes, *, repeats: int, masked_max_t: int, timeout: float, log=print
+    lengths, paths, modes, *, repeats: int, max_t: dict[str, int], timeout: float, log=print
 ) -> list[dict]:
     """Every (T, path, mode), each in a fresh process; T ascending, at each T the paths side
-    by side. The masked path past `masked_max_t` is not run (quadratic time and memory)."""
+    by side. A path is not run past its `max_t` (the masked path's time and memory are
+    quadratic in T; the per-head path only needs the sizes that decide against it)."""
     rows = []
     for T in lengths:
         for mode in modes:
             for path in paths:
-                if path == "masked" and T > masked_max_t:
+                if max_t.get(path, T) < T:
                     rows.append(
-                        {"T": T, "path": path, "mode": mode, "skipped": f"T > {masked_max_t}"}
+                        {"T": T, "path": path, "mode": mode, "skipped": f"T > {max_t[path]}"}
                     )
                     continue
                 row = run_fresh(T, path, mode, repeats, timeout)
