@@ -178,6 +178,15 @@ def test_compose_rejects(override, expected):
             "model.overrides.indexer_types=['full', 'full']: GLMConfig.indexer_types has 2",
         ),
         (
+            ["model=mla_tiny", "+model.overrides.dsa_impl=dense"],
+            "model.overrides.dsa_impl=dense: GLMConfig.dsa_impl must be one of ('latent', "
+            "'per_head', 'masked')",
+        ),
+        (
+            ["model=mla_tiny", "+model.overrides.dsa_chunk_mib=0"],
+            "model.overrides.dsa_chunk_mib=0: GLMConfig.dsa_chunk_mib must be a positive int",
+        ),
+        (
             ["+model.overrides.kv_lora_rank=8"],
             "model.overrides.kv_lora_rank=8: GLMConfig.kv_lora_rank is a multi-head latent",
         ),
@@ -428,3 +437,13 @@ def test_attention_knobs_reach_the_model_and_optimizer():
         if g.get("num_blocks", 1) > 1
         for n in g["param_names"]
     )
+
+
+def test_dsa_impl_defaults_to_the_sparse_path_and_overrides_to_masked():
+    """`python train.py model=mla_tiny` builds the sparse (latent) DSA path; the masked
+    reference is `+model.overrides.dsa_impl=masked`."""
+    from recipes.parallel import model_config
+
+    assert model_config(_compose(["model=mla_tiny"])).dsa_impl == "latent"
+    masked = _compose(["model=mla_tiny", "+model.overrides.dsa_impl=masked"])
+    assert model_config(masked).dsa_impl == "masked"
