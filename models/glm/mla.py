@@ -8,8 +8,16 @@ Per layer, with x the normed layer input:
     softmax scale (P + R)^-0.5, times YaRN's mscale^2 when rope_scaling sets mscale_all_dim
 RoPE is interleaved on the R slice. With DSA (`index_topk`) each query attends only the keys its
 layer's indexer keeps (a "shared" layer reuses the previous layer's choice); when T <= index_topk
-every causal key is kept and the layer is plain causal MLA. Parameter names are those of the GLM-5
-checkpoints (transformers `GlmMoeDsaAttention`).
+every causal key is kept. `GLMConfig.dsa_impl` picks how:
+- "latent" (default): the absorbed form, as DeepSeek-V3.2's sparse MLA. Scores
+  q_nope . k_nope = (q_nope W_uk) . kv, so every head reads one key per position, the normed
+  kv latent [L] plus the rotary key [R]; the output is W_uv (sum_k p_k kv_k). One gather of
+  [T, K, L + R] serves all heads (`models.glm.sparse_attention`); kv_b_proj is never applied
+  to the keys.
+- "per_head": the kept keys and values gathered per head ([T, K, N, P + R] and [T, K, N, V]).
+- "masked": dense SDPA under the [T, S] kept-key mask: the reference, O(T^2) memory.
+Dense MLA (no index_topk) is causal SDPA. Parameter names are those of the GLM-5 checkpoints
+(transformers `GlmMoeDsaAttention`).
 
 Shape legend: B batch, T queries, S keys, D hidden, N heads, Q q_lora_rank, L kv_lora_rank,
 P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, K kept keys.
