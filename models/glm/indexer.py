@@ -31,7 +31,7 @@ from torch import nn
 
 from models.glm.config import GLMConfig
 from models.glm.layers import apply_interleaved_rope
-from models.glm.sparse_attention import query_chunk
+from models.glm.sparse_attention import gather_rows, query_chunk
 
 # The indexer key norm's eps is fixed in GLM-5 (transformers hard-codes it too), independent of
 # rms_norm_eps.
@@ -132,7 +132,7 @@ class _KeptScores(torch.autograd.Function):
         k_F = k_BTC.reshape(B * T, C)
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
-            kg_BJKC = k_F[idx_BTK[:, t0:t1] + base_B11]
+            kg_BJKC = gather_rows(k_F, idx_BTK[:, t0:t1] + base_B11)
             relu_BJMK = torch.einsum("bjmc,bjkc->bjmk", q_BTMC[:, t0:t1], kg_BJKC).relu_()
             out_BTK[:, t0:t1] = torch.einsum("bjm,bjmk->bjk", w_BTM[:, t0:t1], relu_BJMK)
         ctx.save_for_backward(q_BTMC, k_BTC, w_BTM, idx_BTK)
@@ -150,7 +150,7 @@ class _KeptScores(torch.autograd.Function):
         for t0 in range(0, T, ctx.chunk):
             t1 = min(T, t0 + ctx.chunk)
             flat_BJK = idx_BTK[:, t0:t1] + base_B11
-            kg_BJKC = k_F[flat_BJK]
+            kg_BJKC = gather_rows(k_F, flat_BJK)
             q, w, g = q_BTMC[:, t0:t1], w_BTM[:, t0:t1], g_BTK[:, t0:t1]
             logit_BJMK = torch.einsum("bjmc,bjkc->bjmk", q, kg_BJKC)
             dw[:, t0:t1] = torch.einsum("bjk,bjmk->bjm", g, logit_BJMK.relu())

@@ -35,9 +35,11 @@ def attention_row_bytes(batch: int, heads: int, key_heads: int, width: int, topk
     return batch * topk * 4 * (2 * key_heads * width + 4 * heads)
 
 
-def _gather(x_BSF: torch.Tensor, flat_BCK: torch.Tensor) -> torch.Tensor:
-    """Rows of x [B, S, F] at flat positions b * S + s: [B, C, K, F]."""
-    return x_BSF.reshape(-1, x_BSF.shape[-1])[flat_BCK]
+def gather_rows(x_BSF: torch.Tensor, flat_BCK: torch.Tensor) -> torch.Tensor:
+    """Rows of x [B, S, F] (or [B * S, F]) at flat positions b * S + s: [B, C, K, F]
+    (index_select: on CPU several times faster than advanced indexing)."""
+    rows = torch.index_select(x_BSF.reshape(-1, x_BSF.shape[-1]), 0, flat_BCK.reshape(-1))
+    return rows.view(*flat_BCK.shape, x_BSF.shape[-1])
 
 
 def _subscripts(shared: bool) -> str:
@@ -64,11 +66,12 @@ class _SparseAttention(torch.autograd.Function):
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
-            s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_BTNE[:, t0:t1].float(), kg) * scale
+            q_s = q_BTNE[:, t0:t1].float() * scale  # the scale on [C, N, E], not [C, N, K]
+            s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
             s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
             max_N = torch.maximum(max_N, s_BCNK.amax(dim=(0, 1, 3)))
             lse = torch.logsumexp(s_BCNK, -1)
-            p_BCNK = torch.exp(s_BCNK - lse[..., None])
+            p_BCNK = s_BCNK.sub_(lse[..., None]).exp_()
             o_BTNV[:, t0:t1] = torch.einsum(f"bcnk,{g}v->bcnv", p_BCNK, vg).to(o_BTNV.dtype)
             lse_BTN[:, t0:t1] = lse
             if want_probs:
@@ -97,15 +100,16 @@ class _SparseAttention(torch.autograd.Function):
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
-            q = q_BTNE[:, t0:t1].float()
+            q_s = q_BTNE[:, t0:t1].float() * scale
             do = do_BTNV[:, t0:t1].float()
-            s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q, kg) * scale
+            s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
             s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
-            p_BCNK = torch.exp(s_BCNK - lse_BTN[:, t0:t1, :, None])
+            p_BCNK = s_BCNK.sub_(lse_BTN[:, t0:t1, :, None]).exp_()
             dp_BCNK = torch.einsum(f"bcnv,{g}v->bcnk", do, vg)
-            ds_BCNK = p_BCNK * (dp_BCNK - delta_BTN[:, t0:t1, :, None]) * scale
-            dq_BTNE[:, t0:t1] = torch.einsum(f"bcnk,{g}e->bcne", ds_BCNK, kg)
-            dkg = torch.einsum(f"bcnk,bcne->{g}e", ds_BCNK, q)
+            # dS / scale = P * (dP - D): the scale goes on the [C, N, E] results instead
+            ds_BCNK = dp_BCNK.sub_(delta_BTN[:, t0:t1, :, None]).mul_(p_BCNK)
+            dq_BTNE[:, t0:t1] = torch.einsum(f"bcnk,{g}e->bcne", ds_BCNK, kg).mul_(scale)
+            dkg = torch.einsum(f"bcnk,bcne->{g}e", ds_BCNK, q_s)
             dvg = torch.einsum(f"bcnk,bcnv->{g}v", p_BCNK, do)
             flat = (idx_BTK[:, t0:t1] + base_B11).reshape(-1)
             if dv_F is None:  # the values are the keys' first value_dim channels
@@ -123,13 +127,13 @@ def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
     else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K])."""
     idx_BCK = idx_BTK[:, t0:t1]
     flat_BCK = idx_BCK + base_B11
-    kg = _gather(keys_BSF, flat_BCK).float()
+    kg = gather_rows(keys_BSF, flat_BCK).float()
     if H > 1:
         kg = kg.unflatten(-1, (H, -1))
     if vals_BSF is None:
         vg = kg[..., :value_dim]
     else:
-        vg = _gather(vals_BSF, flat_BCK).float()
+        vg = gather_rows(vals_BSF, flat_BCK).float()
         vg = vg.unflatten(-1, (H, -1)) if H > 1 else vg
     rows_C = torch.arange(t0, t1, device=idx_BTK.device)
     return kg, vg, idx_BCK <= rows_C[None, :, None]

@@ -17,21 +17,28 @@ def _find(rows: list[dict], T: int, path: str, mode: str) -> dict | None:
 
 
 def wide_rows(rows: list[dict]) -> list[dict]:
-    """One row per (T, path) with both modes' seconds and peaks; skipped runs say why."""
+    """One row per (T, path) that ran, with both modes' seconds and peaks."""
     out = []
     for T in sorted({r["T"] for r in rows}):
         for path in dict.fromkeys(r["path"] for r in rows):
             row: dict = {"T": T, "path": path}
             for r in rows:
-                if r["T"] == T and r["path"] == path:
-                    m = r["mode"]
-                    if "skipped" in r:
-                        row[f"{m}_s"] = row[f"{m}_peak"] = f"not run ({r['skipped']})"
-                    else:
-                        row[f"{m}_s"], row[f"{m}_peak"] = r["seconds"], r["peak_mib"]
+                if r["T"] == T and r["path"] == path and "skipped" not in r:
+                    row[f"{r['mode']}_s"], row[f"{r['mode']}_peak"] = r["seconds"], r["peak_mib"]
             if len(row) > 2:
                 out.append(row)
     return out
+
+
+def skipped_note(rows: list[dict]) -> str:
+    """One line naming the (path, T) runs that did not run and why ('' when none)."""
+    why: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        if "skipped" in r:
+            Ts = why.setdefault((r["path"], r["skipped"]), [])
+            Ts += [] if r["T"] in Ts else [r["T"]]
+    parts = [f"{p} at T = {', '.join(map(str, Ts))} ({reason})" for (p, reason), Ts in why.items()]
+    return "Not run: " + "; ".join(parts) + "." if parts else ""
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -96,6 +103,8 @@ def markdown(rows: list[dict], command: str, machine: str) -> str:
             ("", "verdict", ""),
         ],
     )
+    note = skipped_note(rows)
+    table += f"\n\n{note}" if note else ""
     return f"    {command}\n\n{table}\n\n{target_table}\n\n{machine}\n"
 
 
