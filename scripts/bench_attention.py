@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--per-head-max-t", type=int, default=4096, help="longest T the per_head path runs"
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
-    p.add_argument("--out", default="bench_attention", help="output directory")
+    p.add_argument("--out", default="bench_out/attention", help="output directory")
     p.add_argument("--plot", default=None, help="also write the plot here (e.g. docs/img/...)")
     args = p.parse_args(argv)
     if args.repeats < 1:
