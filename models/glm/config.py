@@ -12,7 +12,10 @@ Two attention families share the type, chosen by `attention`:
   qk_rope_head_dim, v_head_dim); with `index_topk` set it adds DeepSeek Sparse Attention (DSA:
   index_n_heads, index_head_dim, index_topk, indexer_types) and `indexer_training` picks how the
   indexer learns ("kl": DeepSeek-V3.2's KL objective, for pretraining; "frozen": no gradient and
-  no optimizer state, for fine-tuning a released checkpoint).
+  no optimizer state, for fine-tuning a released checkpoint); `dsa_impl` picks how the sparse
+  attention runs (models/glm/mla.py: "latent", the absorbed sparse MLA over gathered keys, by
+  default; "per_head"; "masked", dense SDPA under the kept-key mask, the reference) and
+  `dsa_chunk_mib` bounds one query chunk's temporaries there and in the indexer.
 `rope_scaling` (yarn) applies to both: {"rope_type": "yarn", "factor", "original_max_position_
 embeddings", optional "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
 "truncate"}, transformers' `rope_parameters` without `rope_theta`.
