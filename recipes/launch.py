@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.bench.world import WorldError, WorldStopped, run_world
-from recipes.config import from_yaml, validate
+from recipes.config import from_yaml, reuse_export_command, validate
 
 log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -102,6 +102,9 @@ def run(cfg: DictConfig) -> float | None:
     if result is None:
         return None
     print(f"[summary] {payload['run_dir']}: {result['text']}", flush=True)
+    export = Path(payload["run_dir"]) / "hf"
+    if (export / "config.json").is_file():
+        print(f"[summary] start a run from this export: {reuse_export_command(export)}", flush=True)
     return result.get("loss_last")
 
 

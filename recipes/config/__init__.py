@@ -10,7 +10,8 @@ One module per purpose, every public name re-exported here (`from recipes.config
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config;
 - `describe`: the schema as text (`describe`, `key_help`);
-- `run_dir`: the run directory's name (`same_run_keys`, `run_id`);
+- `run_dir`: the run directory's name (`same_run_keys`, `run_id`) and how to pass it back
+  (`override_value`, `reuse_export_command`);
 - `store`: registration with Hydra and conf/'s resolvers (`register`, `slurm_tasks`), the YAML
   round trip of a resolved config (`to_plain`, `from_yaml`).
 Importing the package registers the schema (`register()`).
@@ -18,7 +19,14 @@ Importing the package registers the schema (`register()`).
 
 from recipes.config.checks import validate
 from recipes.config.describe import describe, key_help
-from recipes.config.run_dir import RUN_ID_MAX, SAME_RUN_GROUPS, run_id, same_run_keys
+from recipes.config.run_dir import (
+    RUN_ID_MAX,
+    SAME_RUN_GROUPS,
+    override_value,
+    reuse_export_command,
+    run_id,
+    same_run_keys,
+)
 from recipes.config.schema import (
     MUON_SPLIT,
     OPTIM_SCHEMAS,
@@ -101,7 +109,9 @@ __all__ = [
     "describe",
     "from_yaml",
     "key_help",
+    "override_value",
     "register",
+    "reuse_export_command",
     "run_id",
     "same_run_keys",
     "slurm_tasks",
