@@ -10,6 +10,8 @@ One module per purpose, every public name re-exported here (`from recipes.config
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config;
 - `describe`: the schema as text (`describe`, `key_help`);
+- `keys`: unknown keys, with or without `+` (`check_command_line`, `check_composed`,
+  `known_keys`);
 - `run_dir`: the run directory's name (`same_run_keys`, `run_id`) and how to pass it back
   (`override_value`, `reuse_export_command`);
 - `store`: registration with Hydra and conf/'s resolvers (`register`, `slurm_tasks`), the YAML
@@ -19,6 +21,7 @@ Importing the package registers the schema (`register()`).
 
 from recipes.config.checks import validate
 from recipes.config.describe import describe, key_help
+from recipes.config.keys import check_command_line, check_composed, known_keys
 from recipes.config.run_dir import (
     RUN_ID_MAX,
     SAME_RUN_GROUPS,
@@ -106,9 +109,12 @@ __all__ = [
     "TrainConfig",
     "TrainDtype",
     "WandbMode",
+    "check_command_line",
+    "check_composed",
     "describe",
     "from_yaml",
     "key_help",
+    "known_keys",
     "override_value",
     "register",
     "reuse_export_command",

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.config.describe import key_help
+from recipes.config.keys import check_composed
 from recipes.config.schema import (
     OPTIM_SCHEMAS,
     ConfigError,
@@ -44,6 +45,7 @@ def validate(
     """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
     config and its layout on the mesh. Raises ConfigError naming the key. Fills
     `data.vocab_size` and `data.dtype` from a prepared token directory's meta.json."""
+    check_composed(cfg)  # a key `+key=value` added that no schema has
     _finite(cfg)
     _validate_data(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")

@@ -29,6 +29,13 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
             "+model.overrides.n_routed_experts=6 mesh.ep=4",
             "mesh.ep=4: n_routed_experts (6) must be divisible by ep (4); allowed ep: [1, 2]",
         ),
+        # a typo, and Hydra's hint for it: both end here, naming the nearest real key
+        ("train.step=5", "train.step: unknown key, with or without '+'; did you mean train.steps?"),
+        (
+            "+train.step=5",
+            "train.step: unknown key, with or without '+'; did you mean train.steps?",
+        ),
+        ("optim=adamw +optim.ns_steps=3", "optim.ns_steps: a key of another optimizer's schema"),
     ],
 )
 @pytest.mark.slow

@@ -457,3 +457,25 @@ def test_attention_knobs_reach_the_model_and_optimizer():
         if g.get("num_blocks", 1) > 1
         for n in g["param_names"]
     )
+
+
+def test_unknown_keys_fail_naming_the_nearest_real_one():
+    """With or without `+`, on the command line (before Hydra composes) and in a composed
+    config (what `+key=` added): one ConfigError naming the key and the closest real key."""
+    for args, message in [
+        (
+            ["train.step=5"],
+            "train.step: unknown key, with or without '+'; did you mean train.steps?",
+        ),
+        (["+train.step=5"], "did you mean train.steps?"),
+        (["-m", "optim.remainder_stratgy=agrs,auto"], "did you mean optim.remainder_strategy?"),
+        (["modle=tiny"], "did you mean model?"),
+    ]:
+        with pytest.raises(schema.ConfigError, match=re.escape(message)):
+            schema.check_command_line(args)
+    fine = ["-m", "model=mla_tiny", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "--cfg"]
+    schema.check_command_line([*fine, "job", "optim.lr=1,2", "+model.overrides.num_mtp_layers=0"])
+    with pytest.raises(schema.ConfigError, match=re.escape("did you mean train.steps?")):
+        schema.validate(_compose(["+train.step=5"]))
+    with pytest.raises(schema.ConfigError, match="optim.ns_steps: a key of another optimizer"):
+        schema.validate(_compose(["optim=adamw", "+optim.ns_steps=3"]))
