@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.bench.report import as_shown
 from recipes.bench.remainder_report import evaluate_targets
+from recipes.bench.report import as_shown
 from recipes.step_memory import GiB, StepMemory
 
 ROOT = Path(__file__).resolve().parents[2]
