@@ -21,13 +21,14 @@ Placeholders the docs write (`/tmp/...`, `path/to/tokenizer-dir`) map to paths i
 Afterwards, every path the commands left in the copy must be git-ignored (`git status` stays
 clean after running them from a checkout) and the checkout itself must be unchanged. Commands
 run in parallel (`WORKERS`); every `python scripts/plan_memory.py` runs in one process, which
-imports torch and the model code once.
+imports torch and the model code once. `DOCS_COMMANDS=<regex>` runs only the commands it
+matches (e.g. while adding one).
 """
 
+# ruff: noqa: E501 - COMMANDS is a table: one line per command
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import re
 import shlex
@@ -80,7 +81,7 @@ PLAN = "--world-size 16"  # the planner's fake world: 16 ranks instead of 512 (e
 STUDY = f"{TRAIN} {ONE} train.warmup_steps=1 eval.every=1"
 NS = "--scale 64 --repeats 1 --train-steps 2 --train-seeds 1 --train-lrs 0.02 --step-world 2"
 NS += " --step-count 2 --step-repeats 1 --cond-scale 16"
-REMAINDER = "--world-size 2 --shape 64x48 --remainders 1 --steps 1 --warmup 0"
+REMAINDER = "--world-size 2 --shape 64x48 --remainders 1 --steps 1 --warmup 1"
 
 # pattern (re.search on the command as the docs write it) -> shrink -> writes [-> needs]
 COMMANDS: list[Run | NotRun] = [
@@ -110,7 +111,7 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 64 --ep 8$", PLAN, ""),
     Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --strategy pad_all2all$", PLAN, ""),
     Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --strategy pad_all2all --muon-split --normuon$", PLAN, ""),
-    Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --strategy auto --step --budget-gib 141( --indexer-training frozen)?$", PLAN, ""),
+    Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --strategy auto --step --budget-gib 141( --indexer-training frozen)?$", "--world-size 128", ""),
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 8 --ep 8 --step --budget-gib 141$", "", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 64 --ep 8 --step --budget-gib 141$", PLAN, ""),
     Run(r"^python train\.py -m run\.root=runs/split optim\.muon_split=on,off", f"{TRAIN} {ONE}", "runs/split/*/metrics.jsonl"),
@@ -233,7 +234,9 @@ def test_every_documented_command_has_one_entry():
         if len(matches) != 1:
             problems.append(f"{doc}: `{command}` matches {len(matches)} entries of COMMANDS")
     used = {id(e) for _, c in commands for e in entry_for(c)}
-    problems += [f"no documented command matches {e.pattern!r}" for e in COMMANDS if id(e) not in used]
+    problems += [
+        f"no documented command matches {e.pattern!r}" for e in COMMANDS if id(e) not in used
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -280,7 +283,10 @@ def _inputs(root: Path) -> None:
     (root / "corpus").mkdir()
     for i, src in enumerate(sorted(stdlib.glob("[a-c]*.py"))[:24]):
         (root / "corpus" / f"doc{i:02d}.txt").write_text(src.read_text(errors="ignore")[:4000])
-    lines = [json.dumps({"text": p.read_text(errors="ignore")[:2000]}) for p in sorted(stdlib.glob("d*.py"))[:8]]
+    lines = [
+        json.dumps({"text": p.read_text(errors="ignore")[:2000]})
+        for p in sorted(stdlib.glob("d*.py"))[:8]
+    ]
     (root / "more.jsonl").write_text("\n".join(lines) + "\n")
     before = root / "tmp" / "before"
     before.mkdir(parents=True)
@@ -382,7 +388,9 @@ def _left_behind(root: Path) -> list[str]:
             continue
         out.append(p.name + ("/" if p.is_dir() else ""))
         if p.is_dir():
-            out += [f"{p.name}/{q.relative_to(p).as_posix()}" for q in p.rglob("*") if q.is_file()][:200]
+            out += [f"{p.name}/{q.relative_to(p).as_posix()}" for q in p.rglob("*") if q.is_file()][
+                :200
+            ]
     return out
 
 
@@ -397,10 +405,11 @@ def test_documented_commands_run_and_leave_only_ignored_files(tmp_path_factory):
     _copy_of_checkout(root)
     _inputs(root)
     build_stdlib_tokens(os.path.expanduser("~/.cache/moe_muon_recipes"))  # once, not per run
+    only = re.compile(os.environ.get("DOCS_COMMANDS", ""))  # e.g. DOCS_COMMANDS=bench_step
     jobs: dict[str, _Job] = {}
     for _, command in documented_commands():
         (entry,) = entry_for(command)
-        if isinstance(entry, Run):
+        if isinstance(entry, Run) and only.search(command):
             run = shrunk(command, entry.shrink)
             if run not in jobs:  # the same command in two docs, or two that shrink alike
                 jobs[run] = _Job(command, run, entry, root / ".logs" / f"{len(jobs):02d}.log")
@@ -426,13 +435,18 @@ def test_documented_commands_run_and_leave_only_ignored_files(tmp_path_factory):
             future.result()
         _run_one(job, root)
 
+    by_world: dict[str, list[_Job]] = {}
+    for job in planner:  # one fake process group per process: one process per world size
+        words = shlex.split(job.run)
+        by_world.setdefault(words[words.index("--world-size") + 1], []).append(job)
     with ThreadPoolExecutor(WORKERS) as pool:
-        plan_future = pool.submit(_run_planner, planner, root)
+        plan_futures = [pool.submit(_run_planner, group, root) for group in by_world.values()]
         # producers first: a job waits only on jobs submitted (so started) before it
         for job in sorted(others, key=lambda j: bool(j.entry.needs)):
             with lock:
                 done[id(job)] = pool.submit(start, job)
-        plan_future.result()
+        for future in plan_futures:
+            future.result()
         for future in done.values():
             future.result()
     wall = time.monotonic() - t0
@@ -446,9 +460,29 @@ def test_documented_commands_run_and_leave_only_ignored_files(tmp_path_factory):
                 f"`{job.command}`\n  ran as `{job.run}`: exit {job.rc} (documented: "
                 f"{job.entry.rc}); missing {missing}\n{tail}"
             )
-    timing = ", ".join(f"{j.seconds:.0f}s {j.run[:50]}" for j in sorted(jobs.values(), key=lambda j: -j.seconds)[:8])
+    timing = ", ".join(
+        f"{j.seconds:.0f}s {j.run[:50]}"
+        for j in sorted(jobs.values(), key=lambda j: -j.seconds)[:8]
+    )
     print(f"docs commands: {len(jobs)} in {wall:.0f} s; slowest: {timing}")
     assert not failures, "\n\n".join(failures)
+
+    quickstart = [j for j in jobs.values() if j.command == "python train.py"]
+    for job in quickstart:  # its export passes back as the summary line says (no quoting)
+        (line,) = [x for x in job.log.read_text().splitlines() if "from this export:" in x]
+        reuse = shlex.split(line.split("from this export: ", 1)[1])
+        assert reuse[0] == "model=hf" and "'" not in line, line
+        proc = subprocess.run(
+            ["python", "train.py", *reuse, *shlex.split(f"{TRAIN} {ONE}"), "run.name=reused"],
+            cwd=root,
+            env=_env(root),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        (reused,) = (root / "outputs" / "reused").iterdir()
+        assert "=" not in reused.name and "," not in reused.name, reused.name
 
     left = _left_behind(root)
     ignored = subprocess.run(
@@ -458,6 +492,10 @@ def test_documented_commands_run_and_leave_only_ignored_files(tmp_path_factory):
         capture_output=True,
         text=True,
     ).stdout.splitlines()
-    tracked_clean = [p for p in left if p not in ignored and not any(p.startswith(i) for i in ignored if i.endswith("/"))]
+    tracked_clean = [
+        p
+        for p in left
+        if p not in ignored and not any(p.startswith(i) for i in ignored if i.endswith("/"))
+    ]
     assert not tracked_clean, f"not git-ignored (add to .gitignore): {tracked_clean}"
     assert _git_status() == status_before, "the commands changed the checkout"
