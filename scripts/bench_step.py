@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from muon.cost import bytes_sent
 from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
@@ -64,6 +63,17 @@ def _blocks_key() -> str:
     except ImportError:
         return "num_experts"
     return "num_blocks" if "num_blocks" in MUON_GROUP_KEYS else "num_experts"
+
+
+def _planned_bytes_sent(opt) -> int:
+    """What `opt`'s plans say this rank sends in a step: a baseline from before `muon.cost`
+    asks its plans' own `bytes_sent` method, this version its cost model."""
+    plans = [(mp.fsdp_rank, b) for mp, bs in opt.plans for b in bs]
+    if plans and hasattr(plans[0][1], "bytes_sent"):
+        return sum(b.bytes_sent(rank) for rank, b in plans)
+    from muon.cost import bytes_sent
+
+    return sum(bytes_sent(b, rank) for rank, b in plans)
 
 
 def _worker(cfg: dict) -> list[dict]:
@@ -126,9 +136,7 @@ def _worker(cfg: dict) -> list[dict]:
                 ns_s=ns_s[s],
                 peak_bytes=int(peak),
                 bytes_sent=stats["muon/bytes_sent"],
-                plan_bytes_sent=sum(
-                    bytes_sent(b, mp.fsdp_rank) for mp, bs in opt.plans for b in bs
-                ),
+                plan_bytes_sent=_planned_bytes_sent(opt),
                 matrices=stats["muon/matrices"],
                 planned_ns_flops=plan.ns_flops_per_rank[rank] if plan else None,
                 batches={k: v for k, v in stats.items() if k.endswith("/batches")},
