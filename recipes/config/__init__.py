@@ -9,9 +9,9 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 One module per purpose, every public name re-exported here (`from recipes.config import X`):
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config;
-- `describe`: the schema as text (`describe`, `key_help`);
-- `keys`: unknown keys, with or without `+` (`check_command_line`, `check_composed`,
-  `known_keys`);
+- `describe`: the schema as text, one renderer (`schema_lines`, `describe`, `key_help`);
+- `keys`: an unknown key on the command line, with or without `+`, named with the nearest real
+  one (`check_command_line`, `known_keys`, `nearest_key`);
 - `run_dir`: the run directory's name (`same_run_keys`, `run_id`) and how to pass it back
   (`override_value`, `reuse_export_command`);
 - `store`: registration with Hydra and conf/'s resolvers (`register`, `slurm_tasks`), the YAML
@@ -21,7 +21,7 @@ Importing the package registers the schema (`register()`).
 
 from recipes.config.checks import validate
 from recipes.config.describe import describe, key_help
-from recipes.config.keys import check_command_line, check_composed, known_keys
+from recipes.config.keys import check_command_line, known_keys, nearest_key
 from recipes.config.run_dir import (
     RUN_ID_MAX,
     SAME_RUN_GROUPS,
@@ -110,11 +110,11 @@ __all__ = [
     "TrainDtype",
     "WandbMode",
     "check_command_line",
-    "check_composed",
     "describe",
     "from_yaml",
     "key_help",
     "known_keys",
+    "nearest_key",
     "override_value",
     "register",
     "reuse_export_command",

@@ -2,17 +2,15 @@
 real key.
 
 Hydra rejects `train.step=5` (a typo) at compose time with a hint to append it,
-`+train.step=5`, which it then accepts into the config; the ranks would fail on it later, one
-traceback each. `check_command_line` reads train.py's overrides before Hydra composes anything
-and `check_composed` (part of `validate`) walks a composed config against its schema, so both
-spellings end in one `ConfigError` naming the key and its closest real one (difflib).
+`+train.step=5`, which it then accepts into the config. `check_command_line` reads train.py's
+overrides before Hydra composes anything, so both spellings end in one `ConfigError` naming the
+key and its closest real one (`nearest_key`, difflib); `validate` refuses what `+` appended to
+a composed config (a sweep job's, say) with the same hint.
 """
 
 import dataclasses
 import difflib
 from pathlib import Path
-
-from omegaconf import DictConfig, OmegaConf
 
 from recipes.config.schema import OPTIM_SCHEMAS, Config, ConfigError
 
@@ -47,13 +45,17 @@ def config_groups() -> list[str]:
     )
 
 
+def nearest_key(key: str, known: list[str]) -> str:
+    """`did you mean <the closest of known>? ` (difflib), or "" when none is close."""
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return f"did you mean {near[0]}? " if near else ""
+
+
 def unknown_key(key: str, known: list[str]) -> ConfigError:
     """The error for `key`: it names the key and the closest real one."""
-    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]}? " if near else ""
+    hint = nearest_key(key, known)
     return ConfigError(
-        f"{key}: unknown key, with or without '+'; {hint}"
-        "(`python train.py --help` lists every key)"
+        f"{key}: unknown key, with or without '+'; {hint}(`python train.py --help` lists every key)"
     )
 
 
@@ -83,29 +85,3 @@ def check_command_line(args: list[str]) -> None:
             continue
         if not _is_known(key, keys):
             raise unknown_key(key, [*keys, *groups])
-
-
-def check_composed(cfg: DictConfig) -> None:
-    """Raise ConfigError for a key of `cfg` that its schema (the composed optimizer's for
-    `optim`) does not have: what `+key=value` added."""
-
-    def walk(node: DictConfig, prefix: str) -> None:
-        kind = OmegaConf.get_type(node)
-        if not dataclasses.is_dataclass(kind):
-            return  # a mapping field (model.overrides): validate checks its keys
-        fields = {f.name for f in dataclasses.fields(kind)}
-        for name in node:
-            key = f"{prefix}{name}"
-            if name not in fields and key in known_keys():
-                raise ConfigError(
-                    f"{key}: a key of another optimizer's schema, not of "
-                    f"optim={cfg.optim.name}'s (`python train.py optim={cfg.optim.name} --help` "
-                    "lists its keys)"
-                )
-            if name not in fields:
-                raise unknown_key(key, list(_leaves(kind, prefix, {})))
-            child = node._get_node(name)
-            if isinstance(child, DictConfig):
-                walk(child, f"{key}.")
-
-    walk(cfg, "")
