@@ -35,7 +35,10 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
             "+train.step=5",
             "train.step: unknown key, with or without '+'; did you mean train.steps?",
         ),
-        ("optim=adamw +optim.ns_steps=3", "optim.ns_steps: a key of another optimizer's schema"),
+        (
+            "optim=adamw +optim.ns_steps=3",
+            "optim.ns_steps=3: not in the schema; did you mean optim.eps?",
+        ),
     ],
 )
 def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
