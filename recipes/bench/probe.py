@@ -30,9 +30,9 @@ Counted per region (`region(name)`, or `wrap(obj, "method", name)` around every 
 - `ops` by name: every op dispatched on plain tensors; on a GPU each is at least one launch.
 - `collectives` by kind: the c10d and functional-collective ops (their waits left out).
 
-The Tensor entries that do not dispatch (`tolist`, `numpy`, `cpu`, `to`) and the factories are
-seen through a `TorchFunctionMode` in the same context. Counts are deterministic for a given
-model, mesh and data: tests may assert them.
+The Tensor entries that do not dispatch (`tolist`, `numpy`, `cpu`, `to`, and the Python side of
+`item`/`bool`/`float`/`int`) and torch's factories are wrapped while `tracking()` is on. Counts
+are deterministic for a given model, mesh and data: tests may assert them.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import contextlib
 import functools
 import os
 import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,10 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakTensorKeyDictionary
 
 _SKIPPED_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
@@ -69,15 +68,16 @@ _DATA_DEPENDENT = {
     "unique_consecutive": "unique",
     "masked_select": "masked_select",
 }
-#: the Python entries that read a device value through `_local_scalar_dense`
-_SCALAR_ENTRIES = {
-    torch.Tensor.item: "item",
-    torch.Tensor.__bool__: "bool",
-    torch.Tensor.__float__: "float",
-    torch.Tensor.__int__: "int",
-    torch.Tensor.__index__: "int",
+#: the Python entries that read a device value through `_local_scalar_dense`, and their kind
+_SCALAR_METHODS = {
+    "item": "item",
+    "__bool__": "bool",
+    "__float__": "float",
+    "__int__": "int",
+    "__index__": "int",
 }
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # plain tensors and Parameters
 
 
 @dataclass
@@ -171,6 +171,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of `t`'s (local) data: views, bases and FSDP's flat buffers share it."""
+    try:
+        return _local(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass without data)
+        return None
+
+
 class DeviceProbe:
     """The set of tensors that would live on the device, and the counts of what reads them.
 
@@ -182,7 +190,8 @@ class DeviceProbe:
     """
 
     def __init__(self) -> None:
-        self._device = WeakTensorKeyDictionary()
+        # by storage: a view, its base and FSDP's padded shard behind a DTensor are one
+        self._device: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         #: every region's count by name, accumulated over its calls until `reset`
         self.counts: dict[str, Count] = {}
         self._active: list[Count] = []
@@ -192,7 +201,8 @@ class DeviceProbe:
     # ------------------------------------------------------------------------ device set
     def is_device(self, t: torch.Tensor) -> bool:
         """Would `t` (a DTensor: its local shard) live on the device?"""
-        return _local(t) in self._device
+        storage = _storage(t)
+        return storage is not None and storage in self._device
 
     def mark(self, *objs: Any) -> None:
         """Put tensors on the device: tensors, DTensors (their local shard too), modules
@@ -202,12 +212,15 @@ class DeviceProbe:
                 self.mark(list(obj.parameters()), list(obj.buffers()))
                 continue
             for t in _tensors(obj):
-                self._device[t] = True
-                self._device[_local(t)] = True
+                storage = _storage(t)
+                if storage is not None:
+                    self._device[storage] = True
 
     def unmark(self, t: torch.Tensor) -> None:
-        """Take `t` off the device (a host copy that aliases a device tensor on a CPU run)."""
-        self._device.pop(t, None)
+        """Take `t`'s storage off the device."""
+        storage = _storage(t)
+        if storage is not None:
+            self._device.pop(storage, None)
 
     def seed(self, model: torch.nn.Module | None, optimizer=None) -> None:
         """Mark the parameters, buffers and gradients of `model`, and `optimizer`'s state
@@ -244,6 +257,7 @@ class DeviceProbe:
         """While inside, every call of `obj.attr` is counted under `name` (`before()` runs
         first, e.g. to seed the gradients the call reads)."""
         original = getattr(obj, attr)
+        own = attr in vars(obj)  # an instance attribute already (a wrapper of torch's, say)
 
         @functools.wraps(original)
         def counted(*args, **kwargs):
@@ -256,15 +270,15 @@ class DeviceProbe:
         try:
             yield self.counts.setdefault(name, Count())
         finally:
-            if obj.__dict__.get(attr) is counted:
-                delattr(obj, attr)  # an instance attribute set here: the class's comes back
-            else:
+            if own:
                 setattr(obj, attr, original)
+            else:
+                delattr(obj, attr)  # the class's method comes back
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[DeviceProbe]:
         """Propagate the device set and count inside the active regions."""
-        with _Functions(self), _Dispatch(self):
+        with _patched(self), _Dispatch(self):
             yield self
 
     @contextlib.contextmanager
@@ -336,10 +350,11 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         probe = self.probe
-        if types:
+        subclasses = [t for t in types if t.__torch_dispatch__ is not _PLAIN_DISPATCH]
+        if subclasses:
             from torch._subclasses.fake_tensor import FakeTensor
 
-            if any(issubclass(t, FakeTensor) for t in types):  # DTensor's shape propagation
+            if any(issubclass(t, FakeTensor) for t in subclasses):  # DTensor's shape inference
                 return func(*args, **kwargs)
             return NotImplemented  # a subclass (DTensor): its local ops come back here
         if probe._paused:
@@ -368,6 +383,8 @@ def _copy_kind(probe: DeviceProbe, args: tuple, kwargs: dict) -> None:
     """`dst.copy_(src)`: a host-to-device copy, a device-to-host read, or neither."""
     dst, src = args[0], args[1]
     into, out_of = probe.is_device(dst), probe.is_device(src)
+    if into != out_of and _in_collective():
+        return  # gloo's own staging copy (as `work.wait()` completes): none under NCCL
     if into and not out_of:
         if kwargs.get("non_blocking") or (len(args) > 2 and args[2]):
             probe._async_copy()
@@ -377,60 +394,137 @@ def _copy_kind(probe: DeviceProbe, args: tuple, kwargs: dict) -> None:
         probe._sync("d2h")
 
 
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def _in_collective() -> bool:
+    """Is the op issued from inside torch.distributed's collective entry (its innermost
+    frames outside this module, past torch's own wrappers)?"""
+    frame, seen = sys._getframe(1), 0
+    while frame is not None and seen < 4:
+        name = frame.f_code.co_filename
+        if name.endswith(_C10D_FILE):
+            return True
+        if name != _THIS_FILE:
+            seen += 1
+        frame = frame.f_back
+    return False
+
+
 def _target_device(args: tuple, kwargs: dict) -> bool:
-    """Does `Tensor.to(*args, **kwargs)` name a device (not only a dtype)?"""
+    """Does `t.to(*args, **kwargs)` name a device (not only a dtype)?"""
     if kwargs.get("device") is not None:
         return True
-    return any(isinstance(a, str | torch.device | torch.Tensor) for a in args[1:])
+    return any(isinstance(a, str | torch.device | torch.Tensor) for a in args)
 
 
-class _Functions(TorchFunctionMode):
-    """The entries that do not dispatch: host reads, device moves, factories with a device."""
+#: torch's factories: a device tensor when called with an explicit `device=`
+_FACTORIES = (
+    "empty",
+    "empty_strided",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "eye",
+    "linspace",
+    "logspace",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "scalar_tensor",
+    "tensor",  # host data: a copy to the device
+    "as_tensor",
+)
 
-    def __init__(self, probe: DeviceProbe) -> None:
-        super().__init__()
-        self.probe = probe
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        probe = self.probe
-        if probe._paused:
-            return func(*args, **kwargs)
-        if func in _SCALAR_ENTRIES:
-            outer, probe._entry = probe._entry, _SCALAR_ENTRIES[func]
-            try:
-                return func(*args, **kwargs)
-            finally:
-                probe._entry = outer
-        if func in (torch.Tensor.tolist, torch.Tensor.numpy):
-            if probe.is_device(args[0]):
-                probe._sync(func.__name__)
-            return func(*args, **kwargs)
-        if func is torch.Tensor.cpu:
-            if not probe.is_device(args[0]):
-                return func(*args, **kwargs)
-            probe._sync("cpu")
-            return probe._host_copy(func(*args, **kwargs))
-        if func is torch.Tensor.cuda or (func is torch.Tensor.to and _target_device(args, kwargs)):
-            return _to_device(probe, func, args, kwargs)
-        out = func(*args, **kwargs)
-        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
-            if not any(probe.is_device(t) for t in _tensors(args)):
-                probe._sync("h2d")  # host data copied to the device
-            probe.mark(out)
-        elif kwargs.get("device") is not None and not _is_method(func, args):
-            probe.mark(out)  # a factory on the device
+@contextlib.contextmanager
+def _patched(probe: DeviceProbe) -> Iterator[None]:
+    """The entries that do not dispatch, wrapped (torch's autograd engine runs backward hooks,
+    FSDP's among them, without function modes, so wrapping is what sees them everywhere):
+    scalar reads (for their kind), `tolist`/`numpy`/`cpu`, `to(device)`, the factories."""
+    saved: list[tuple[Any, str, Any, bool]] = []
+
+    def patch(owner: Any, name: str, make: Callable) -> None:
+        original = getattr(owner, name)
+        saved.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, functools.wraps(original)(make(original, name)))
+
+    for name in _SCALAR_METHODS:
+        patch(torch.Tensor, name, lambda f, n: _scalar_entry(probe, f, _SCALAR_METHODS[n]))
+    for name in ("tolist", "numpy"):
+        patch(torch.Tensor, name, lambda f, n: _reader(probe, f, n))
+    patch(torch.Tensor, "cpu", lambda f, n: _to_host(probe, f))
+    patch(torch.Tensor, "to", lambda f, n: _mover(probe, f))
+    for name in _FACTORIES:
+        patch(torch, name, lambda f, n: _factory(probe, f, n))
+    try:
+        yield
+    finally:
+        for owner, name, original, own in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+def _scalar_entry(probe: DeviceProbe, f: Callable, kind: str) -> Callable:
+    def entry(self, *args, **kwargs):
+        outer, probe._entry = probe._entry, kind
+        try:
+            return f(self, *args, **kwargs)
+        finally:
+            probe._entry = outer
+
+    return entry
+
+
+def _reader(probe: DeviceProbe, f: Callable, kind: str) -> Callable:
+    def read(self, *args, **kwargs):
+        if not probe._paused and probe.is_device(self):
+            probe._sync(kind)
+        return f(self, *args, **kwargs)
+
+    return read
+
+
+def _to_host(probe: DeviceProbe, f: Callable) -> Callable:
+    def cpu(self, *args, **kwargs):
+        if probe._paused or not probe.is_device(self):
+            return f(self, *args, **kwargs)
+        probe._sync("cpu")
+        return probe._host_copy(f(self, *args, **kwargs))
+
+    return cpu
+
+
+def _mover(probe: DeviceProbe, f: Callable) -> Callable:
+    def to(self, *args, **kwargs):
+        if probe._paused or not _target_device(args, kwargs):
+            return f(self, *args, **kwargs)
+        return _to_device(probe, f, self, args, kwargs)
+
+    return to
+
+
+def _factory(probe: DeviceProbe, f: Callable, name: str) -> Callable:
+    def factory(*args, **kwargs):
+        out = f(*args, **kwargs)
+        if probe._paused or kwargs.get("device") is None:
+            return out
+        copied = name in ("tensor", "as_tensor")
+        if copied and not any(probe.is_device(t) for t in _tensors(args)):
+            probe._sync("h2d")  # host data copied to the device
+        probe.mark(out)
         return out
 
-
-def _is_method(func, args: tuple) -> bool:
-    return bool(args) and isinstance(args[0], torch.Tensor) and hasattr(torch.Tensor, func.__name__)
+    return factory
 
 
-def _to_device(probe: DeviceProbe, func, args: tuple, kwargs: dict) -> torch.Tensor:
-    """`t.to(device)` / `t.cuda()`: stays on the device, or a host-to-device copy."""
-    source = args[0]
-    out = func(*args, **kwargs)
+def _to_device(probe: DeviceProbe, f: Callable, source, args: tuple, kwargs: dict):
+    """`t.to(device)`: stays on the device, or a host-to-device copy."""
+    out = f(source, *args, **kwargs)
     if probe.is_device(source):
         probe.mark(out)
         return out
