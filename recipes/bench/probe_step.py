@@ -91,8 +91,50 @@ def count_rank(overrides: list[str]) -> dict[str, Any]:
             probe.region(REGIONS[2]),
         ):
             trainer.train_step(measure=False)
-    out = {k: c.as_dict() for k, c in probe.counts.items()}
+        out = {k: c.as_dict() for k, c in probe.counts.items()}
+        for name, n in profiled_events(trainer).items():
+            out[name]["aten_events"] = n
     return {"optimizer": f"{type(trainer.opt).__name__}.step", **out}
+
+
+def profiled_events(trainer) -> dict[str, int]:
+    """One more step under torch.profiler: per region, the `aten::*` events below it that call
+    no other aten op (the kernels: what a composite op turns into, and what kernels call,
+    allocations included). A figure of the CPU profiler's, next to the ops the probe sees
+    dispatched (which count a composite op's inner calls as one)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(obj, attr: str, name: str):
+        original = getattr(obj, attr)
+
+        def run(*args, **kwargs):
+            with record_function(f"probe::{name}"):
+                return original(*args, **kwargs)
+
+        setattr(obj, attr, run)
+        return lambda: setattr(obj, attr, original)
+
+    undo = [labelled(trainer.opt, "step", REGIONS[0])]
+    undo.append(labelled(trainer, "_optimizer_step", REGIONS[1]))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function(f"probe::{REGIONS[2]}"):
+                trainer.train_step(measure=False)
+    finally:
+        for u in reversed(undo):
+            u()
+    counts = dict.fromkeys(REGIONS, 0)
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        if any(child.name.startswith("aten::") for child in event.cpu_children):
+            continue  # a composite op: its leaves are counted
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("probe::"):
+                counts[parent.name.removeprefix("probe::")] += 1
+            parent = parent.cpu_parent
+    return counts
 
 
 def time_rank(overrides: list[str], steps: int) -> dict[str, list[float]]:
