@@ -48,7 +48,8 @@ def counts_table(rows: list[dict]) -> str:
 def sites_table(rank: dict[str, Any], region: str = REGIONS[2]) -> str:
     """Where one region's syncs come from: site, kind, count (most first)."""
     rows = rank.get(region, {}).get("syncs_by_site", [])
-    return markdown_table(rows, [("site", "site", ""), ("kind", "kind", ""), ("count", "count", "")])
+    columns = [("site", "site", ""), ("kind", "kind", ""), ("count", "count", "")]
+    return markdown_table(rows, columns)
 
 
 def timing_summary(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:

@@ -72,10 +72,11 @@ def _trainer(overrides: list[str], run_dir: Path):
     return Trainer(compose(overrides), run_dir, torch.device("cpu"))
 
 
-def count_rank(overrides: list[str]) -> dict[str, Any]:
+def count_rank(overrides: list[str], profile: bool = True) -> dict[str, Any]:
     """One rank: build and warm up one step with the device set tracked from the start (what
     is allocated on the device, FSDP's buffers included, is known), then count the next step;
-    each region's counts as plain data."""
+    each region's counts as plain data (with `profile`, also its profiler kernels from one
+    more step: `aten_events`)."""
     probe = DeviceProbe()
     with tempfile.TemporaryDirectory() as tmp, probe.tracking():
         trainer = _trainer(overrides, Path(tmp))
@@ -92,7 +93,7 @@ def count_rank(overrides: list[str]) -> dict[str, Any]:
         ):
             trainer.train_step(measure=False)
         out = {k: c.as_dict() for k, c in probe.counts.items()}
-        for name, n in profiled_events(trainer).items():
+        for name, n in profiled_events(trainer).items() if profile else ():
             out[name]["aten_events"] = n
     return {"optimizer": f"{type(trainer.opt).__name__}.step", **out}
 
@@ -117,9 +118,11 @@ def profiled_events(trainer) -> dict[str, int]:
     undo = [labelled(trainer.opt, "step", REGIONS[0])]
     undo.append(labelled(trainer, "_optimizer_step", REGIONS[1]))
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            with record_function(f"probe::{REGIONS[2]}"):
-                trainer.train_step(measure=False)
+        with (
+            profile(activities=[ProfilerActivity.CPU]) as prof,
+            record_function(f"probe::{REGIONS[2]}"),
+        ):
+            trainer.train_step(measure=False)
     finally:
         for u in reversed(undo):
             u()
