@@ -6,7 +6,7 @@ on the model with twice the layers, so what grows with the model shows.
     python scripts/probe_step.py --case model=small --case "model=small optim.normuon=true" \\
         --case model=mla_tiny --out probe_out mesh.ep=2
     python scripts/probe_step.py --case model=small --baseline-tree /tmp/before \\
-        --time-steps 5 --time-rounds 3 --out probe_out mesh.ep=2
+        --time-only --time-steps 5 --time-rounds 3 --out probe_time mesh.ep=2
 
 Every case is `train.py` overrides (the positional ones are added to every case), run on
 `--world-size` local CPU ranks (gloo) by `recipes.bench.probe_step`: train.py's config, model,
@@ -15,7 +15,8 @@ counts as a sync). `--baseline-tree DIR` runs the same cases with the `muon`, `m
 `recipes` packages of another checkout (e.g. `git worktree add /tmp/before <commit>`) for a
 before/after table; with `--time-steps N` it also times N steps of each case on both trees in
 one invocation, alternating the trees round by round (`--time-rounds`), and reports the
-median slowest-rank time of the optimizer step and the train step, and their ratio.
+median slowest-rank time of the optimizer step and the train step, and their ratio
+(`--time-only`: no counts).
 
 Writes `results.json` (every rank's counts and times) and `tables.md` into `--out` and prints
 the tables (of `--rank`).
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--baseline-tree", type=_tree, default=None, help="another checkout")
     ap.add_argument("--time-steps", type=int, default=0, help="timed steps per tree and round")
     ap.add_argument("--time-rounds", type=int, default=3, help="rounds of the timed trees")
+    ap.add_argument("--time-only", action="store_true", help="time, count nothing")
     ap.add_argument("--out", default="probe_out", help="output directory")
     args = ap.parse_args(argv)
     if args.world_size < 1:
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--rank must be in [0, {args.world_size}), got {args.rank}")
     if args.time_steps < 0 or args.time_rounds < 1:
         raise SystemExit("--time-steps must be >= 0 and --time-rounds >= 1")
+    if args.time_only and not args.time_steps:
+        raise SystemExit("--time-only needs --time-steps N (N > 0)")
     cases = [shlex.split(c) + args.overrides for c in args.case or [""]]
     world = [f"mesh.world_size={args.world_size}"]
     for case in cases:  # a bad override fails here, naming the key, before any rank starts
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = command_line("probe_step.py", argv).strip()
     t0 = time.monotonic()
     results, rows, sections = [], [], []
-    for case in cases:
+    for case in [] if args.time_only else cases:
         label = " ".join(case)
         variants = [("", case)] + ([] if args.no_double else [(" (2x layers)", doubled(case))])
         for suffix, overrides in variants:
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
             times.append({"case": " ".join(case), "seconds": by_tree, "median_s": summary})
             n = args.time_steps * args.time_rounds
             sections.append(timing_table(" ".join(case), summary, n))
-    text = "\n\n".join([f"`{command}`", counts_table(rows), *sections]) + "\n"
+    tables = [counts_table(rows)] if rows else []
+    text = "\n\n".join([f"`{command}`", *tables, *sections]) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {
