@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hydra.errors import HydraException  # noqa: E402
+
 from recipes.bench.cli import command_line  # noqa: E402
 from recipes.bench.probe_report import (  # noqa: E402
     count_row,
@@ -50,6 +52,7 @@ from recipes.bench.probe_step import (  # noqa: E402
     time_case,
 )
 from recipes.bench.timing import rotations  # noqa: E402
+from recipes.config import ConfigError  # noqa: E402
 
 
 def _tree(path: str) -> str:
@@ -90,7 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [shlex.split(c) + args.overrides for c in args.case or [""]]
     world = [f"mesh.world_size={args.world_size}"]
     for case in cases:  # a bad override fails here, naming the key, before any rank starts
-        compose([*case, *world])
+        try:
+            compose([*case, *world])
+        except (ConfigError, HydraException) as err:
+            raise SystemExit(f"probe_step.py: case {' '.join(case)!r}: {err}") from None
     trees = {"after": None} | ({"before": args.baseline_tree} if args.baseline_tree else {})
     command = command_line("probe_step.py", argv).strip()
     t0 = time.monotonic()
