@@ -23,8 +23,9 @@ Counted per region (`region(name)`, or `wrap(obj, "method", name)` around every 
   `repeat_interleave` with a tensor of repeats and no `output_size`, boolean-mask indexing,
   `masked_select`), and blocking host-to-device copies of host-made tensors (`.to(device)`
   without `non_blocking=True`, `torch.tensor(data, device=d)`, a device tensor's `copy_` from
-  a host one). The site is `file:line` of the first Python frame outside torch, the standard
-  library and this module.
+  a host one). The site is `file:line` of the innermost Python frame outside the Python
+  installation (torch, the standard library, site-packages) and this module: the project's
+  line that asked for it.
 - `async_copies` by site: host-to-device copies with `non_blocking=True` (not a sync once the
   host tensor is pinned, which a CPU-only build cannot do).
 - `ops` by name: every op dispatched on plain tensors; on a GPU each is at least one launch.
@@ -54,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 _SKIPPED_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(contextlib.__file__) + os.sep,  # the standard library
+    os.path.dirname(contextlib.__file__) + os.sep,  # the standard library and site-packages
 )
 _THIS_FILE = __file__
 #: optimizer state entries torch.optim keeps on the host (non-capturable path)
@@ -137,8 +138,8 @@ class Count:
 
 
 def _site() -> str:
-    """`file:line` of the innermost frame outside torch, the standard library and this module
-    (paths under the checkout that defines `recipes` relative to it)."""
+    """`file:line` of the innermost frame outside the Python installation and this module
+    (paths under a checkout relative to it)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
@@ -331,7 +332,7 @@ def _read_kind(probe: DeviceProbe, func, args: tuple, kwargs: dict) -> str | Non
     if name == "repeat_interleave" and isinstance(args[0], torch.Tensor):
         repeats = args[0] if func._overloadname == "Tensor" else args[1]
         sized = kwargs.get("output_size") is not None
-        if isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and not sized:
+        if isinstance(repeats, torch.Tensor) and not sized:
             return "repeat_interleave"
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
         masks = [i for i in _tensors(args[1]) if i.dtype in (torch.bool, torch.uint8)]
