@@ -17,7 +17,7 @@ def count_row(label: str, tree: str, layers: dict[str, int], rank: dict[str, Any
     row = {
         "case": label,
         "code": tree,
-        "layers": f"{layers['layers']} ({layers['moe_layers']} MoE)",
+        "layers": _layers(layers),
         "optimizer": rank["optimizer"],
     }
     for short, region in _REGION_HEADERS:
@@ -30,6 +30,12 @@ def count_row(label: str, tree: str, layers: dict[str, int], rank: dict[str, Any
         f"{k.split('::')[-1]} {n}" for k, n in sorted(step.get("collectives", {}).items())
     )
     return row
+
+
+def _layers(layers: dict[str, int]) -> str:
+    """`6 (5 MoE)`, `3 + 1 MTP (3 MoE)`."""
+    mtp = f" + {layers['mtp_layers']} MTP" if layers["mtp_layers"] else ""
+    return f"{layers['layers']}{mtp} ({layers['moe_layers']} MoE)"
 
 
 def counts_table(rows: list[dict]) -> str:
