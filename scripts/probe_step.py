@@ -45,6 +45,7 @@ from recipes.bench.probe_report import (  # noqa: E402
 )
 from recipes.bench.probe_step import (  # noqa: E402
     REGIONS,
+    TIMES,
     compose,
     count_case,
     doubled,
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     times = []
     if args.time_steps:
         for case in cases:
-            by_tree = {tree: {"step_s": [], "opt_s": []} for tree in trees}
+            by_tree = {tree: {key: [] for key in TIMES} for tree in trees}
             for tree in rotations(list(trees), args.time_rounds):
                 got = time_case(case, args.world_size, args.time_steps, pythonpath=trees[tree])
                 for key, values in got.items():

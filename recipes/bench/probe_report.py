@@ -67,10 +67,17 @@ def timing_summary(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[s
 
 
 def timing_table(label: str, summary: dict[str, dict[str, float]], steps: int) -> str:
-    """Median milliseconds of this tree and the baseline, and their ratio."""
+    """Median milliseconds of this tree and the baseline, and their ratio (wall: the
+    slowest rank's; CPU: the busiest rank's process time)."""
     after, before = summary["after"], summary.get("before")
     rows = []
-    for key, name in (("opt_s", "optimizer step"), ("step_s", "train step")):
+    names = {
+        "opt_s": "optimizer step, wall",
+        "step_s": "train step, wall",
+        "opt_cpu_s": "optimizer step, CPU",
+        "step_cpu_s": "train step, CPU",
+    }
+    for key, name in names.items():
         row = {"case": label, "what": name, "after ms": 1e3 * after[key], "n": steps}
         if before is not None:
             row["before ms"] = 1e3 * before[key]

@@ -28,6 +28,8 @@ from recipes.bench.world import run_world
 
 #: the regions of a counted step, outermost last
 REGIONS = ("optimizer.step", "optimizer part", "train step")
+#: what `time_rank` measures per step: wall and CPU seconds of the optimizer and train steps
+TIMES = ("opt_s", "step_s", "opt_cpu_s", "step_cpu_s")
 #: overrides every probed step gets: nothing logged or saved, nothing printed
 QUIET = ("logger=none", "metrics.progress=false", "checkpoint.every=0", "eval.every=0")
 
@@ -142,29 +144,32 @@ def profiled_events(trainer) -> dict[str, int]:
 
 def time_rank(overrides: list[str], steps: int) -> dict[str, list[float]]:
     """One rank: warm up one step, then the seconds of `steps` train steps and of the
-    optimizer `step` inside each (every rank starts each step together)."""
+    optimizer `step` inside each (every rank starts each step together): wall time
+    (`step_s`, `opt_s`) and this process's CPU time (`step_cpu_s`, `opt_cpu_s`: what other
+    load on a shared machine inflates least; a gloo wait for a slower rank costs none)."""
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(overrides, Path(tmp))
         trainer.train_step(measure=False)
-        opt_s: list[float] = []
+        out: dict[str, list[float]] = {k: [] for k in TIMES}
         original = trainer.opt.step
 
         def timed_step(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            opt_s.append(time.perf_counter() - t0)
-            return out
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = original(*args, **kwargs)
+            out["opt_s"].append(time.perf_counter() - t0)
+            out["opt_cpu_s"].append(time.process_time() - c0)
+            return result
 
         trainer.opt.step = timed_step
-        step_s = []
         for _ in range(steps):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             trainer.train_step(measure=False)
-            step_s.append(time.perf_counter() - t0)
-        return {"step_s": step_s, "opt_s": opt_s}
+            out["step_s"].append(time.perf_counter() - t0)
+            out["step_cpu_s"].append(time.process_time() - c0)
+        return out
 
 
 def count_case(
@@ -178,7 +183,7 @@ def count_case(
 def time_case(
     overrides: list[str], world_size: int, steps: int, *, pythonpath: str | None = None
 ) -> dict[str, list[float]]:
-    """Per timed step, the slowest rank's seconds: train step and optimizer step."""
+    """Per timed step and figure of `time_rank`, the largest over the ranks."""
     overrides = [*overrides, f"mesh.world_size={world_size}"]
     ranks = run_world(
         time_rank, world_size, overrides, steps, timeout_s=3600, pythonpath=pythonpath
