@@ -3,12 +3,13 @@ optimizer's `step`, the trainer's optimizer part and the whole train step, the h
 site, the dispatched ops, the profiler's aten kernels and the collectives by kind; and the same
 on the model with twice the layers, so what grows with the model shows.
 
-    python scripts/probe_step.py --case model=small --case "model=small optim.normuon=true" \\
-        --case model=mla_tiny --out probe_out mesh.ep=2
-    python scripts/probe_step.py --case model=small --baseline-tree /tmp/before \\
-        --time-only --time-steps 5 --time-rounds 3 --out probe_time mesh.ep=2
+    python scripts/probe_step.py mesh.ep=2 --case model=small \\
+        --case model=small optim.normuon=true --case model=mla_tiny --out probe_out
+    python scripts/probe_step.py mesh.ep=2 --case model=small --baseline-tree /tmp/before \\
+        --time-only --time-steps 5 --time-rounds 3 --out probe_time
 
-Every case is `train.py` overrides (the positional ones are added to every case), run on
+Every case is `train.py` overrides (the positional ones, written before the options, are
+added to every case), run on
 `--world-size` local CPU ranks (gloo) by `recipes.bench.probe_step`: train.py's config, model,
 optimizer and trainer, one warm-up step, one counted step (`recipes.bench.probe` says what
 counts as a sync). `--baseline-tree DIR` runs the same cases with the `muon`, `models` and
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--case",
         action="append",
+        nargs="+",
         default=None,
-        help='train.py overrides of one case, quoted (e.g. "model=small optim.normuon=true"); '
+        metavar="OVERRIDE",
+        help="the train.py overrides of one case (e.g. --case model=small optim.normuon=true); "
         "repeatable (default: one case of the positional overrides alone)",
     )
     ap.add_argument("--world-size", "-W", type=int, default=2, help="ranks (default 2)")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--time-steps must be >= 0 and --time-rounds >= 1")
     if args.time_only and not args.time_steps:
         raise SystemExit("--time-only needs --time-steps N (N > 0)")
-    cases = [shlex.split(c) + args.overrides for c in args.case or [""]]
+    cases = [[*c, *args.overrides] for c in args.case or [[]]]
     world = [f"mesh.world_size={args.world_size}"]
     for case in cases:  # a bad override fails here, naming the key, before any rank starts
         try:
