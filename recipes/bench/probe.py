@@ -21,9 +21,10 @@ Counted per region (`region(name)`, or `wrap(obj, "method", name)` around every 
   `_local_scalar_dense` -, `tolist`, `numpy`, `cpu()`, `torch.equal`, a host tensor's `copy_`
   from a device one), ops whose output size depends on device data (`nonzero`, `unique`,
   `repeat_interleave` with a tensor of repeats and no `output_size`, boolean-mask indexing,
-  `masked_select`), and blocking host-to-device copies of host-made tensors (`.to(device)`
-  without `non_blocking=True`, `torch.tensor(data, device=d)`, a device tensor's `copy_` from
-  a host one). The site is `file:line` of the innermost Python frame outside the Python
+  `masked_select`; `bincount`, whose CUDA kernel reads its input's min and max: two), and
+  blocking host-to-device copies of host-made tensors (`.to(device)` without
+  `non_blocking=True`, `torch.tensor(data, device=d)`, a device tensor's `copy_` from a host
+  one). The site is `file:line` of the innermost Python frame outside the Python
   installation (torch, the standard library, site-packages) and this module: the project's
   line that asked for it.
 - `async_copies` by site: host-to-device copies with `non_blocking=True` (not a sync once the
@@ -77,6 +78,8 @@ _SCALAR_METHODS = {
     "__int__": "int",
     "__index__": "int",
 }
+#: host reads per call where a kind takes more than one
+_READS = {"bincount": 2}
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # plain tensors and Parameters
 
@@ -329,6 +332,8 @@ def _read_kind(probe: DeviceProbe, func, args: tuple, kwargs: dict) -> str | Non
         return _DATA_DEPENDENT[name]
     if name == "equal":
         return "equal"
+    if name == "bincount":
+        return "bincount"  # CUDA's kernel reads its input's min and max: two reads
     if name == "repeat_interleave" and isinstance(args[0], torch.Tensor):
         repeats = args[0] if func._overloadname == "Tensor" else args[1]
         sized = kwargs.get("output_size") is not None
@@ -368,7 +373,7 @@ class _Dispatch(TorchDispatchMode):
             _copy_kind(probe, args, kwargs)
         elif any(on_device):
             kind = _read_kind(probe, func, args, kwargs)
-            if kind is not None:
+            for _ in range(_READS.get(kind, 1) if kind is not None else 0):
                 probe._sync(kind)
         out = func(*args, **kwargs)
         probe._op(func)

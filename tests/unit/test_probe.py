@@ -26,6 +26,7 @@ def test_reads_of_device_tensors_are_syncs_with_their_site():
         (y > 0).nonzero()
         y[y > 0]
         torch.repeat_interleave(torch.arange(3, device=w.device), y[0, :3].long().abs())
+        torch.bincount(y[0].long().abs(), minlength=4)  # two reads on CUDA: min and max
 
     count = _counted(step, w)
     assert count.syncs_by_kind() == {
@@ -37,6 +38,7 @@ def test_reads_of_device_tensors_are_syncs_with_their_site():
         "nonzero": 1,
         "boolean mask": 1,
         "repeat_interleave": 1,
+        "bincount": 2,
     }
     sites = {site.rsplit(":", 1)[0] for site in count.syncs_by_site()}
     assert sites == {"tests/unit/test_probe.py"}
