@@ -18,6 +18,11 @@ Non-finite gradients: if any gradient of any parameter on any rank holds a NaN o
 step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
 `skipped_steps` counts it.
 
+Updates that do not fit: finite gradients can still give an update whose `lr * O` overflows
+the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps its value (its
+momentum has moved), the others are updated, and the step is marked skipped on every rank
+(`last_step_skipped`, `skipped_steps`).
+
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
 zeros and its result is dropped, so the batch keeps its plan). Ranks that disagree about a
@@ -43,6 +48,7 @@ from muon.blocks import orthogonalize as _orthogonalize
 from muon.comm import PATHS
 from muon.cost import LinkModel
 from muon.grads import grad_census
+from muon.guard import fit, guard_update, updates_finite
 from muon.layout import from_rows, moved_shape, to_rows
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
@@ -54,7 +60,9 @@ from muon.validate import (
     NS_DTYPES,
     check_group_keys,
     check_loaded_groups,
+    check_options,
     dtype_name,
+    fold_adamw_momentum,
     group_algorithm,
     plan_keys,
     validate_group,
@@ -147,7 +155,7 @@ class Muon(torch.optim.Optimizer):
         normuon: bool = False,
         normuon_beta2: float = 0.95,
     ) -> None:
-        if remainder_strategy not in REMAINDER_CHOICES:
+        if not isinstance(remainder_strategy, str) or remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(
                 f"remainder_strategy: {remainder_strategy!r} is not one of "
                 f"{', '.join(REMAINDER_CHOICES)}"
@@ -161,11 +169,13 @@ class Muon(torch.optim.Optimizer):
             )
         if not enable_all2all:
             remainder_strategy = "agrs"  # "auto" too: agrs is the only path without all-to-all
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight: must be >= 1, got {max_inflight}")
-        if memory_budget is not None and not memory_budget > 0:
-            raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget}")
-        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(betas), "eps": adamw_eps}
+        check_options(
+            enable_all2all=enable_all2all,
+            expert_aware=expert_aware,
+            max_inflight=max_inflight,
+            memory_budget=memory_budget,
+        )
+        self._adamw_defaults = {"lr": adamw_lr, "betas": betas, "eps": adamw_eps}
         defaults = dict(
             lr=lr,
             algorithm="muon",
@@ -222,15 +232,13 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
-        check_loaded_groups(self.param_groups, state_dict, self.state)
+        loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)
         super().load_state_dict(state_dict)
-        for g in self.param_groups:
-            if g["algorithm"] == "adamw":
-                for key in MUON_ONLY_KEYS:
-                    g.pop(key, None)
-            else:
-                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        for g, checked in zip(self.param_groups, loaded, strict=True):
+            # what was checked is what is loaded: saved values over current ones, normalized
+            g.clear()
+            g.update(checked)
         if plan_keys(self.param_groups) != before:
             self._plan()
 
@@ -275,6 +283,7 @@ class Muon(torch.optim.Optimizer):
             for key in MUON_ONLY_KEYS:
                 self.param_groups[-1].pop(key, None)
         if planned:  # after construction: state and plans for the new group
+            kept = (self.plan, self._planned_params)
             try:
                 self._init_state()
                 self._plan()
@@ -282,6 +291,7 @@ class Muon(torch.optim.Optimizer):
                 del self.param_groups[n_groups:]
                 for p in [p for p in self.state if p not in known]:
                     del self.state[p]
+                self.plan, self._planned_params = kept  # the plan of the groups that remain
                 raise
 
     def _init_state(self) -> None:
@@ -304,12 +314,16 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_params_unchanged()
+        for g in self.param_groups:  # a scheduler's cycled momentum is an AdamW group's beta1
+            if g["algorithm"] == "adamw":
+                fold_adamw_momentum(g)
         finite, self._gradless = grad_census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
             self.last_step_skipped = True
             return loss
         self.last_step_skipped = False
+        self._updates_ok = []
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
@@ -317,6 +331,9 @@ class Muon(torch.optim.Optimizer):
         runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
         runtime.run()
         self.step_stats = stats.as_dict()
+        if not updates_finite(self._updates_ok):  # an update that did not fit was not written
+            self.skipped_steps += 1
+            self.last_step_skipped = True
         return loss
 
     def _adamw_group(self, g: dict) -> None:
@@ -332,6 +349,9 @@ class Muon(torch.optim.Optimizer):
             m.lerp_(grad, 1 - b1)
             v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
             denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(g["eps"])
+            if g["lr"] / (1 - b1**t) > torch.finfo(x.dtype).max:  # cannot be written (guard)
+                self._updates_ok.append(torch.tensor(False))
+                continue
             x.mul_(1 - g["lr"] * g["weight_decay"])
             x.addcdiv_(m, denom, value=-g["lr"] / (1 - b1**t))
 
@@ -393,18 +413,19 @@ class Muon(torch.optim.Optimizer):
             if id(p) not in self._gradless:  # a parameter without any grad stays untouched
                 self._apply(p, g, o, b, mp.fsdp_rank)
 
-    @staticmethod
-    def _apply(p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
-        """Decoupled weight decay, then the orthogonalized update at the per-block lr."""
+    def _apply(self, p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
+        """Decoupled weight decay, then the orthogonalized update at the per-block lr; neither
+        when the update does not fit the parameter's dtype (`muon.guard`)."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
             rows, cols = b.block_shape
         else:
             rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         x = _local(p)
-        x.mul_(1 - g["lr"] * g["weight_decay"])
         update = from_rows(o, x, b.shard_tensor_dim)
+        lrs = {h: adjusted_lr(g["lr"], g["adjust_lr"], h, cols) for h in b.split_sizes or (rows,)}
+        update = guard_update(x, update, max(lrs.values()), g, self._updates_ok)
         if not b.split_sizes:
-            x.add_(update, alpha=-adjusted_lr(g["lr"], g["adjust_lr"], rows, cols))
+            x.add_(update, alpha=-fit(lrs[rows], x.dtype))
             return
         # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
         heights = torch.tensor(b.split_sizes)
@@ -415,9 +436,10 @@ class Muon(torch.optim.Optimizer):
         for h in sorted(set(b.split_sizes)):
             rows = (row_height == h).nonzero().view(-1).to(x.device)
             if rows.numel():
-                lr = adjusted_lr(g["lr"], g["adjust_lr"], h, cols)
                 # the update may arrive in a narrower wire dtype; add_ would promote it too
-                x.index_add_(0, rows, update.index_select(0, rows).to(x.dtype), alpha=-lr)
+                x.index_add_(
+                    0, rows, update.index_select(0, rows).to(x.dtype), alpha=-fit(lrs[h], x.dtype)
+                )
 
     def _momentum_step(
         self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None

@@ -111,7 +111,9 @@ def build_step_plan(
                 ParamMeta(
                     index=len(params),
                     global_shape=tuple(p.shape),
-                    num_blocks=param_blocks(tuple(p.shape), g["num_blocks"], name or ""),
+                    num_blocks=param_blocks(
+                        tuple(p.shape), g["num_blocks"], name or "", g.get("split_sizes")
+                    ),
                     split_sizes=g.get("split_sizes") or (),
                     dtype=str(p.dtype).removeprefix("torch."),
                     itemsize=p.element_size(),

@@ -12,6 +12,7 @@ import math
 import torch
 
 from muon.newton_schulz import check_algorithm, resolve_coefficients
+from muon.normuon import state_len
 
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 ALGORITHMS = ("muon", "adamw")
@@ -100,78 +101,152 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
+#: more Newton-Schulz steps than this is a typo, not a schedule: published schedules use 5-10
+#: and every one has converged long before (a count of 10**9 would stall the step, not fail)
+MAX_NS_STEPS = 100
+
+
+#: the largest `eps`: the norm is clamped to it in the Newton-Schulz dtype (bfloat16's largest
+#: value, the smallest of the dtypes that clamp; float16 normalizes in float32)
+MAX_EPS = torch.finfo(torch.bfloat16).max
+
+
 def _number(g: dict, key: str) -> float:
+    """`g[key]` as a finite real number (a bool, a string, NaN or an infinity is an error)."""
     value = g[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{key}: expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
     return value
+
+
+def _unit_interval(g: dict, key: str) -> float:
+    """`g[key]`, a coefficient in [0, 1) (momentum, a beta), checked like `_number`."""
+    value = _number(g, key)
+    if not 0 <= value < 1:
+        raise ValueError(f"{key}: must be in [0, 1), got {value!r}")
+    return value
+
+
+def _check_bool(g: dict, key: str) -> None:
+    if not isinstance(g[key], bool):  # "False" would run as True, 0 / 1 hide a typo
+        raise ValueError(f"{key}: must be a bool (True or False), got {g[key]!r}")
+
+
+def _check_common(g: dict) -> None:
+    """lr, weight_decay and param_names, shared by both algorithms."""
+    if not _number(g, "lr") > 0:
+        raise ValueError(f"lr: must be > 0, got {g['lr']}")
+    if _number(g, "weight_decay") < 0:
+        raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
+    if g["lr"] * g["weight_decay"] > 1:  # the decay factor 1 - lr * wd would flip every sign
+        raise ValueError(
+            f"weight_decay: lr * weight_decay = {g['lr'] * g['weight_decay']:.3g} > 1 makes the "
+            "decay factor 1 - lr * weight_decay negative"
+        )
+    if not 0 < _number(g, "eps") <= MAX_EPS:
+        raise ValueError(f"eps: must be in (0, {MAX_EPS:.4g}], got {g['eps']}")
+    names = g.get("param_names")
+    if names is not None:
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"param_names: expected a list of str, got {names!r}")
+        if len(names) != len(g["params"]):
+            raise ValueError(
+                f"param_names: {len(names)} names for {len(g['params'])} parameters in one group"
+            )
+
+
+def check_options(*, enable_all2all, expert_aware, max_inflight, memory_budget) -> None:
+    """The optimizer-wide options of `muon.Muon` (not group keys); raises naming the option."""
+    for key, value in (("enable_all2all", enable_all2all), ("expert_aware", expert_aware)):
+        _check_bool({key: value}, key)
+    if not (isinstance(max_inflight, int) and not isinstance(max_inflight, bool)) or (
+        max_inflight < 1
+    ):
+        raise ValueError(f"max_inflight: must be an int >= 1, got {max_inflight!r}")
+    if (
+        memory_budget is not None
+        and not _number({"memory_budget": memory_budget}, "memory_budget") > 0
+    ):
+        raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget!r}")
 
 
 def validate_group(g: dict) -> None:
     """Check the values of a group whose defaults are filled in; raises ValueError naming the key.
 
-    Normalizes `ns_dtype` to its name (the only change it makes)."""
-    if not _number(g, "lr") > 0:
-        raise ValueError(f"lr: must be > 0, got {g['lr']}")
-    if _number(g, "weight_decay") < 0:
-        raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
-    names = g.get("param_names")
-    if names is not None and len(names) != len(g["params"]):
-        raise ValueError(
-            f"param_names: {len(names)} names for {len(g['params'])} parameters in one group"
-        )
+    Normalizes `ns_dtype` to its name and `split_sizes` to a tuple (or None, with `num_blocks`
+    counting equal blocks); a scheduler's `momentum` in an AdamW group becomes its beta1
+    (`fold_adamw_momentum`). These are the only changes it makes."""
+    _check_common(g)
     if g["algorithm"] == "adamw":
-        b1, b2 = g["betas"]
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"betas: each must be in [0, 1), got {g['betas']}")
-        if not _number(g, "eps") > 0:
-            raise ValueError(f"eps: must be > 0, got {g['eps']}")
+        fold_adamw_momentum(g)
+        betas = g["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
+        for key, value in zip(("betas[0]", "betas[1]"), betas, strict=True):
+            _unit_interval({key: value}, key)
+        g["betas"] = tuple(betas)
         return
-    if not 0 <= _number(g, "momentum") < 1:
-        raise ValueError(f"momentum: must be in [0, 1), got {g['momentum']}")
-    if not (isinstance(g["ns_steps"], int) and g["ns_steps"] > 0):
-        raise ValueError(f"ns_steps: must be a positive int, got {g['ns_steps']}")
-    if g["adjust_lr"] not in ADJUST_LR:
+    _unit_interval(g, "momentum")
+    _check_bool(g, "nesterov")
+    steps = g["ns_steps"]
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps <= MAX_NS_STEPS):
+        raise ValueError(f"ns_steps: must be an int in [1, {MAX_NS_STEPS}], got {steps!r}")
+    if not (isinstance(g["adjust_lr"], str) and g["adjust_lr"] in ADJUST_LR):
         raise ValueError(f"adjust_lr: {g['adjust_lr']!r} is not one of {ADJUST_LR}")
-    if not isinstance(g["normuon"], bool):
-        raise ValueError(f"normuon: must be a bool, got {g['normuon']!r}")
-    if not 0 <= _number(g, "normuon_beta2") < 1:
-        raise ValueError(f"normuon_beta2: must be in [0, 1), got {g['normuon_beta2']}")
-    if not _number(g, "eps") > 0:
-        raise ValueError(f"eps: must be > 0, got {g['eps']}")
+    _check_bool(g, "normuon")
+    _unit_interval(g, "normuon_beta2")
     resolve_coefficients(g["ns_coefficients"])
+    if not isinstance(g["ns_algorithm"], str):
+        raise ValueError(f"ns_algorithm: expected a str, got {g['ns_algorithm']!r}")
     check_algorithm(g["ns_algorithm"])
     g["ns_dtype"] = dtype_name(g["ns_dtype"])
-    _normalize_splits(g)
-    blocks = g["num_blocks"]
-    names = names or [None] * len(g["params"])
-    for p, name in zip(g["params"], names, strict=True):
-        label = name or f"shape {tuple(p.shape)}"
+    names = g.get("param_names") or [None] * len(g["params"])
+    labels = [name or f"shape {tuple(p.shape)}" for p, name in zip(g["params"], names, strict=True)]
+    for p, label in zip(g["params"], labels, strict=True):
         if p.ndim < 2:
             raise ValueError(
                 f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
                 "put vectors in an algorithm='adamw' group"
             )
-        splits = g["split_sizes"]
-        if splits is not None:
-            if p.ndim != 2 or sum(splits) != p.shape[0]:
-                raise ValueError(
-                    f"split_sizes: {len(splits)} blocks of {sum(splits)} rows in all; {label} "
-                    f"has {p.shape[0]} rows (dim 0) and must be 2-D"
-                )
-            continue
-        param_blocks(tuple(p.shape), blocks, label)
+    _normalize_splits(g, labels)
+    for p, label in zip(g["params"], labels, strict=True):
+        param_blocks(tuple(p.shape), g["num_blocks"], label, g["split_sizes"])
 
 
-def param_blocks(shape: tuple[int, ...], num_blocks, label: str) -> int:
+def fold_adamw_momentum(g: dict) -> None:
+    """A `momentum` in an AdamW group is beta1: torch's OneCycleLR and CyclicLR
+    (`cycle_momentum=True`) write `momentum` into every group of an optimizer whose defaults
+    hold `momentum` (Muon's do), where torch's own AdamW gets `betas[0]` cycled. It is folded
+    into `betas` (validated), so the cycled value is the one AdamW uses and the one a state
+    dict keeps."""
+    if "momentum" in g:
+        beta1 = _unit_interval(g, "momentum")
+        g.pop("momentum")
+        g["betas"] = (beta1, *tuple(g["betas"])[1:])
+
+
+def param_blocks(shape: tuple[int, ...], num_blocks, label: str, split_sizes=None) -> int:
     """The number of independent blocks of a Muon parameter, validated.
 
-    2-D `[rows, cols]`: `num_blocks` runs of rows (fused experts), which must divide the rows.
-    More dims, `[E, out, in, ...]` (the transformers v5 / torchtitan expert layout): each slice
-    along dim 0 is one block, a `[out, in * ...]` matrix, so the parameter has E blocks;
-    `num_blocks` must be 1 (the group's default) or E."""
+    2-D `[rows, cols]`: `num_blocks` runs of rows (fused experts), which must divide the rows,
+    or the `split_sizes` (normalized by `validate_group`) runs of unequal heights, which must add
+    up to the rows. More dims, `[E, out, in, ...]` (the transformers v5 / torchtitan expert
+    layout): each slice along dim 0 is one block, a `[out, in * ...]` matrix, so the parameter
+    has E blocks; `num_blocks` must be 1 (the group's default) or E."""
     if not (isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and num_blocks >= 1):
         raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r} ({label})")
+    if split_sizes:
+        if len(shape) != 2:
+            raise ValueError(
+                f"split_sizes: {label} is {len(shape)}-D; blocks of unequal heights need a "
+                "2-D parameter"
+            )
+        if sum(split_sizes) != shape[0]:
+            raise ValueError(
+                f"split_sizes: {len(split_sizes)} blocks of {sum(split_sizes)} rows in all; "
+                f"{label} has {shape[0]} rows (dim 0), which the sizes must add up to"
+            )
+        return len(split_sizes)
     if len(shape) == 2:
         if shape[0] % num_blocks:
             raise ValueError(
@@ -190,23 +265,33 @@ def param_blocks(shape: tuple[int, ...], num_blocks, label: str) -> int:
     return shape[0]
 
 
-def _normalize_splits(g: dict) -> None:
+def _normalize_splits(g: dict, labels: list[str]) -> None:
     """`split_sizes` (row counts of blocks of unequal heights along dim 0) as a tuple, or None;
-    equal sizes become `num_blocks`, their special case. `num_blocks` then counts the blocks."""
+    equal sizes become `num_blocks`, their special case. `num_blocks` then counts the blocks.
+    The sizes must add up to the rows of every parameter (`labels` name them), checked before
+    equal sizes are turned into a block count."""
     splits = g.get("split_sizes")
     if splits is None:
         g["split_sizes"] = None
         return
-    if isinstance(splits, (str, bytes)) or not all(
+    if not isinstance(splits, (list, tuple)) or not all(
         isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in splits
     ):
-        raise ValueError(f"split_sizes: expected a sequence of positive ints, got {splits!r}")
+        order = " (a set has no order)" if isinstance(splits, (set, frozenset)) else ""
+        raise ValueError(
+            f"split_sizes: expected a sequence of positive ints (a list or a tuple){order}, "
+            f"got {splits!r}"
+        )
     splits = tuple(splits)
+    if not splits:
+        raise ValueError("split_sizes: expected at least one block, got an empty sequence")
     if g["num_blocks"] not in (1, len(splits)):
         raise ValueError(
             f"num_blocks: {g['num_blocks']} disagrees with split_sizes ({len(splits)} blocks); "
             "give one of them"
         )
+    for p, label in zip(g["params"], labels, strict=True):
+        param_blocks(tuple(p.shape), len(splits), label, splits)
     if len(set(splits)) == 1:  # equal blocks: the num_blocks path (local, sub-group, ...)
         g["split_sizes"], g["num_blocks"] = None, len(splits)
     else:
@@ -234,50 +319,84 @@ def plan_keys(groups: list[dict]) -> list[tuple]:
     return [tuple(repr(g.get(k)) for k in PLAN_KEYS) for g in groups]
 
 
-def check_loaded_groups(groups: list[dict], state_dict: dict, current: dict | None = None) -> None:
+def normuon_state_shape(shape: tuple[int, ...], g: dict) -> tuple[int, int]:
+    """The global shape of NorMuon's moments of a parameter of `shape` in the validated Muon
+    group `g`: one row per block, as long as the longest block's `muon.normuon.state_len`."""
+    cols = math.prod(shape[1:])
+    if len(shape) > 2:  # one [d1, d2 * ...] block per dim-0 slice
+        return shape[0], state_len(shape[1], math.prod(shape[2:]))
+    heights = g.get("split_sizes") or (shape[0] // g["num_blocks"],)
+    return g["num_blocks"], max(state_len(h, cols) for h in heights)
+
+
+def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
     """Validate a state dict against the optimizer's current `groups` before anything is loaded:
     every saved group's keys and values (as if added with its current parameters), its
-    algorithm (a Muon and an AdamW parameter keep different state), and the shape of every
-    saved state tensor (the parameter's, or for per-block state such as NorMuon's moments that of
-    the `current` optimizer state). Raises ValueError naming the group and key."""
+    algorithm and its `normuon` (each keeps its own state: build the optimizer for them), and
+    the shape of every saved state tensor (the parameter's, or for per-block state such as
+    NorMuon's moments the one the loaded group's blocks give). Raises ValueError naming the
+    group and key. Returns the groups to load: each saved group over the current one (keys an older
+    state dict lacks keep their current values), normalized as `validate_group` leaves a group
+    added with them, with the current parameters."""
     saved = state_dict.get("param_groups")
     if not isinstance(saved, list) or len(saved) != len(groups):
         n = len(saved) if isinstance(saved, list) else saved
         raise ValueError(f"load_state_dict: {n} saved param groups for {len(groups)} groups")
     state = state_dict.get("state", {})
+    loaded = []
     for i, (g, s) in enumerate(zip(groups, saved, strict=True)):
         where = f"load_state_dict: param group {i}"
         s = dict(s)
-        if group_algorithm(s) == "adamw":  # earlier versions stored Muon's defaults here too
+        if group_algorithm(s) == "adamw":
+            # earlier versions stored every Muon default here too (their momentum was never
+            # read); without them, a momentum is a scheduler's beta1 (`fold_adamw_momentum`)
+            old = any(k in s for k in MUON_ONLY_KEYS if k != "momentum")
             for key in MUON_ONLY_KEYS:
-                s.pop(key, None)
-        check_group_keys(s, where)
-        if s.get("algorithm", "muon") != g["algorithm"]:
-            raise ValueError(
-                f"{where}: algorithm {s.get('algorithm')!r} differs from this optimizer's "
-                f"{g['algorithm']!r}; their states differ, so build the optimizer for it instead"
-            )
+                if old or key != "momentum":
+                    s.pop(key, None)
+        check_group_keys({k: v for k, v in s.items() if k != "momentum"}, where)
+        for key, value in (("algorithm", group_algorithm(s)), ("normuon", s.get("normuon"))):
+            if value is not None and value != g.get(key, False):
+                raise ValueError(
+                    f"{where}: {key} {value!r} differs from this optimizer's "
+                    f"{g.get(key, False)!r}; their states differ, so build the optimizer with "
+                    f"{key}={value!r} to load it"
+                )
         if len(s["params"]) != len(g["params"]):
             raise ValueError(
                 f"{where}: {len(s['params'])} saved parameters for {len(g['params'])} here"
             )
+        group = {**g, **s, "params": g["params"]}
+        if group.get("param_names", ()) is None:  # no names: the key absent, as torch keeps it
+            del group["param_names"]
         try:
-            # keys an older state dict lacks keep their current values (torch loads as saved)
-            validate_group({**g, **s, "params": g["params"]})
+            validate_group(group)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
+        loaded.append(group)
         for j, (idx, p) in enumerate(zip(s["params"], g["params"], strict=True)):
-            for key, value in state.get(idx, {}).items():
+            saved_state = state.get(idx, {})
+            if group.get("normuon") and saved_state and "normuon_v" not in saved_state:
+                raise ValueError(f"{where} param {j}: normuon is on, its state 'normuon_v' missing")
+            for key, value in saved_state.items():
                 if key == "step" or not torch.is_tensor(value):
                     continue
-                expected, what = p.shape, "the parameter"
+                expected, what = tuple(p.shape), "the parameter"
                 if key in PER_BLOCK_STATE:  # one row per block, not the parameter's shape
-                    here = (current or {}).get(p, {}).get(key)
-                    if here is None:
-                        continue
-                    expected, what = here.shape, "this optimizer's"
-                if value.shape != expected:
+                    expected = normuon_state_shape(tuple(p.shape), group)
+                    what = (
+                        f"NorMuon's one row per block of num_blocks={group['num_blocks']}, "
+                        f"split_sizes={group['split_sizes']}"
+                    )
+                if tuple(value.shape) != expected:
                     raise ValueError(
                         f"{where} param {j}: state {key!r} has shape {tuple(value.shape)}, "
                         f"{what} {tuple(expected)}"
                     )
+    named = ["param_names" in group for group in loaded]
+    if any(named) and not all(named):  # torch's rule, which a later add_param_group enforces
+        raise ValueError(
+            f"load_state_dict: param_names given for groups {[i for i, n in enumerate(named) if n]}"
+            " only; torch.optim needs them in every group or in none"
+        )
+    return loaded

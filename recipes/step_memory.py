@@ -149,6 +149,8 @@ def layer_activation_bytes(
         total += seq_len * seq_len  # the indexer's causal mask, shared by the batch
     if layer >= config.num_hidden_layers:
         total += tokens * mtp_input_bytes_per_token(config, a)
+    if is_moe:  # the grouped expert GEMM's int32 offsets, one per local expert
+        total += 4 * (config.n_routed_experts // ep)
     return total
 
 

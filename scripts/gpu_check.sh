@@ -12,6 +12,8 @@
 #           (`small`, and the smallest MLA+DSA preset of conf/model/ when there is one), without
 #           and with train.compile; a copy of the eager run is resumed from its step-25
 #           checkpoint and compared with the uninterrupted run (scripts/check_resume.py)
+#   moe     scripts/bench_moe.py: one GLM-5.2 MoE layer with the 32 experts a rank holds at ep 8,
+#           bf16 forward + backward by expert kernel (per-expert loop, grouped matmul, padded bmm)
 # Everything goes under OUT_DIR: one folder per part with each step's log (its first line is
 # the command) and artefacts, the caches (token file, Inductor, Triton), env.txt and
 # summary.txt. The summary (also printed) has one row per step:
@@ -28,7 +30,7 @@
 set -u
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PARTS=(pytest bench memory train)
+PARTS=(pytest bench memory train moe)
 PYTHON=${PYTHON:-python}
 BUDGET=450
 MIN_STEP_S=20 # a step with less time left than this is not started
@@ -259,6 +261,12 @@ part_train() {
 				"$PYTHON" scripts/check_resume.py "$dir/ref" "$dir/resumed" --from-step 25
 		done
 	done
+}
+
+part_moe() {
+	run_step moe 60 "$OUT/moe/moe.log" \
+		"$PYTHON" scripts/bench_moe.py --device cuda --dtype bf16 --preset glm52 --experts 32 \
+		--tokens 8192 --rounds 10 --out "$OUT/moe"
 }
 
 # ---------------------------------------------------------------------------- the device

@@ -7,6 +7,8 @@ destination rank: one all_to_all_single (uneven splits) sends them, the owner ru
 and a second one brings the outputs back. Both exchanges are differentiable (`all_to_all`):
 backward is the same exchange with the splits swapped.
 
+Row gathers are index_select, whose backward is a plain index_add_ (no sort of the indices).
+
 Shape legend: N tokens, K experts per token, D hidden, A = N*K assignments, E experts,
 P EP ranks, L local experts (E / P), S rows received by this rank.
 """
@@ -42,6 +44,15 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     return _AllToAll.apply(x, send_splits, recv_splits, group)
 
 
+def expert_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `idx` name each of `num_experts` experts: int64 [num_experts], on
+    idx's device. Unlike torch.bincount, whose CUDA kernel reads the ids' min and max on the
+    host to size its output, a scatter-add of ones reads nothing."""
+    flat = idx.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def routed_experts_forward(
     experts,
     x_ND: torch.Tensor,
@@ -51,37 +62,39 @@ def routed_experts_forward(
     group=None,
 ) -> torch.Tensor:
     """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for every token n, with the experts spread over
-    the EP `group` (None: all experts local). `experts(x_SD, counts)` runs local expert j on the
-    j-th block of counts[j] consecutive rows. Returns [N, D] in x's dtype."""
+    the EP `group` (None: all experts local). `experts(x_SD, counts_L)` runs local expert j on
+    the j-th block of counts_L[j] consecutive rows (counts_L a device tensor). Returns [N, D]
+    in x's dtype. Host reads: none without EP; with EP one, the split sizes of both exchanges
+    (`.tolist()` of one stacked tensor) that all_to_all_single takes as Python ints."""
     N, K = idx_NK.shape
     flat_A = idx_NK.reshape(-1)
     order_A = torch.argsort(flat_A, stable=True)
     token_A = order_A // K  # the token of each expert-sorted assignment
-    counts_E = torch.bincount(flat_A, minlength=num_experts)
-    x_AD = x_ND[token_A]
+    counts_E = expert_counts(flat_A, num_experts)
+    x_AD = x_ND.index_select(0, token_A)
 
     ep = 1 if group is None else dist.get_world_size(group)
     if ep == 1:
-        y_AD = experts(x_AD, counts_E.tolist())
+        y_AD = experts(x_AD, counts_E)
     else:
         L = num_experts // ep
         # recv_counts_PL[p, j]: rows that source rank p sends to my local expert j.
         recv_counts_E = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts_E, counts_E, group=group)
         recv_counts_PL = recv_counts_E.view(ep, L)
-        send_splits = counts_E.view(ep, L).sum(1).tolist()
-        recv_splits = recv_counts_PL.sum(1).tolist()
+        splits_2P = torch.stack([counts_E.view(ep, L).sum(1), recv_counts_PL.sum(1)])
+        send_splits, recv_splits = splits_2P.tolist()  # the one host read of the layer
         x_SD = all_to_all(x_AD, send_splits, recv_splits, group)
-        # Received rows are ordered (source, local expert); regroup them by local expert.
-        local_S = torch.repeat_interleave(
-            torch.arange(L, device=x_ND.device).repeat(ep), recv_counts_PL.reshape(-1)
-        )
-        perm_S = torch.argsort(local_S, stable=True)
-        y_grouped_SD = experts(x_SD[perm_S], recv_counts_PL.sum(0).tolist())
-        y_SD = y_grouped_SD[torch.argsort(perm_S)]
+        # Received rows are ordered (source, local expert); regroup them by local expert. Row s
+        # lies in run r = #(run ends <= s) of the P*L runs, the run of local expert r % L.
+        row_S = torch.arange(sum(recv_splits), device=x_ND.device)
+        run_S = torch.searchsorted(torch.cumsum(recv_counts_E, 0), row_S, right=True)
+        perm_S = torch.argsort(run_S % L, stable=True)
+        y_grouped_SD = experts(x_SD.index_select(0, perm_S), recv_counts_PL.sum(0))
+        y_SD = y_grouped_SD.index_select(0, torch.argsort(perm_S))
         y_AD = all_to_all(y_SD, recv_splits, send_splits, group)
 
-    w_A = w_NK.reshape(-1)[order_A]
+    w_A = w_NK.reshape(-1).index_select(0, order_A)
     out_ND = torch.zeros_like(x_ND)
     out_ND.index_add_(0, token_A, (y_AD * w_A[:, None]).to(x_ND.dtype))
     return out_ND

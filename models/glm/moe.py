@@ -2,7 +2,8 @@
 and the shared expert.
 
 Shape legend: N tokens, D hidden, E experts, K experts per token, G expert groups,
-I expert inner size, L local experts, S rows for the local experts.
+I expert inner size, L local experts, S rows for the local experts, C rows per
+expert slot of the padded batched matmul.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
-from models.glm.expert_parallel import routed_experts_forward
+from models.glm.expert_parallel import expert_counts, routed_experts_forward
 from models.glm.layers import MLP
 from models.glm.recompute import is_recomputing
 
@@ -23,7 +24,7 @@ def _count_loads(expert_load: torch.Tensor, idx_NK: torch.Tensor) -> None:
     # the recomputation would run a differently compiled graph whose saved tensors do not
     # line up with the forward's, and activation checkpointing would use the wrong ones.
     if not is_recomputing():  # the counts feed the load-balancing bias: each token once
-        expert_load += torch.bincount(idx_NK.reshape(-1), minlength=expert_load.numel())
+        expert_load += expert_counts(idx_NK, expert_load.numel())
 
 
 class Router(nn.Module):
@@ -69,6 +70,84 @@ class Router(nn.Module):
         return idx_NK, w_NK * self.routed_scaling_factor
 
 
+#: How FusedExperts runs its local experts: one grouped matmul, one padded batched matmul, or a
+#: Python loop of per-expert matmuls (the reference); "auto" picks by `expert_kernel`.
+EXPERT_KERNELS = ("auto", "grouped_mm", "padded_bmm", "loop")
+
+
+def expert_kernel(x_SD: torch.Tensor, *weights: torch.Tensor) -> str:
+    """The kernel "auto" runs: "grouped_mm" where `torch._grouped_mm` has a native kernel for
+    these operands, else "padded_bmm".
+
+    torch._grouped_mm takes float32, bfloat16 and float16 operands whose row strides are
+    multiples of 16 bytes (hidden and inner size times the element size). On CPU it then runs
+    (a loop of matmuls inside one op, reading the offsets directly). On CUDA its native kernel
+    needs bf16 on compute capability 9.x or 10.x (Hopper, Blackwell), fewer than 1024 groups and
+    16-byte aligned data; anything else would take torch's own fallback, which copies the
+    offsets to the host on every call (six blocking reads per layer, forward and backward). The
+    kernel checks group sizes on the device: any size, zero included, passes with row-major
+    rows and row-major output gradients (the weight gradients contract a column-major x^T with
+    a row-major gradient), which `_grouped_mm` below keeps. The padded bmm needs one host read
+    per forward and runs on every device and dtype (float64 included).
+    """
+    dtype, device = x_SD.dtype, x_SD.device
+    operands = (x_SD, *weights)
+    rows_aligned = all(t.stride(-2) * t.element_size() % 16 == 0 for t in operands)
+    if device.type == "cpu":
+        native = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    elif device.type == "cuda":
+        native = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        native = native and all(w.shape[0] < 1024 for w in weights if w.dim() == 3)
+        rows_aligned = rows_aligned and all(t.data_ptr() % 16 == 0 for t in operands)
+    else:
+        native = False
+    return "grouped_mm" if native and rows_aligned else "padded_bmm"
+
+
+def _row_major(grad_SD: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's backward takes row-major gradients only; that of .sum() is broadcast
+    # (strides 0, which even an empty gradient may keep through .contiguous()).
+    if grad_SD.stride() == (grad_SD.shape[1], 1):
+        return grad_SD
+    return grad_SD.clone(memory_format=torch.contiguous_format)
+
+
+def _grouped_mm(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
+    ends_L = torch.cumsum(counts_L, 0, dtype=torch.int32)  # group j: rows ends[j-1]..ends[j]-1
+    gate_SI, up_SI = torch._grouped_mm(x_SD, w_gu_L2ID.transpose(1, 2), offs=ends_L).chunk(2, -1)
+    y_SD = torch._grouped_mm(F.silu(gate_SI) * up_SI, w_down_LDI.transpose(1, 2), offs=ends_L)
+    if y_SD.requires_grad:
+        y_SD.register_hook(_row_major)
+    return y_SD
+
+
+def _padded_bmm(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
+    # Each expert's rows go to a [C, D] slot of zeros (C: the largest count, this kernel's one
+    # host read); a zero row yields a zero output and zero gradients, so padding changes nothing.
+    S, D, L = x_SD.shape[0], x_SD.shape[1], counts_L.numel()
+    C = int(counts_L.max()) if S else 0
+    ends_L = torch.cumsum(counts_L, 0)
+    row_S = torch.arange(S, device=x_SD.device)
+    expert_S = torch.searchsorted(ends_L, row_S, right=True)
+    start_S = (ends_L - counts_L).index_select(0, expert_S)
+    flat_S = expert_S * C + row_S - start_S  # row s goes to slot (expert, row - its start)
+    x_LCD = x_SD.new_zeros(L * C, D).index_copy(0, flat_S, x_SD).view(L, C, D)
+    gate_LCI, up_LCI = torch.bmm(x_LCD, w_gu_L2ID.transpose(1, 2)).chunk(2, -1)
+    y_LCD = torch.bmm(F.silu(gate_LCI) * up_LCI, w_down_LDI.transpose(1, 2))
+    return y_LCD.view(L * C, D).index_select(0, flat_S)
+
+
+def _loop(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
+    outs = []  # one host read (the counts), three matmul-sized ops per expert
+    for j, x_jD in enumerate(torch.split(x_SD, counts_L.tolist())):
+        gate, up = (x_jD @ w_gu_L2ID[j].T).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ w_down_LDI[j].T)
+    return torch.cat(outs)
+
+
+_KERNELS = {"grouped_mm": _grouped_mm, "padded_bmm": _padded_bmm, "loop": _loop}
+
+
 class FusedExperts(nn.Module):
     """E SwiGLU experts stored as two fused 2-D weights.
 
@@ -77,9 +156,11 @@ class FusedExperts(nn.Module):
     `orthogonal_blocks` tells Muon how many independent matrices each weight stacks (2E and E).
     Under expert parallelism the weights are DTensors sharded on dim 0 over the EP mesh (whole
     experts per rank); `ep_group` is then the EP process group (set by parallelize).
+    The forward views the weights as [L, 2I, D] and [L, D, I] stacks (the stored layout stays)
+    and runs `kernel` (one of EXPERT_KERNELS; "auto" by default, see `expert_kernel`).
     """
 
-    def __init__(self, config: GLMConfig) -> None:
+    def __init__(self, config: GLMConfig, kernel: str = "auto") -> None:
         super().__init__()
         E, D, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.hidden_size, self.inner_size = E, D, I
@@ -87,26 +168,43 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E * D, I))
         self.orthogonal_blocks = {"gate_up_proj": 2 * E, "down_proj": E}
         self.ep_group = None
+        self.kernel = kernel
 
-    def forward(self, x_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Run local expert j on the j-th run of counts[j] rows of x_SD (rows grouped by expert)."""
+    @property
+    def kernel(self) -> str:
+        """The expert kernel the forward runs (one of EXPERT_KERNELS)."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, kernel: str) -> None:
+        if kernel not in EXPERT_KERNELS:
+            raise ValueError(f"FusedExperts kernel {kernel!r} is not one of {EXPERT_KERNELS}")
+        self._kernel = kernel
+
+    def forward(self, x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        """Run local expert j on the j-th run of counts_L[j] rows of x_SD (rows grouped by
+        expert); counts_L is an integer tensor on x's device, never read on the host by the
+        grouped matmul."""
         w_gu, w_down = self.gate_up_proj, self.down_proj
         if hasattr(w_gu, "to_local"):  # an EP-sharded DTensor: compute on the local experts
             w_gu, w_down = w_gu.to_local(), w_down.to_local()
         D, I = self.hidden_size, self.inner_size
         w_gu_L2ID = w_gu.view(-1, 2 * I, D)
         w_down_LDI = w_down.view(-1, D, I)
-        assert len(counts) == w_gu_L2ID.shape[0], (len(counts), w_gu_L2ID.shape)
-        outs = []
-        for j, x_jD in enumerate(torch.split(x_SD, counts)):
-            gate, up = (x_jD @ w_gu_L2ID[j].T).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ w_down_LDI[j].T)
-        return torch.cat(outs)
+        if counts_L.shape != (w_gu_L2ID.shape[0],):
+            raise ValueError(
+                f"counts_L has shape {tuple(counts_L.shape)}; expected one count per local "
+                f"expert, ({w_gu_L2ID.shape[0]},)"
+            )
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = expert_kernel(x_SD, w_gu_L2ID, w_down_LDI)
+        return _KERNELS[kernel](x_SD, w_gu_L2ID, w_down_LDI, counts_L)
 
 
-# Data-dependent dispatch (expert counts read on the host, uneven all-to-alls) runs eagerly
-# under torch.compile: compiled, it would break the graph and recompile for every new set of
-# counts. The rest of the layer (attention, norms, router, shared expert) compiles.
+# Data-dependent dispatch (with EP the split sizes read on the host and uneven all-to-alls)
+# runs eagerly under torch.compile: compiled, it would break the graph and recompile for every
+# new set of splits. The rest of the layer (attention, norms, router, shared expert) compiles.
 _routed = torch.compiler.disable(routed_experts_forward, recursive=True)
 
 

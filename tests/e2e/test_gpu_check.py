@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PARTS = ("pytest", "bench", "memory", "train")
+PARTS = ("pytest", "bench", "memory", "train", "moe")
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -69,6 +69,14 @@ def test_dry_run_lists_every_part_with_its_command(dry_run):
     assert {"polar_express", "polar_express gram"} <= set(bench.variants)
     meter = _module("check_memory_meter").parse_args(steps["memory"][2:])
     assert meter.out == str(out / "memory")
+    moe = _module("bench_moe").parse_args(steps["moe"][2:])
+    assert (moe.device, moe.dtype, moe.preset, moe.out) == (
+        "cuda",
+        "bf16",
+        "glm52",
+        str(out / "moe"),
+    )
+    assert moe.kernels == ["loop", "grouped_mm", "padded_bmm"]
     # train: the small preset without and with compile, the eager run resumed and checked
     for name in ("train small eager", "resume small eager", "train small compile"):
         cmd = steps[name]
@@ -185,7 +193,7 @@ def test_a_failed_step_does_not_stop_the_others_and_sets_the_exit_status(tmp_pat
     rows = [line.split() for line in (out / "summary.txt").read_text().splitlines()[1:-1]]
     status = {" ".join(r[:-3]): r[-3] for r in rows}
     presets = ["small", "mla_tiny"]  # the presets the script finds in conf/model/
-    expected = {"pytest": "FAIL", "bench": "PASS", "memory": "PASS"}
+    expected = {"pytest": "FAIL", "bench": "PASS", "memory": "PASS", "moe": "PASS"}
     for p in presets:
         expected |= {
             f"train {p} eager": "PASS",

@@ -1,4 +1,5 @@
-"""float16 Newton-Schulz normalizes before it casts (muon/newton_schulz.py, muon/planner.py).
+"""float16 Newton-Schulz normalizes, in float32, before it casts (muon/newton_schulz.py,
+muon/planner.py).
 
 float16 flushes magnitudes below ~6e-8 to zero and overflows above 65504; momentum of either
 size must give the same orthogonalized update as at scale 1. Single process, CPU."""

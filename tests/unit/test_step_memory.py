@@ -12,7 +12,6 @@ from models.glm.layers import rope_cos_sin
 from recipes.step_memory import (
     head_bytes_per_token,
     layer_activation_bytes,
-    layer_bytes_per_token,
 )
 
 CONFIGS = {
@@ -73,7 +72,7 @@ def test_activation_bytes_match_autograd(name, dtype):
     for i, layer in enumerate(model.model.layers):
         h = torch.randn(B, T, config.hidden_size, dtype=dtype, requires_grad=True)
         got = _saved_bytes(lambda layer=layer, h=h: layer(h, cos, sin), params)
-        want = B * T * layer_bytes_per_token(config, layer.is_moe, itemsize, ep=1)
+        want = layer_activation_bytes(config, i, layer.is_moe, itemsize, 1, B, T)
         assert got == want, (name, dtype, i)
     # The loss head: final norm, lm_head, float32 log-softmax, targets (and the embedding ids).
     ids = torch.randint(0, config.vocab_size, (B, T + 1))
