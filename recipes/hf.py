@@ -118,10 +118,13 @@ def hf_model_config(path: str | Path, overrides: dict) -> GLMConfig:
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
-def check_init_from(path: str | Path, config: GLMConfig) -> list[str]:
+def check_init_from(
+    path: str | Path, config: GLMConfig, *, init_missing_mtp: bool = False
+) -> list[str]:
     """Raise ValueError unless `path` is a transformers GLM directory of the model of
     `config`: same config fields (naming those that differ) and every tensor present in the
-    right shape and a loadable format (naming the tensors). Reads config.json and the
+    right shape and a loadable format (naming the tensors; MTP layers the files lack only
+    with `init_missing_mtp`, `checkpoint.init_missing_mtp`). Reads config.json and the
     safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
     from models.glm.hf_config import TRAINING_ONLY, canonical_indexer_types
 
@@ -139,10 +142,18 @@ def check_init_from(path: str | Path, config: GLMConfig) -> list[str]:
             f"model from the directory (model=hf model.path={path}), or set "
             "model.overrides.<field> (vocab_size: data.vocab_size) to match"
         )
-    return check_hf(hf, config)
+    return check_hf(
+        hf,
+        config,
+        init_missing_mtp=init_missing_mtp,
+        init_missing_mtp_key="checkpoint.init_missing_mtp=true",
+    )
 
 
-def init_from(model: torch.nn.Module, path: str | Path) -> list[str]:
+def init_from(
+    model: torch.nn.Module, path: str | Path, *, init_missing_mtp: bool = False
+) -> list[str]:
     """Fill this rank's shards of `model` from a transformers directory (no collective);
-    returns the MTP tensors the files lack, left as initialized."""
-    return load_hf(model, path)
+    returns the MTP tensors the files lack, left as initialized (only with
+    `init_missing_mtp`: else they are an error)."""
+    return load_hf(model, path, init_missing_mtp=init_missing_mtp)

@@ -6,7 +6,7 @@
   `hydra.launcher.nodes` > 1) is such a world too: submitit's environment gives each task its
   rank, exported here in torch's variables.
 - Otherwise `mesh.world_size` ranks are started here by the project's local-world runner,
-  `recipes.bench.world.run_world` (one fresh world per call, so Hydra multirun jobs each get
+  `recipes.world.run_world` (one fresh world per call, so Hydra multirun jobs each get
   their own; no deadline; SIGTERM / SIGINT to this process stop the ranks with a checkpoint).
   Ranks receive the resolved config as a YAML string, never Hydra objects.
 Devices: CUDA + NCCL when `mesh.device` allows and enough GPUs are present, else CPU + gloo.
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.bench.world import WorldError, WorldStopped, run_world
 from recipes.config import from_yaml, validate
+from recipes.world import WorldError, WorldStopped, run_world
 
 log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -80,7 +80,7 @@ def choose_device(device: str, ranks_on_this_node: int) -> str:
 def run(cfg: DictConfig) -> float | None:
     """Validate `cfg` and train; returns the last loss (rank 0 / local launcher), else None."""
     env_world = launcher_world_size()
-    validate(cfg, env_world_size=env_world)
+    validate(cfg, env_world_size=env_world, overrides=HydraConfig.get().overrides.task)
     payload = {
         "config": OmegaConf.to_yaml(cfg, resolve=True),
         "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),

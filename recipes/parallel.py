@@ -98,8 +98,11 @@ def train_dtypes(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, to
     return getattr(torch, param), getattr(torch, reduce)
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """`optim.name=muon`: muon.Muon over muon.param_groups; `adamw`: AdamW over everything."""
+def build_optimizer(
+    cfg: DictConfig, model: torch.nn.Module, *, expert_aware: bool = True
+) -> torch.optim.Optimizer:
+    """`optim.name=muon`: muon.Muon over muon.param_groups; `adamw`: AdamW over everything.
+    `expert_aware=False` (the dry-run planner's comparison) exchanges fused experts whole."""
     o = cfg.optim
     if o.name == "adamw":
         return torch.optim.AdamW(
@@ -142,6 +145,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
         normuon=o.normuon,
         normuon_beta2=o.normuon_beta2,
         memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
+        expert_aware=expert_aware,
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from models.glm import get_preset
+from models.glm.local import local_tensor
 from muon import cost
 from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
@@ -32,19 +33,40 @@ TOKENS_PER_STEP = 4 << 20
 
 # ------------------------------------------------------------------------- building the plans
 def build_optimizer(
-    model, strategy: str, expert_aware: bool, router: str, ns_dtype, muon_split=False, **kw
+    model,
+    strategy: str,
+    expert_aware: bool,
+    router: str,
+    ns_dtype: str,
+    muon_split: bool = False,
+    *,
+    normuon: bool = False,
+    nesterov: bool = True,
+    max_inflight: int = 3,
+    ns_algorithm: str = "auto",
+    memory_budget_gib: float | None = None,
 ):
-    """`muon.Muon` over `muon.param_groups(model)`, exactly as the recipe builds it."""
-    import muon
+    """`muon.Muon` exactly as the recipe builds it (`recipes.parallel.build_optimizer` over the
+    default `optim=muon` config with the planner's knobs set; lr, betas, eps and the rest are
+    the recipe's defaults). `ns_dtype`: "bf16", "fp32" or "fp16"."""
+    from omegaconf import OmegaConf
 
-    groups = muon.param_groups(model, router=router, muon_split=muon_split)
-    return muon.Muon(
-        groups,
+    from recipes.config import Config
+    from recipes.parallel import build_optimizer as recipe_optimizer
+
+    knobs = dict(
         remainder_strategy=strategy,
-        expert_aware=expert_aware,
-        ns_dtype=ns_dtype,
-        **kw,
+        router=router,
+        ns_dtype=str(DTYPES[ns_dtype]).removeprefix("torch."),
+        muon_split="on" if muon_split else "off",
+        normuon=normuon,
+        nesterov=nesterov,
+        max_inflight=max_inflight,
+        ns_algorithm=ns_algorithm,
+        memory_budget_gib=memory_budget_gib,
     )
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), {"optim": knobs})
+    return recipe_optimizer(cfg, model, expert_aware=expert_aware)
 
 
 def muon_names(opt) -> list[str]:
@@ -62,7 +84,7 @@ def resident_bytes(opt) -> int:
     for g in opt.param_groups:
         copies = 3 if g["algorithm"] == "muon" else 4  # param, grad, momentum | exp_avg, _sq
         for p in g["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             total += copies * local.numel() * local.element_size()
     return total
 
@@ -226,11 +248,7 @@ def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: 
     QK-clip's recording (one more causal Q K^T per layer and sequence, no backward)
     and its one MAX all-reduce of [layers, heads] float32 per step."""
     state = sum(
-        st["normuon_v"].to_local().numel() * 4
-        if hasattr(st["normuon_v"], "to_local")
-        else st["normuon_v"].numel() * 4
-        for st in opt.state.values()
-        if "normuon_v" in st
+        local_tensor(st["normuon_v"]).numel() * 4 for st in opt.state.values() if "normuon_v" in st
     )
     if config.attention == "mla":
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -300,13 +318,13 @@ def plan(
                 s,
                 expert_aware,
                 router,
-                DTYPES[ns_dtype],
+                ns_dtype,
                 muon_split=muon_split,
                 normuon=normuon,
                 nesterov=nesterov,
                 max_inflight=max_inflight,
                 ns_algorithm=ns_algorithm,
-                memory_budget=None if budget is None else int(budget),
+                memory_budget_gib=budget_gib,
             )
             for s in strategies
         }

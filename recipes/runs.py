@@ -7,7 +7,6 @@ Used by `scripts/compare_strategies.py` and `scripts/compare_optimizers.py`.
 
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,12 +129,3 @@ def markdown_table(rows: list[dict], cols: list[str]) -> list[str]:
     """The lines of a markdown table of `cols` over `rows`."""
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     return lines + ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-
-
-def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
-    """`cols` of `rows` as CSV (None as an empty cell)."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: "" if r.get(c) is None else r.get(c) for c in cols})

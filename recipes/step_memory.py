@@ -6,12 +6,14 @@ the optimizer's plans are the ones a real run gets. What it adds up:
 
 - resident: fp32 master parameter shards, optimizer state (Muon momentum, AdamW moments);
 - forward/backward peak (at the start of backward, where every activation is still alive):
-  activations of all decoder layers and MTP layers (those when train.mtp_loss_weight > 0) for
-  one micro-batch (or, with activation checkpointing, each layer's input plus one recomputed
-  layer), the loss heads (next-token and one per running MTP layer), the root's unsharded
+  activations of all decoder layers and MTP layers (those when train.mtp_loss_weight > 0; an
+  MTP layer once per prediction depth it runs) for one micro-batch (or, with activation
+  checkpointing, each layer's input plus one recomputed layer), the loss heads (next-token and
+  one per MTP depth: what they keep, plus one cross-entropy chunk recomputed in backward,
+  never [T, V] logits), the root's unsharded
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
-  flat staging copy of an all-gather on CPU, one layer's unsharded gradients before their
-  reduce-scatter, and the gradient temporaries of the loss head;
+  flat staging copy of an all-gather on CPU, and one layer's unsharded gradients before their
+  reduce-scatter;
 - optimizer peak: gradient shards plus the optimizer's transient from its plans (the
   exchange buffers and Newton-Schulz workspace of `max_inflight` consecutive batches).
 The step peak is resident + the larger of the two peaks.
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.glm import GLMConfig
+from models.glm.local import local_tensor
 from muon.cost import window_peak_bytes
 
 GiB = 1 << 30
@@ -162,9 +165,21 @@ def mtp_input_bytes_per_token(config: GLMConfig, a: int) -> int:
 
 
 def head_bytes_per_token(config: GLMConfig, a: int) -> int:
-    """Final norm, its output (saved by lm_head), log-softmax output, target, token ids."""
-    D, V = config.hidden_size, config.vocab_size
-    return norm_bytes_per_token(D, a) + D * a + V * 4 + 8 + 8
+    """A loss head, per token, kept for backward: the final norm, its output (the checkpointed
+    input of the cross-entropy chunks), the target and the token ids. The [T, V] logits are
+    never kept: `loss_head_chunk_bytes`."""
+    D = config.hidden_size
+    return norm_bytes_per_token(D, a) + D * a + 8 + 8
+
+
+def loss_head_chunk_bytes(config: GLMConfig, a: int, tokens: int) -> int:
+    """The loss head's transient: one chunk of `loss_chunk_tokens` tokens (at most `tokens`;
+    models/glm/model.py `chunked_cross_entropy`), at its peak the chunk's [chunk, V] logits in
+    the compute dtype and in float32 (forward, and again in backward, where the float32 copy
+    becomes the gradient in place and is cast back to the compute dtype): (a + 4) bytes per
+    logit, 4 in float32 compute (no copy)."""
+    c = min(config.loss_chunk_tokens, tokens)
+    return c * config.vocab_size * (4 + (a if a < 4 else 0))
 
 
 @dataclass
@@ -208,7 +223,7 @@ class StepMemory:
 def _local_bytes(params, itemsize: int | None = None) -> int:
     total = 0
     for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_tensor(p)
         total += local.numel() * (itemsize or local.element_size())
     return total
 
@@ -262,14 +277,18 @@ def estimate_step_memory(
     a = torch.finfo(param_dtype).bits // 8
     seq_len = seq_len or tokens
     batch = max(1, tokens // seq_len)
-    mtp_layers = list(model.model.mtp_layers) if mtp else []  # idle with mtp_loss_weight 0
+    # One MTP run per prediction depth (several on one shared layer: GLM-5's training); none
+    # with mtp_loss_weight 0.
+    mtp_layers = list(model.model.mtp_layers)
+    depths = config.mtp_depths_resolved if mtp else 0
+    mtp_layers = [mtp_layers[0 if len(mtp_layers) == 1 else k] for k in range(depths)]
     layers = [*model.model.layers, *mtp_layers]
     per_layer = [
         layer_activation_bytes(config, i, x.is_moe, a, ep, batch, seq_len)
         for i, x in enumerate(layers)
     ]
     inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
-    # The next-token head, and per MTP layer its own (shared_head.norm, lm_head, loss).
+    # The next-token head, and per MTP depth its own (shared_head.norm, lm_head, loss).
     head = tokens * head_bytes_per_token(config, a) * (1 + len(mtp_layers))
     parts: dict[str, int] = {}
     trained = [  # no gradient: a frozen indexer, idle MTP layers
@@ -291,8 +310,8 @@ def estimate_step_memory(
     else:
         parts["activations (all layers)"] = sum(per_layer)
     parts["loss head activations"] = head
-    # The gradient of the logits (float32) and its cast to the compute dtype, at backward start.
-    parts["loss head gradients"] = tokens * config.vocab_size * (4 + a)
+    # One cross-entropy chunk recomputed in backward (the heads run one after another).
+    parts["loss head chunk (recomputed)"] = loss_head_chunk_bytes(config, a, tokens)
     root = _unsharded_bytes(model.model.embed_tokens, a, ep)
     root += _unsharded_bytes(model.lm_head, a, ep) + _unsharded_bytes(model.model.norm, a, ep)
     parts["root parameters (unsharded)"] = root

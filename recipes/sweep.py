@@ -66,7 +66,7 @@ def check_jobs(config: DictConfig) -> None:
             del job["hydra"]  # the task function's view of the config
         try:
             # The launching process may not be the node that trains (submitit): no device check.
-            validate(job, check_devices=False)
+            validate(job, check_devices=False, overrides=overrides)
         except ConfigError as err:
             raise ConfigError(f"sweep job [{where}]: {err}") from None
         if path in seen:

@@ -152,7 +152,11 @@ class Trainer:
             return
         from recipes.hf import init_from
 
-        initialized = init_from(self.model, Path(path).expanduser())
+        initialized = init_from(
+            self.model,
+            Path(path).expanduser(),
+            init_missing_mtp=bool(self.cfg.checkpoint.init_missing_mtp),
+        )
         if self.rank == 0:
             log.info("initialized from the transformers directory %s", path)
             if initialized:

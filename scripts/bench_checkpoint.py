@@ -26,13 +26,10 @@ from pathlib import Path
 
 import torch
 
+from models.glm.local import local_tensor
 from recipes.bench.cli import command_line
 from recipes.bench.fixtures import MiB
-from recipes.bench.world import run_world as _run_world
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from recipes.world import run_world as _run_world
 
 
 def _worker(cfg: dict) -> dict:
@@ -65,8 +62,8 @@ def _worker(cfg: dict) -> dict:
     model.loss(ids, ids).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    tensors = [_local(t) for t in model.state_dict().values()]
-    tensors += [_local(v) for st in opt.state.values() for v in st.values()]
+    tensors = [local_tensor(t) for t in model.state_dict().values()]
+    tensors += [local_tensor(v) for st in opt.state.values() for v in st.values()]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     out = {"rank": rank, "own": sum(t.nbytes for t in tensors)}
     out["largest"] = max(t.nbytes for t in tensors)
@@ -97,7 +94,7 @@ def _worker(cfg: dict) -> dict:
 
 
 def run_world(cfg: dict) -> list[dict]:
-    """The W gloo ranks (recipes.bench.world); every rank's record."""
+    """The W gloo ranks (recipes.world); every rank's record."""
     return _run_world(_worker, cfg["world_size"], cfg, timeout_s=1800)
 
 

@@ -42,7 +42,7 @@ from recipes.bench.fixtures import DTYPES
 from recipes.bench.remainder import STRATEGIES, aggregate, sweep
 from recipes.bench.remainder_report import evaluate_targets, markdown, plot
 from recipes.bench.report import machine_description, write_csv
-from recipes.bench.world import run_world
+from recipes.world import run_world
 
 
 # ------------------------------------------------------------------------------ arguments

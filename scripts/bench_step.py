@@ -39,7 +39,7 @@ from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
 from recipes.bench.timing import peak_bytes, rotations, timed
-from recipes.bench.world import run_world as _run_world
+from recipes.world import run_world as _run_world
 
 #: (rows, cols, blocks, count) at W = 8, rows chunked 8 ways: dense full batches and remainders
 #: of R = 1, 3 and 5; experts with blocks of 2 and 4 chunks (sub-groups k = 2, 4) and of one
@@ -127,7 +127,7 @@ def _worker(cfg: dict) -> list[dict]:
 
 
 def run_world(cfg: dict) -> list[dict]:
-    """The W ranks (recipes.bench.world; `cfg["code"]`: another checkout's packages); the
+    """The W ranks (recipes.world; `cfg["code"]`: another checkout's packages); the
     records of every rank."""
     by_rank = _run_world(
         _worker, cfg["world_size"], cfg, backend=None, timeout_s=3600, pythonpath=cfg["code"]

@@ -34,12 +34,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from recipes.bench.report import write_csv  # noqa: E402
 from recipes.runs import (  # noqa: E402
     Run,
     add_source_arguments,
     markdown_table,
     read_sources,
-    write_csv,
 )
 
 #: config keys every compared run must share
@@ -230,8 +230,8 @@ def compare(
     table = best(rows, reference)
     (out / "optimizers.md").write_text(markdown(table, rows, by, setting))
     cols = ["group", "setting", "runs", *(c for c, _ in COLUMNS), "target", "reference"]
-    write_csv(out / "best.csv", table, cols)
-    write_csv(out / "settings.csv", rows, ["group", "setting", "runs", *(c for c, _ in COLUMNS)])
+    write_csv(table, out / "best.csv", cols)
+    write_csv(rows, out / "settings.csv", ["group", "setting", "runs", *(c for c, _ in COLUMNS)])
     png = plot(rows, table, out / "val_loss.png", by, setting)
     return {"table": table, "settings": rows, "files": [str(png)]}
 

@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muon.plan import REMAINDER_STRATEGIES  # noqa: E402
+from recipes.bench.report import write_csv  # noqa: E402
 from recipes.runs import (  # noqa: E402, F401
     Run,
     add_source_arguments,
@@ -46,7 +47,6 @@ from recipes.runs import (  # noqa: E402, F401
     read_hydra_run,
     read_sources,
     read_wandb_api,
-    write_csv,
 )
 from recipes.runs import fmt as _fmt  # noqa: E402
 
@@ -260,9 +260,9 @@ def compare(runs: list[Run], out: Path, key: str = DEFAULT_KEY) -> dict[str, Any
     rows_sorted = sorted(rows, key=lambda r: (str(r["strategy"]), r["run"]))
     table = by_strategy(rows)
     (out / "comparison.md").write_text(markdown(table, rows_sorted, key))
-    write_csv(out / "comparison.csv", table, ["strategy", "runs", *(c for c, _ in COLUMNS)])
+    write_csv(table, out / "comparison.csv", ["strategy", "runs", *(c for c, _ in COLUMNS)])
     run_cols = ["strategy", "run", "source", "steps_logged", *(c for c, _ in COLUMNS), "path"]
-    write_csv(out / "runs.csv", rows_sorted, run_cols)
+    write_csv(rows_sorted, out / "runs.csv", run_cols)
     pngs = plot(runs, rows, table, out, key)
     return {"table": table, "runs": rows_sorted, "files": [str(p) for p in pngs]}
 

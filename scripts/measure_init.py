@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models.glm.local import local_tensor
 from recipes.bench.fixtures import MiB
-from recipes.bench.world import run_world
+from recipes.world import run_world
 
 
 def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
@@ -59,10 +60,7 @@ def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
         if len(runs) < repeats:
             del model
     best = {k: min(r[k] for r in runs) for k in runs[0]}
-    best["shard_mib"] = (
-        sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
-        / MiB
-    )
+    best["shard_mib"] = sum(local_tensor(p).nbytes for p in model.parameters()) / MiB
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()

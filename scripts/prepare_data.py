@@ -8,7 +8,10 @@ Inputs: text files (one document each), directories of them (searched recursivel
 files left out, in path order) and JSONL files (`.jsonl`: one document per line, its text under
 `--text-key`). Every input is read and checked before anything is written: an unreadable or
 non-UTF-8 file, a JSONL line without the key, an empty document, no input at all each fail with
-a message naming the file (and line).
+a message naming the file (and line). A file reachable under several names (symbolic or hard
+links, a file named and inside a named directory) is read once, and a document whose exact text
+came before (another file, another JSONL line) is left out (`meta.json`'s
+`duplicates_left_out`): no text is both in `train.bin` and in `val.bin`.
 
 The documents are split by document: `--val-fraction` of them (at least one when positive),
 chosen by a hash of their position, go to `val.bin`, the rest to `train.bin`, each document
@@ -53,8 +56,12 @@ class PrepareError(ValueError):
 
 # -------------------------------------------------------------------------------- documents
 def input_files(paths: list[Path]) -> list[Path]:
-    """The files named by `paths` (files, or directories searched recursively), in order."""
+    """The distinct files named by `paths` (files, or directories searched recursively), in
+    order. A file reachable under several names (a symbolic or hard link, a file also inside a
+    named directory) is listed once, under its first name: it is one file, read once, so its
+    text cannot land in both splits."""
     files: list[Path] = []
+    seen: set[tuple[int, int]] = set()  # (device, inode) of the files listed: links resolved
     for p in paths:
         if p.is_dir():
             found = sorted(
@@ -64,11 +71,15 @@ def input_files(paths: list[Path]) -> list[Path]:
             )
             if not found:
                 raise PrepareError(f"--input {p}: a directory with no files")
-            files += found
         elif p.is_file():
-            files.append(p)
+            found = [p]
         else:
             raise PrepareError(f"--input {p}: no such file or directory")
+        for f in found:
+            st = f.stat()  # follows symbolic links
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                files.append(f)
     if not files:
         raise PrepareError("--input: no files given")
     return files
@@ -104,6 +115,17 @@ def documents(files: list[Path], text_key: str) -> Iterator[str]:
             yield doc
         if not lines:
             raise PrepareError(f"{f}: empty text (no JSONL lines)")
+
+
+def distinct_documents(files: list[Path], text_key: str) -> Iterator[str]:
+    """`documents`, each text once: a later exact copy (another file, another JSONL line) is
+    left out, so that no text is both trained on and held out."""
+    seen: set[bytes] = set()
+    for doc in documents(files, text_key):
+        digest = hashlib.sha256(doc.encode("utf-8")).digest()
+        if digest not in seen:
+            seen.add(digest)
+            yield doc
 
 
 def val_documents(n_docs: int, val_fraction: float) -> set[int]:
@@ -248,7 +270,9 @@ def prepare(args: argparse.Namespace) -> dict:
             )
         check_dtype(args.dtype, args.train_tokenizer, "--train-tokenizer")
     files = input_files(args.input)
-    n_docs = sum(1 for _ in documents(files, args.text_key))  # every input checked first
+    # every input checked first; exact copies counted (and left out below)
+    digests = [hashlib.sha256(d.encode("utf-8")).digest() for d in documents(files, args.text_key)]
+    n_docs = len(set(digests))
     held_out = val_documents(n_docs, args.val_fraction)
 
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -257,7 +281,9 @@ def prepare(args: argparse.Namespace) -> dict:
     try:
         if args.train_tokenizer is not None:
             train_docs = (
-                d for i, d in enumerate(documents(files, args.text_key)) if i not in held_out
+                d
+                for i, d in enumerate(distinct_documents(files, args.text_key))
+                if i not in held_out
             )
             trained = train_tokenizer(train_docs, args.train_tokenizer, n_docs - len(held_out))
             trained.save(str(tmp / "tokenizer.json"))
@@ -270,7 +296,7 @@ def prepare(args: argparse.Namespace) -> dict:
         try:
             batch: list[tuple[int, str]] = []
             bar = tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None)
-            for i, doc in enumerate(documents(files, args.text_key)):
+            for i, doc in enumerate(distinct_documents(files, args.text_key)):
                 batch.append((i, doc))
                 if len(batch) == args.batch_size or i == n_docs - 1:
                     ids = tok.encode_batch([d for _, d in batch])
@@ -300,6 +326,7 @@ def prepare(args: argparse.Namespace) -> dict:
             "vocab_size": tok.vocab_size,
             "dtype": dtype,
             "splits": counts,
+            "duplicates_left_out": len(digests) - n_docs,
             "bytes_per_token": ref["bytes"] / ref["tokens"],
             "val_fraction": args.val_fraction,
             "inputs": [str(p) for p in args.input],

@@ -1,5 +1,6 @@
-"""Shared pytest setup: GPU tests are skipped where no CUDA device is present, and one
-three-strategy `train.py -m` sweep serves every test that reads such runs."""
+"""Shared pytest setup: markers by folder (`FOLDER_MARKS`), GPU tests skipped where no CUDA
+device is present, and one three-strategy `train.py -m` sweep serves every test that reads such
+runs."""
 
 from pathlib import Path
 
@@ -9,8 +10,22 @@ import torch
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.train_cli import start_train_py
 
+#: markers implied by a test's folder: the fast lane (`-m "not slow"`) is tests/unit and
+#: tests/property; a test that starts a world of ranks or a script lives in a slow folder
+FOLDER_MARKS = {
+    "distributed": ("slow",),
+    "e2e": ("slow",),
+    "slurm": ("slow", "slurm"),
+    "gpu": ("gpu",),
+}
+TESTS = Path(__file__).resolve().parent
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        for name in FOLDER_MARKS.get(folder, ()):
+            item.add_marker(getattr(pytest.mark, name))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; this machine has none")

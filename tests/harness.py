@@ -1,10 +1,10 @@
-"""Worlds for tests: `run_world` is the library's runner (recipes.bench.world), so tests,
+"""Worlds for tests: `run_world` is the library's runner (recipes.world), so tests,
 scripts and benchmarks start local worlds one way (the store hosted by the caller, one failure
 and timeout policy); `init_mesh` builds a CPU DeviceMesh inside one."""
 
 from __future__ import annotations
 
-from recipes.bench.world import WorldError, run_world
+from recipes.world import WorldError, run_world
 
 __all__ = ["WorldError", "init_mesh", "run_world"]
 

@@ -19,7 +19,16 @@ embeddings", optional "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "att
 
 Multi-token prediction (MTP): `num_mtp_layers` DeepSeek-V3-style MTP layers (a MoE decoder layer
 plus `enorm`/`hnorm`/`eh_proj`/`shared_head.norm`, stored as `model.layers.{num_hidden_layers + i}`
-in the public GLM checkpoints) run in the training forward (`GLMForCausalLM.losses`).
+in the public GLM checkpoints) run in the training forward (`GLMForCausalLM.losses`) over
+`mtp_depths` prediction depths: one per layer, or several that reuse one physical layer (GLM-5
+trains three depths on its one MTP layer; InternLM xtuner's `MTPConfig.share_weights`).
+
+IndexShare (GLM-5.2): `index_share_types(n, index_topk_freq, index_skip_topk_offset)` gives the
+`indexer_types` of transformers' schedule; a "shared" layer reuses the top-k of the nearest
+"full" layer before it (`indexer_source_layer`).
+
+The token ids (`bos_token_id`, `eos_token_id`: one id or a list, `pad_token_id`) do not change
+the math; they are carried so that an export writes what an import read.
 """
 
 from __future__ import annotations
@@ -86,6 +95,11 @@ class GLMConfig:
     indexer_types: list[str] | None = None  # dsa: "full"/"shared" per layer; None: all "full"
     indexer_training: str = "kl"  # dsa: "kl" (pretraining) or "frozen" (fine-tuning)
     rope_scaling: dict[str, Any] | None = None  # yarn RoPE scaling (see module doc); None: none
+    mtp_depths: int | None = None  # MTP prediction depths; None: one per MTP layer (see above)
+    loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk (the [chunk, V] logits)
+    bos_token_id: int | None = None  # tokenizer ids, carried to and from config.json
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         # Hydra hands lists and dicts over as ListConfig / DictConfig: keep plain data.
@@ -93,7 +107,10 @@ class GLMConfig:
             self.indexer_types = [str(t) for t in self.indexer_types]
         if self.rope_scaling is not None:
             self.rope_scaling = dict(self.rope_scaling)
+        if self.eos_token_id is not None and not isinstance(self.eos_token_id, int):
+            self.eos_token_id = [int(t) for t in self.eos_token_id]
         self._check_sizes()
+        self._check_mtp_and_tokens()
         self._check_attention()
         self._check_rope_scaling()
 
@@ -173,6 +190,29 @@ class GLMConfig:
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "routed_scaling_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"GLMConfig.{name} must be > 0, got {getattr(self, name)}")
+
+    def _check_mtp_and_tokens(self) -> None:
+        _check_positive("loss_chunk_tokens", self.loss_chunk_tokens, "tokens per loss chunk")
+        if self.mtp_depths is not None:
+            _check_positive("mtp_depths", self.mtp_depths, "or None for one depth per MTP layer")
+            if self.num_mtp_layers not in (1, self.mtp_depths):
+                raise ValueError(
+                    f"GLMConfig.mtp_depths ({self.mtp_depths}) needs num_mtp_layers 1 (every depth "
+                    f"reuses the one layer) or {self.mtp_depths} (a layer per depth); got "
+                    f"num_mtp_layers {self.num_mtp_layers}"
+                )
+        eos = self.eos_token_id
+        for name, ids in (
+            ("bos_token_id", [self.bos_token_id]),
+            ("eos_token_id", eos if isinstance(eos, list) else [eos]),
+            ("pad_token_id", [self.pad_token_id]),
+        ):
+            for t in ids:
+                if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+                    raise ValueError(
+                        f"GLMConfig.{name} must be a token id (an int >= 0), a list of them "
+                        f"(eos_token_id only) or None; got {t!r}"
+                    )
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
@@ -309,6 +349,20 @@ class GLMConfig:
             return "full"
         return self.indexer_types[layer]
 
+    def indexer_source_layer(self, layer: int) -> int:
+        """The layer whose indexer picks the keys of decoder layer `layer`: itself when "full",
+        else the nearest "full" layer before it (MTP layers: their own)."""
+        while self.layer_indexer_type(layer) == "shared":
+            layer -= 1
+        return layer
+
+    @property
+    def mtp_depths_resolved(self) -> int:
+        """Prediction depths the MTP forward runs (0 without MTP layers)."""
+        if not self.num_mtp_layers:
+            return 0
+        return self.mtp_depths if self.mtp_depths is not None else self.num_mtp_layers
+
     @property
     def num_moe_layers(self) -> int:
         """MoE layers built: the non-dense decoder layers plus the MTP layers."""
@@ -351,6 +405,17 @@ class GLMConfig:
             d, m = self.index_head_dim, self.index_n_heads
             n += r * m * d + H * d + 2 * d + H * m  # wq_b, wk, k_norm (w, b), weights_proj
         return n
+
+
+def index_share_types(num_layers: int, freq: int, offset: int) -> list[str]:
+    """transformers' GlmMoeDsaConfig schedule (and InternLM xtuner's `dsa_topk_source_layer`):
+    layer i runs its own indexer ("full") when max(i - offset + 1, 0) is a multiple of `freq`,
+    else it reuses the top-k of the nearest full layer before it ("shared"). freq <= 1: all
+    full. GLM-5.2's freq 4, offset 3: layers 0, 1, 2, 6, 10, ... are full."""
+    freq = max(int(freq), 1)
+    return [
+        "full" if max(i - int(offset) + 1, 0) % freq == 0 else "shared" for i in range(num_layers)
+    ]
 
 
 def _check_positive(name: str, value: Any, hint: str) -> None:

@@ -5,19 +5,84 @@
   Attention, `attention="mla"` (transformers always builds the indexer, so `index_topk` is set).
 
 A key missing from a config.json means transformers' default for it, not ours. Fields that only
-say how we train (`indexer_training`) are not in config.json (`TRAINING_ONLY`): an import keeps
-our default, a comparison with a run ignores them. What our model cannot compute (another
-activation, MLP biases, a dense/sparse pattern that is not "k dense layers first") is refused
-naming the key.
+say how we train (`TRAINING_ONLY`: indexer_training, mtp_depths, loss_chunk_tokens) are not in
+config.json: an import keeps our default, a comparison with a run ignores them. Every key of a
+config.json is either mapped to a field or listed in `HARMLESS` (bookkeeping that does not
+change the model); any other key is refused, naming it. So is a value our model cannot compute
+(another activation or router scoring, MLP biases, dropout, non-interleaved MLA RoPE, remote
+code through `auto_map`, a dense/sparse pattern that is not "k dense layers first"; an unknown
+quantization: models/glm/hf_fp8.py), and a config.json without `model_type`.
 """
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from models.glm.config import GLMConfig
+from models.glm.config import GLMConfig, index_share_types
+from models.glm.hf_fp8 import parse_quantization
 
-TRAINING_ONLY = ("indexer_training",)
+TRAINING_ONLY = ("indexer_training", "mtp_depths", "loss_chunk_tokens")
+
+# Keys that do not change what the model computes: transformers' bookkeeping, inference and
+# parallelism hints, values transformers derives itself (head_dim, qk_head_dim under MLA), and
+# IndexShare's MTP-depth reuse (index_share_for_mtp_iteration: an import runs one depth per
+# MTP layer, where it has nothing to share).
+HARMLESS = (
+    "_name_or_path",
+    "architectures",
+    "chunk_size_feed_forward",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "id2label",
+    "label2id",
+    "is_encoder_decoder",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "problem_type",
+    "use_cache",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "ep_size",
+    "pretraining_tp",
+    "qk_head_dim",
+    "index_share_for_mtp_iteration",
+)
+# Keys whose value must be one our model computes: key -> (allowed values, why).
+_REQUIRED_VALUES = {
+    "hidden_act": (("silu",), "our MLPs are SwiGLU"),
+    "mlp_bias": ((False,), "our MLPs have no biases"),
+    "scoring_func": (("sigmoid",), "the router scores experts with a sigmoid"),
+    "topk_method": (("noaux_tc",), "routing is top-k with the aux-loss-free bias"),
+    "moe_layer_freq": ((1,), "every layer after the dense ones is a MoE layer"),
+    "attention_dropout": ((0, 0.0), "the model has no dropout"),
+}
+# Read by config_from_hf (rope and aliases included) or checked below.
+_MAPPED = (
+    "model_type",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "num_nextn_predict_layers",
+    "num_mtp_layers",
+    "num_local_experts",
+    "num_experts",
+    "first_k_dense_replace",
+    "head_dim",
+    "indexer_types",
+    "index_topk_pattern",
+    "index_topk_freq",
+    "index_skip_topk_offset",
+    "mlp_layer_types",
+    "layer_types",
+    "rope_interleave",
+    "indexer_rope_interleave",
+    "quantization_config",
+)
 
 # Defaults common to both transformers configs (where they agree).
 _COMMON = dict(
@@ -48,6 +113,9 @@ _GLM4_MOE_DEFAULTS = dict(
     first_k_dense_replace=1,
     max_position_embeddings=131072,
     num_nextn_predict_layers=1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
 )
 # transformers' GlmMoeDsaConfig defaults (the public GLM-5 shapes). It declares no MTP field:
 # a config.json without `num_nextn_predict_layers` has no MTP layer.
@@ -74,6 +142,9 @@ _GLM_MOE_DSA_DEFAULTS = dict(
     index_head_dim=128,
     index_n_heads=32,
     num_nextn_predict_layers=0,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=None,
 )
 _DEFAULT_THETA = 10000.0
 _RENAMED = {"n_dense_layers": "first_k_dense_replace", "num_mtp_layers": "num_nextn_predict_layers"}
@@ -131,9 +202,9 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
         "num_nextn_predict_layers": c.num_mtp_layers,
         "output_router_logits": False,
         "use_cache": True,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
     }
     if c.attention == "gqa":
         out.update(
@@ -161,41 +232,74 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
         indexer_types=[c.layer_indexer_type(i) for i in range(n)],
         mlp_layer_types=["dense"] * c.n_dense_layers + ["sparse"] * (n - c.n_dense_layers),
         mlp_bias=False,
+        rope_interleave=True,
+        indexer_rope_interleave=True,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
     )
     return out
 
 
 def _indexer_types(hf: dict, n: int) -> list[str]:
     """`indexer_types`, or the pattern transformers derives without it (index_topk_pattern,
-    else every `index_topk_freq`-th layer after `index_skip_topk_offset` runs its indexer)."""
+    else IndexShare's schedule: `index_share_types` of index_topk_freq and
+    index_skip_topk_offset)."""
     if hf.get("indexer_types") is not None:
         return [str(t) for t in hf["indexer_types"]]
     pattern = hf.get("index_topk_pattern")
     if pattern is not None:
         letters = {"F": "full", "S": "shared"}
         return [letters[p] for p in pattern] if isinstance(pattern, str) else list(pattern)
-    freq = max(hf.get("index_topk_freq", 1), 1)
-    offset = hf.get("index_skip_topk_offset", 2)
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    return index_share_types(n, hf.get("index_topk_freq", 1), hf.get("index_skip_topk_offset", 2))
 
 
 def _refuse_unsupported(hf: dict, model_type: str) -> None:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act must be 'silu', got {hf['hidden_act']!r}")
-    if hf.get("mlp_bias", False):
-        raise ValueError("config.json mlp_bias must be false: our MLPs have no biases")
+    known = {*GLMConfig.__dataclass_fields__, *HARMLESS, *_REQUIRED_VALUES, *_MAPPED}
+    known -= {*TRAINING_ONLY, "attention", "n_dense_layers", "indexer_training"}
+    unknown = sorted(set(hf) - known - {"auto_map"})
+    if unknown:
+        raise ValueError(
+            f"config.json has keys this importer does not know: {unknown}; they may change the "
+            f"model, so it refuses them (known: the GLMConfig fields, {list(_MAPPED)}, "
+            f"{list(_REQUIRED_VALUES)} and the harmless {list(HARMLESS)})"
+        )
+    if "auto_map" in hf:
+        raise ValueError(
+            f"config.json auto_map ({hf['auto_map']!r}) names remote modeling code; the "
+            "model it builds is not the transformers GLM this importer reads"
+        )
+    for key, (allowed, why) in _REQUIRED_VALUES.items():
+        if key in hf and hf[key] not in allowed:
+            want = repr(allowed[0]) if isinstance(allowed[0], str) else json.dumps(allowed[0])
+            raise ValueError(f"config.json {key} must be {want} ({why}), got {hf[key]!r}")
     if model_type == "glm_moe_dsa":
+        for key in ("rope_interleave", "indexer_rope_interleave"):
+            if hf.get(key, True) is not True:
+                raise ValueError(
+                    f"config.json {key} must be true: GLM-5's attention and indexer rotate "
+                    f"interleaved pairs, got {hf[key]!r}"
+                )
         kinds = hf.get("layer_types")
         if kinds is not None and set(kinds) - {"indexed_attention"}:
             raise ValueError(
                 f"config.json layer_types {sorted(set(kinds))}: only 'indexed_attention' layers"
             )
+    else:
+        for key in ("rope_interleave", "indexer_rope_interleave", "layer_types"):
+            if hf.get(key):
+                raise ValueError(f"config.json {key} ({hf[key]!r}) is not a glm4_moe key")
+    parse_quantization(hf, "config.json")  # an unknown format is refused, naming it
 
 
 def config_from_hf(hf: dict) -> GLMConfig:
     """A GLMConfig from a glm4_moe or glm_moe_dsa config.json dict (missing keys take
     transformers' defaults of that model type)."""
-    model_type = hf.get("model_type", "glm4_moe")
+    if "model_type" not in hf:
+        raise ValueError(
+            f"config.json has no model_type; it must be one of {_MODEL_TYPES} (glm4_moe: "
+            "GLM-4.5, glm_moe_dsa: GLM-5)"
+        )
+    model_type = hf["model_type"]
     if model_type not in _MODEL_TYPES:
         raise ValueError(
             f"config.json model_type must be one of {_MODEL_TYPES}, got {model_type!r}"

@@ -1,12 +1,14 @@
 """Import of a transformers GLM directory (hf_adapter.py describes the layout), tensor by tensor.
 
-`HFDir` reads config.json and the safetensors headers; `check_hf` compares them with the model
-of a GLMConfig (missing, mis-shaped, unplaced and wrongly quantized tensors are errors naming
-them; an absent MTP layer is allowed and reported); `load_hf` fills a model's local shards
-(DTensor or plain) from `safe_open(...).get_slice`, reading at most `chunk_elems` elements per
-read (by default one expert matrix; block-wise fp8: the scale rows covering them, see hf_fp8.py)
-and casting into the shard, so a rank never holds a tensor it does not own, nor a fused expert
-stack.
+`HFDir` reads config.json and the safetensors headers (tensors stored as integers or booleans
+are refused by name: a cast would turn them into weights); `check_hf` compares them with the
+model of a GLMConfig (missing, mis-shaped, unplaced and wrongly quantized tensors are errors
+naming them; so is a declared MTP layer the files lack, unless `init_missing_mtp` says to
+keep it initialized: transformers' save_pretrained drops MTP weights); `load_hf` fills a
+model's local shards (DTensor or plain) from `safe_open(...).get_slice`, reading at most
+`chunk_elems` elements per read (by default one expert matrix; block-wise fp8: the scale rows
+covering them, see hf_fp8.py) and casting into the shard, so a rank never holds a tensor it
+does not own, nor a fused expert stack.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from models.glm.config import GLMConfig
 from models.glm.hf_adapter import INDEX, HFTensor, hf_tensors
 from models.glm.hf_config import config_from_hf
 from models.glm.hf_fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize, parse_quantization
+
+# safetensors dtypes that hold weights (fp8 ones with their block scales, hf_fp8.py; e8m0 only
+# as a scale)
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", *FP8_DTYPES, "F8_E8M0")
 
 __all__ = ["HFDir", "check_hf", "import_hf", "load_hf"]
 
@@ -57,6 +63,18 @@ class HFDir:
                     self.file_of[key] = name
                     self.shapes[key] = tuple(sl.get_shape())
                     self.dtypes[key] = sl.get_dtype()
+        other = sorted(
+            k
+            for k, d in self.dtypes.items()
+            if d not in _FLOAT_DTYPES or (d == "F8_E8M0" and not k.endswith(SCALE_SUFFIX))
+        )
+        if other:
+            kinds = sorted({self.dtypes[k] for k in other})
+            raise ValueError(
+                f"{self.path}: {len(other)} tensors are not floating point ({kinds}; e.g. "
+                f"{other[:4]}); weights must be one of {list(_FLOAT_DTYPES)}, refusing to cast "
+                "them"
+            )
         fp8 = sorted(k for k, d in self.dtypes.items() if d in FP8_DTYPES)
         if fp8 and self.quant is None:
             raise ValueError(
@@ -90,13 +108,21 @@ def _mtp_prefixes(config: GLMConfig) -> list[str]:
     return [f"model.layers.{N + i}." for i in range(config.num_mtp_layers)]
 
 
-def check_hf(hf: HFDir, config: GLMConfig) -> list[str]:
+def check_hf(
+    hf: HFDir,
+    config: GLMConfig,
+    *,
+    init_missing_mtp: bool = False,
+    init_missing_mtp_key: str = "init_missing_mtp=True",
+) -> list[str]:
     """Raise ValueError naming every tensor our model of `config` needs that `hf` lacks or
     holds in another shape or format, and every tensor of the files the model would not read.
-    Returns the MTP tensors the files lack: a whole MTP layer may be absent (transformers'
-    save_pretrained drops it) and keeps its initialization. Also allowed: a missing router
-    correction bias (it starts at 0, as in transformers) and an MTP layer's copies of the
-    embedding and output head (`embed_tokens`, `shared_head.head`: ours shares the model's)."""
+    A whole MTP layer the files lack (transformers' save_pretrained drops them) is an error
+    too, unless `init_missing_mtp`: it then keeps its initialization, and the MTP tensors
+    the files lack are returned (the message names `init_missing_mtp_key`, the caller's
+    spelling of the switch). Also allowed: a missing router correction bias (it starts at 0,
+    as in transformers) and an MTP layer's copies of the embedding and output head
+    (`embed_tokens`, `shared_head.head`: ours shares the model's)."""
     E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
     mtp = _mtp_prefixes(config)
     missing, wrong, absent_mtp, used = [], [], {}, set()
@@ -148,6 +174,14 @@ def check_hf(hf: HFDir, config: GLMConfig) -> list[str]:
         if unused:
             parts.append(f"{len(unused)} tensors the model has no place for: {unused[:8]}")
         raise ValueError(f"{hf.path} does not fit the model: " + "; ".join(parts))
+    if absent_mtp and not init_missing_mtp:
+        layers = sorted(p.rstrip(".") for p in absent_mtp)
+        raise ValueError(
+            f"{hf.path} declares {config.num_mtp_layers} MTP layers (num_nextn_predict_layers) "
+            f"but holds no weights of {layers} (transformers' save_pretrained drops them); "
+            f"set {init_missing_mtp_key} to train them from their initialization, or "
+            "num_mtp_layers=0 to build none"
+        )
     return [name for names in absent_mtp.values() for name in names]
 
 
@@ -163,16 +197,20 @@ def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @torch.no_grad()
 def load_hf(
-    model: torch.nn.Module, hf: HFDir | str | os.PathLike, *, chunk_elems: int | None = None
+    model: torch.nn.Module,
+    hf: HFDir | str | os.PathLike,
+    *,
+    chunk_elems: int | None = None,
+    init_missing_mtp: bool = False,
 ) -> list[str]:
     """Fill `model` (a GLMForCausalLM, sharded or not) from a transformers directory: every
     local shard reads only its own rows, at most `chunk_elems` elements per read (default:
     one expert matrix), cast on the fly; block-wise fp8 tensors are dequantized from the
-    scale rows covering those rows. Checks the files first (`check_hf`). Returns the MTP
-    tensors the files lack, left as initialized."""
+    scale rows covering those rows. Checks the files first (`check_hf`; `init_missing_mtp`
+    as there). Returns the MTP tensors the files lack, left as initialized."""
     hf = hf if isinstance(hf, HFDir) else HFDir(hf)
     config = model.config
-    initialized = check_hf(hf, config)
+    initialized = check_hf(hf, config, init_missing_mtp=init_missing_mtp)
     chunk_elems = chunk_elems or config.moe_intermediate_size * config.hidden_size
     by_source: dict[str, list[HFTensor]] = {}
     for t in hf_tensors(config):
@@ -221,13 +259,15 @@ def load_hf(
     return initialized
 
 
-def import_hf(path: str | os.PathLike) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
+def import_hf(
+    path: str | os.PathLike, *, init_missing_mtp: bool = False
+) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
     """Read a transformers GLM directory into (GLMConfig, our full float32 state dict) in
     one process (fused and per-expert layouts, one file or an index). Raises ValueError
-    naming missing or mis-shaped tensors."""
+    naming missing or mis-shaped tensors (`init_missing_mtp` as in `check_hf`)."""
     from models.glm.model import GLMForCausalLM
 
     hf = HFDir(path)
     model = GLMForCausalLM(hf.config)
-    load_hf(model, hf)
+    load_hf(model, hf, init_missing_mtp=init_missing_mtp)
     return hf.config, model.state_dict()

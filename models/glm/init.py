@@ -20,6 +20,8 @@ import hashlib
 
 import torch
 
+from models.glm.local import local_tensor
+
 # 16 Ki values (64 KiB in float32) per chunk: small enough that the two partial chunks at a
 # shard's edges stay a small fraction of a shard even for the `small` preset at 8 ranks,
 # large enough that the per-chunk generator seeding (a few microseconds) is negligible.
@@ -74,7 +76,7 @@ def normal_(
     """Fill this rank's shard of `p` (plain tensor or DTensor) with N(0, std) values drawn by
     global row chunks; `generator` must be on p's device and is reseeded per chunk. Returns
     the number of random values drawn."""
-    local = p.to_local() if hasattr(p, "to_local") else p
+    local = local_tensor(p)
     first, count = local_rows(p)
     if count == 0 or local.numel() == 0:
         return 0

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = _wide(x)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
 
@@ -86,6 +86,11 @@ def rope_cos_sin(
     return ang_TR.cos() * magnitude, ang_TR.sin() * magnitude
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or in its own dtype when wider (a float64 model is not cut to float32)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):
     """DeepSeek's interleaved RoPE on all R channels: pair (x[2j], x[2j+1]) turns by angle j.
     The result holds the rotated even channels, then the rotated odd ones (a fixed permutation
@@ -93,7 +98,7 @@ def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: t
     change, and no de-interleaving copy is needed)."""
     half = cos_TR.shape[-1] // 2
     cos, sin = cos_TR[None, :, None, :half], sin_TR[None, :, None, :half]
-    x1, x2 = x_BTNR[..., 0::2].float(), x_BTNR[..., 1::2].float()
+    x1, x2 = _wide(x_BTNR[..., 0::2]), _wide(x_BTNR[..., 1::2])
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x_BTNR.dtype)
 
@@ -106,7 +111,7 @@ def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch
     x1, x2 = rot[..., : R // 2], rot[..., R // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = cos_TR[None, :, None, :], sin_TR[None, :, None, :]
-    out = (rot.float() * cos + rotated.float() * sin).to(x_BTNK.dtype)
+    out = (_wide(rot) * cos + _wide(rotated) * sin).to(x_BTNK.dtype)
     return torch.cat([out, rest], dim=-1)
 
 

@@ -7,8 +7,13 @@ output, what lm_head reads; h^k: MTP layer k's output before its shared_head.nor
 chains its MTP steps) and the embedding of the token k positions ahead,
     h^k = Layer_k(eh_proj(cat(enorm(embed(t_{i+k})), hnorm(h^{k-1}))))
 (the embedding first, as vLLM's and SGLang's GLM / DeepSeek MTP modules and Megatron-LM read
-`eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. The MTP loss
-is the mean over depths of their cross-entropies; `losses` returns it next to the next-token loss.
+`eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. Layer_k is
+MTP layer k - 1, or, with one MTP layer and `mtp_depths` D > 1, that one layer at every depth
+(GLM-5 trains three depths on one layer); each depth re-runs its indexer. The MTP loss is the
+mean over depths of their cross-entropies; `losses` returns it next to the next-token loss,
+with D > 1 also each depth's own (`mtp_loss/depth_k`, detached: for the logs).
+Every cross-entropy runs over `loss_chunk_tokens` tokens at a time (`chunked_cross_entropy`), so
+a long sequence never holds its [T, V] float32 logits at once.
 
 Shape legend: B batch, T sequence, D hidden, V vocab, E experts, K kept keys (DSA).
 """
@@ -19,13 +24,13 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.glm import init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from models.glm.local import local_tensor
 from models.glm.mla import MLAttention
 from models.glm.moe import FusedExperts, MoE, Router
 from models.glm.qk_clip import clip_attention_
@@ -175,13 +180,15 @@ class GLMForCausalLM(nn.Module):
             h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
             kls += [kl] if kl is not None else []
         h_BTD = self.model.norm(h_BTD)
-        logits_BTV = self.lm_head(h_BTD)
         if labels is None:
-            return logits_BTV
-        out = {"loss": _cross_entropy(logits_BTV, labels)}
-        if with_mtp and len(self.model.mtp_layers):
+            return self.lm_head(h_BTD)
+        out = {"loss": self._head_loss(h_BTD, labels)}
+        depths = c.mtp_depths_resolved if with_mtp else 0
+        if depths:
             mtp = []
-            for k, layer in enumerate(self.model.mtp_layers, start=1):
+            for k in range(1, depths + 1):
+                # GLM-5's depths share one layer (num_mtp_layers 1), else layer k - 1.
+                layer = self.model.mtp_layers[0 if len(self.model.mtp_layers) == 1 else k - 1]
                 # Position i reads token t_{i+k} = input_ids[i + k] and predicts labels[i + k];
                 # the last k positions have no target (the wrapped ids there are never seen by
                 # an earlier position: attention is causal).
@@ -190,11 +197,16 @@ class GLMForCausalLM(nn.Module):
                 kls += [kl] if kl is not None else []
                 target = labels.roll(-k, dims=1)
                 target[:, seq_len - k :] = IGNORE_INDEX
-                mtp.append(_cross_entropy(self.lm_head(normed_BTD), target))
+                mtp.append(self._head_loss(normed_BTD, target))
             out["mtp_loss"] = torch.stack(mtp).mean()
+            if depths > 1:  # each depth's own, for the logs (the objective uses the mean)
+                out.update({f"mtp_loss/depth_{k}": v.detach() for k, v in enumerate(mtp, 1)})
         if kls:
             out["indexer_kl"] = torch.stack(kls).mean()
         return out
+
+    def _head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return chunked_cross_entropy(self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
@@ -292,7 +304,7 @@ class GLMForCausalLM(nn.Module):
             if id(p) in seen or p.is_meta:
                 return
             seen.add(id(p))
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             if kind != "normal":
                 local.fill_(1.0 if kind == "ones" else 0.0)
                 return
@@ -325,9 +337,59 @@ class GLMForCausalLM(nn.Module):
         return drawn
 
 
-def _cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits_BTV.float().reshape(-1, logits_BTV.shape[-1]),
-        labels_BT.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-    )
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """Summed cross-entropy of logits h W^T (float32) over the non-ignored rows of h [N, D],
+    `chunk` rows at a time in forward and again in backward, where each chunk's gradient
+    softmax(z) - onehot(y) is formed in place; only h, W and the labels are saved."""
+
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, labels_N, chunk: int):
+        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for lo in range(0, h_ND.shape[0], chunk):
+            z_CV = (h_ND[lo : lo + chunk] @ weight_VD.T).float()
+            y_C = labels_N[lo : lo + chunk]
+            keep_C = y_C != IGNORE_INDEX
+            picked_C = z_CV.gather(1, y_C.clamp(min=0)[:, None])[:, 0]
+            total += ((torch.logsumexp(z_CV, dim=-1) - picked_C) * keep_C).sum()
+            del z_CV  # before the next chunk's logits exist
+        ctx.save_for_backward(h_ND, weight_VD, labels_N)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h_ND, weight_VD, labels_N = ctx.saved_tensors
+        grad_h_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
+        grad_w_VD = torch.zeros_like(weight_VD) if ctx.needs_input_grad[1] else None
+        for lo in range(0, h_ND.shape[0], ctx.chunk):
+            h_CD, y_C = h_ND[lo : lo + ctx.chunk], labels_N[lo : lo + ctx.chunk]
+            g_CV = (h_CD @ weight_VD.T).float()
+            g_CV.sub_(g_CV.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
+            g_CV.div_(g_CV.sum(dim=-1, keepdim=True))
+            keep_C = y_C != IGNORE_INDEX
+            g_CV.scatter_add_(1, y_C.clamp(min=0)[:, None], -keep_C[:, None].to(g_CV.dtype))
+            g_CV.mul_((grad_total * keep_C)[:, None])
+            g_CV = g_CV.to(weight_VD.dtype)
+            if grad_h_ND is not None:
+                torch.mm(g_CV, weight_VD, out=grad_h_ND[lo : lo + ctx.chunk])
+            if grad_w_VD is not None:
+                grad_w_VD.addmm_(g_CV.T, h_CD)
+            del g_CV  # before the next chunk's logits exist
+        return grad_h_ND, grad_w_VD, None, None
+
+
+def chunked_cross_entropy(
+    head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Mean float32 cross-entropy of `head(h)` (the bias-free lm_head) against labels [B, T]
+    (-100 ignored; 0 when every label is ignored, the sum over no tokens), `chunk_tokens`
+    tokens at a time: a chunk's [chunk, V] logits exist during its forward and again during
+    its backward (`_ChunkedCrossEntropySum`), never [B*T, V]. Equal to the unchunked
+    cross-entropy up to float32 rounding (tests/unit/test_loss_head.py derives the bound)."""
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("chunked_cross_entropy needs a head without bias (the lm_head has none)")
+    h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
+    labels_N = labels_BT.reshape(-1)
+    total = _ChunkedCrossEntropySum.apply(h_ND, head.weight, labels_N, chunk_tokens)
+    count = (labels_N != IGNORE_INDEX).sum().clamp(min=1)
+    return total / count

@@ -17,7 +17,7 @@ import time
 import torch
 
 from recipes.bench.newton_schulz import quality
-from recipes.bench.world import run_world
+from recipes.world import run_world
 
 # Muon-level variants (ns_coefficients, ns_algorithm) for training and the optimizer step; the
 # first is the baseline of the "vs fixed" columns.

@@ -1,6 +1,6 @@
 """Muon's remainder strategies measured on one world: the sweep each rank runs and its rows.
 
-`sweep(cfg)` runs on every rank of a `recipes.bench.world.run_world` world: for every R and
+`sweep(cfg)` runs on every rank of a `recipes.world.run_world` world: for every R and
 strategy it builds R FSDP2-sharded matrices (`fixtures.sharded_matrices`) and steps a
 `muon.Muon` on them, strategies interleaved (`timing.rotations`); after each timed step every
 rank orthogonalizes, without communication, as many matrices as it did in the step (the

@@ -9,7 +9,7 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 One module per purpose, every public name re-exported here (`from recipes.config import X`):
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config;
-- `describe`: the schema as text (`describe`, `key_help`);
+- `describe`: the schema as text, one renderer (`schema_lines`, `describe`, `key_help`);
 - `run_dir`: the run directory's name (`same_run_keys`, `run_id`);
 - `store`: registration with Hydra and conf/'s resolvers (`register`, `slurm_tasks`), the YAML
   round trip of a resolved config (`to_plain`, `from_yaml`).

@@ -10,6 +10,8 @@ import json
 import math
 import os
 import re
+import typing
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from recipes.config.describe import key_help
 from recipes.config.schema import (
     OPTIM_SCHEMAS,
     ConfigError,
+    ConfigSchema,
     DataSource,
     Device,
     ModelPreset,
@@ -39,11 +42,17 @@ def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:
 
 
 def validate(
-    cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
+    cfg: DictConfig,
+    env_world_size: int | None = None,
+    *,
+    check_devices: bool = True,
+    overrides: Sequence[str] = (),
 ) -> None:
     """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
-    config and its layout on the mesh. Raises ConfigError naming the key. Fills
-    `data.vocab_size` and `data.dtype` from a prepared token directory's meta.json."""
+    config and its layout on the mesh, and the command's `overrides` (`check_overrides`).
+    Raises ConfigError naming the key. Fills `data.vocab_size` and `data.dtype` from a
+    prepared token directory's meta.json."""
+    check_overrides(overrides)
     _finite(cfg)
     _validate_data(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
@@ -52,6 +61,7 @@ def validate(
     _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")
     _positive(cfg, "optim.weight_decay", allow_zero=True)
     _validate_optim_option(cfg)
+    _schema_keys(cfg, ConfigSchema)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
@@ -309,7 +319,7 @@ def _token_count(data: DictConfig) -> int | None:
 
 def _validate_model_path(path: str | None) -> None:
     if path is None:
-        raise _fail("model.path", None, "model=hf needs a transformers directory")
+        raise _fail("model.path", None, "model=hf needs a transformers directory (model.preset=hf)")
     if not (Path(os.path.expanduser(path)) / "config.json").is_file():
         raise _fail("model.path", path, "not a transformers directory (no config.json)")
 
@@ -331,6 +341,52 @@ def _model_error(cfg: DictConfig, message: str) -> ConfigError:
 
 def _word(name: str, text: str) -> re.Match | None:
     return re.search(rf"\b{re.escape(name)}\b", text)
+
+
+def _bool_keys(cls: type, prefix: str = "") -> set[str]:
+    """Dotted keys of the schema's bool fields (every optimizer's)."""
+    hints, out = typing.get_type_hints(cls), set()
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if f.name == "optim" and not prefix:
+            for schema in OPTIM_SCHEMAS.values():
+                out |= _bool_keys(schema, "optim.")
+        elif dataclasses.is_dataclass(hint):
+            out |= _bool_keys(hint, f"{prefix}{f.name}.")
+        elif hint is bool:
+            out.add(f"{prefix}{f.name}")
+    return out
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """A bool key takes `true` or `false` on the command line: OmegaConf would turn any other
+    int (`checkpoint.async_mode=2`) and strings such as `yes` into a bool without a word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    bools = _bool_keys(ConfigSchema)
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.key_or_group not in bools or o.is_sweep_override() or o.is_delete():
+            continue
+        value = o.value()
+        if not (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+            raise _fail(o.key_or_group, value, "must be true or false")
+
+
+def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
+    """Every key of `node` is a field of its schema dataclass `cls`: Hydra's `+` appends to any
+    node (`+train.no_such_key=1` composes), and every rank's `store.from_yaml` would then stop
+    on the key; it is refused here, by name, before any rank starts. Free-form dicts
+    (`model.overrides`) are checked by their own rules."""
+    hints = typing.get_type_hints(cls)
+    for key in node:
+        path = f"{prefix}{key}"
+        if key not in hints:
+            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+            value = OmegaConf.select(node, str(key))
+            raise ConfigError(f"{path}={value}: not in the schema; allowed: {allowed}")
+        child = OmegaConf.get_type(node, str(key)) if key == "optim" else hints[key]
+        if dataclasses.is_dataclass(child) and isinstance(node[key], DictConfig):
+            _schema_keys(node[key], child, f"{path}.")
 
 
 def _finite(node: Any, prefix: str = "") -> None:
@@ -363,6 +419,10 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
     from recipes.hf import check_init_from
 
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
-        check_init_from(os.path.expanduser(path), model_config(cfg))
+        check_init_from(
+            os.path.expanduser(path),
+            model_config(cfg),
+            init_missing_mtp=bool(cfg.checkpoint.init_missing_mtp),
+        )
     except (ValueError, OSError) as err:
         raise ConfigError(f"checkpoint.init_from={path}: {err}") from err

@@ -1,50 +1,64 @@
-"""The schema read back as text: `describe()` lists every key with its default and help,
-`key_help(key)` is the help of one key (the message of a `ConfigError` ends in it).
+"""The schema read back as text, one renderer: `schema_lines(node)` lists every leaf key of a
+composed (structured) config as `key = value  [allowed]  # help` (`python train.py --help`
+shows the config its overrides compose, `recipes.help`); `describe()` is that listing for the
+defaults (`optim=muon`); `key_help(key)` is the help of one key (the message of a
+`ConfigError` ends in it).
 """
 
 import dataclasses
+import typing
 from enum import Enum
 from typing import Any
 
-from recipes.config.schema import OPTIM_SCHEMAS, Config
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from recipes.config.schema import Config
 
 
-def describe(node: type = None, prefix: str = "") -> list[str]:
-    """One line per leaf key: `key = default  # help`, for `python train.py --help`-like use."""
+def allowed_values(annotation: Any) -> str:
+    """The allowed values of a field type, as the command line spells them ("" when open)."""
+    options: list[str] = []
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, Enum):
+            options += [str(member.value) for member in arg]
+        elif arg is bool:
+            options += ["true", "false"]
+        elif arg is type(None):
+            options.append("null")
+    return ", ".join(options) if any(o != "null" for o in options) else ""
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, DictConfig | ListConfig):
+        value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def schema_lines(node: DictConfig, prefix: str = "") -> list[str]:
+    """One line per leaf key of a structured config node: `key = value  [allowed]  # help`."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []
     lines = []
-    for f in dataclasses.fields(node or Config):
-        if node is None and f.name == "optim":  # each option has its own keys
-            lines += _describe_optim()
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        value = node._get_node(f.name)
+        if isinstance(value, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(value)):
+            lines += schema_lines(value, f"{key}.")
             continue
-        if dataclasses.is_dataclass(f.default_factory):
-            lines += describe(f.default_factory, f"{prefix}{f.name}.")
-            continue
-        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        value = value.value if isinstance(value, Enum) else value
-        lines.append(f"{prefix}{f.name} = {value!r}  # {f.metadata['help']}")
+        allowed = allowed_values(f.type)
+        allowed = f"  [{allowed}]" if allowed else ""
+        lines.append(f"{key} = {_show(node[f.name])}{allowed}  # {f.metadata.get('help', '')}")
     return lines
 
 
-def _describe_optim() -> list[str]:
-    """`optim.*` once per key: the first option's default, the others' where they differ."""
-    defaults: dict[str, dict[str, Any]] = {}
-    helps: dict[str, str] = {}
-    for name, schema in OPTIM_SCHEMAS.items():
-        for f in dataclasses.fields(schema):
-            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            defaults.setdefault(f.name, {})[name] = (
-                value.value if isinstance(value, Enum) else value
-            )
-            helps.setdefault(f.name, f.metadata["help"])
-    lines = []
-    for key, by_option in defaults.items():
-        (first, value), *others = by_option.items()
-        notes = [f"optim={n}: {v!r}" for n, v in others if key != "name" and v != value]
-        if len(by_option) < len(OPTIM_SCHEMAS):
-            notes.append(f"optim={first} only")
-        note = f" [{'; '.join(notes)}]" if notes else ""
-        lines.append(f"optim.{key} = {value!r}  # {helps[key]}{note}")
-    return lines
+def describe() -> list[str]:
+    """`schema_lines` of the default config: one line per leaf key."""
+    return schema_lines(OmegaConf.structured(Config))
 
 
 def key_help(key: str) -> str:

@@ -334,6 +334,9 @@ class CheckpointConfig:
     )
     hf_max_shard_gib: float = _f(5.0, "largest exported .safetensors file, GiB", same_run=True)
     init_from: str | None = _f(None, "a transformers GLM directory to start from")
+    init_missing_mtp: bool = _f(
+        False, "init_from: initialize MTP layers the directory declares but lacks weights of"
+    )
 
 
 @dataclass

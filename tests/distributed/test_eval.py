@@ -58,7 +58,6 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_eval_is_held_out_resumes_on_the_same_samples_and_leaves_training_alone(tmp_path):
     source, cache = _source(tmp_path / "src"), tmp_path / "cache"
     run_world(_three_runs_world, WORLD, str(source), str(cache), str(tmp_path))

@@ -1,4 +1,4 @@
-"""The world runner itself (recipes.bench.world, through tests.harness): passing collectives,
+"""The world runner itself (recipes.world, through tests.harness): passing collectives,
 a world that joins its process group from the environment, forwarded errors, bounded hangs,
 stop signals forwarded to non-daemonic ranks, ranks that die with the calling process."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.bench.world import WorldStopped
+from recipes.world import WorldStopped
 from tests.harness import WorldError, init_mesh, run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,6 @@ def _child_then_stop(out_dir: str):
     time.sleep(120)  # past the grace: killed
 
 
-@pytest.mark.slow
 def test_stop_signal_reaches_non_daemonic_ranks_then_kills_after_the_grace(tmp_path):
     """`stop_signals`: SIGINT to the caller becomes SIGTERM to every rank; rank 0 exits, rank 1
     (ignoring SIGTERM) is killed after `grace_s`; WorldStopped says so and pickles; the caller's
@@ -125,7 +124,6 @@ def _dead(pid: int) -> bool:
         return True
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 def test_ranks_die_with_a_killed_caller(tmp_path):
     """SIGKILL to the calling process (no finally runs there): its rank, a non-daemonic one
@@ -159,7 +157,6 @@ def test_ranks_die_with_a_killed_caller(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
 def test_world_joined_from_the_environment_with_another_checkout(tmp_path, capfd):
     (tmp_path / "muon").mkdir()
     (tmp_path / "muon" / "__init__.py").write_text("")
@@ -169,7 +166,6 @@ def test_world_joined_from_the_environment_with_another_checkout(tmp_path, capfd
     assert "failed to bind" not in capfd.readouterr().err
 
 
-@pytest.mark.slow
 def test_passing_collective_and_2d_mesh():
     out = run_world(_all_reduce_and_mesh, 4)
     assert [o[0] for o in out] == [10.0] * 4
@@ -177,7 +173,6 @@ def test_passing_collective_and_2d_mesh():
     assert [o[2] for o in out] == [0, 1, 0, 1]
 
 
-@pytest.mark.slow
 def test_rank_exception_is_forwarded_with_traceback():
     with pytest.raises(WorldError, match=r"rank 1 raised:(.|\n)*boom from rank one") as info:
         run_world(_raise_on_rank_one, 2)
@@ -185,7 +180,6 @@ def test_rank_exception_is_forwarded_with_traceback():
     assert (err.rank, err.exitcode) == (1, 1) and "ValueError: boom from rank one" in err.detail
 
 
-@pytest.mark.slow
 def test_hanging_collective_fails_in_bounded_time():
     """Rank 1 sleeps past the world's timeout while rank 0 waits in a collective: the runner
     kills both and names them (the error itself is the bound: no clock is read here)."""

@@ -5,7 +5,6 @@ expert all-to-all autograd is exact with uneven and empty splits."""
 import copy
 import math
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -48,7 +47,13 @@ MLA_CFG = GLMConfig(
         "indexer_types": ["full", "shared", "full"],
     }
 )
-CONFIGS = {"gqa": CFG, "mla": MLA_CFG}
+# GLM-5's MTP training: three prediction depths on the one MTP layer (one FSDP2 unit run three
+# times a step; its gradient, the sum over depths, reduce-scattered as one).
+CONFIGS = {
+    "gqa": CFG,
+    "mla": MLA_CFG,
+    "mla_depths": GLMConfig(**{**MLA_CFG.to_dict(), "mtp_depths": 3}),
+}
 B, T = 2, 6  # per-rank batch
 
 
@@ -189,7 +194,7 @@ def _check(results, W, cases, tol=1e-5):
         no_grad = sorted(k for k, v in res["errors"].items() if v is None)
         # GQA runs `loss` (no MTP); MLA the whole objective: every parameter has a gradient.
         assert all(k.startswith("model.mtp_layers.") for k in no_grad), (label, no_grad)
-        assert not no_grad if family == "mla" else no_grad, (label, no_grad)
+        assert not no_grad if family.startswith("mla") else no_grad, (label, no_grad)
         res["errors"] = {k: v for k, v in res["errors"].items() if v is not None}
         exact = param_dtype in (None, torch.float32)
         # float32: the same terms summed in another order (ranks, experts), a few ulps (2^-24)
@@ -227,11 +232,11 @@ CASES_4 = [
     (2, False, torch.bfloat16, "gqa"),  # bf16 compute: runs, expert gradient scale right
     (2, False, None, "mla"),  # MLA + DSA + KL indexer + MTP, ep 2, efsdp 2
     (2, False, torch.float32, "mla"),  # ... with the mixed-precision units (weights_proj)
+    (2, False, None, "mla_depths"),  # ... with 3 MTP depths on the one MTP layer
 ]
 CASES_8 = [(2, False, None, "gqa"), (2, True, None, "gqa")]  # ep 2, efsdp 4
 
 
-@pytest.mark.slow
 def test_parity_world4(tmp_path):
     results = run_world(_parity_world, 4, CASES_4, str(tmp_path), timeout_s=240)
     _check(results, 4, CASES_4)
@@ -244,25 +249,8 @@ def test_parity_world4(tmp_path):
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
-@pytest.mark.slow
 def test_parity_world8():
     _check(run_world(_parity_world, 8, CASES_8, timeout_s=240), 8, CASES_8)
-
-
-def test_bad_parallel_configs_fail_naming_the_field():
-    from types import SimpleNamespace
-
-    with pytest.raises(
-        ValueError, match=r"ep \(3\) must be a positive divisor of world_size \(4\)"
-    ):
-        build_meshes(4, 3, "cpu")
-    with torch.device("meta"):
-        model = GLMForCausalLM(
-            GLMConfig(**{**CFG.to_dict(), "n_routed_experts": 6, "n_group": 1, "topk_group": 1})
-        )
-    fake = SimpleNamespace(ep=4, world_size=8)
-    with pytest.raises(ValueError, match=r"n_routed_experts \(6\) must be divisible by ep \(4\)"):
-        parallelize(model, fake)
 
 
 _FAKE_WORLD_SCRIPT = """
@@ -272,7 +260,7 @@ dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=512)
 from models.glm import GLMForCausalLM, get_preset
 from models.glm.parallelize import build_meshes, parallelize
 with torch.device("meta"):
-    model = GLMForCausalLM(get_preset("glm52"))
+    model = GLMForCausalLM(get_preset("glm5"))
 meshes = build_meshes(512, 8, "cpu")
 parallelize(model, meshes, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 experts = [m for m in model.modules() if hasattr(m, "orthogonal_blocks")]
@@ -282,9 +270,8 @@ print(len(experts), [repr(p) for p in down.placements], tuple(down.to_local().sh
 """
 
 
-@pytest.mark.slow
-def test_glm52_plans_on_512_fake_ranks():
-    """The planner's view: GLM-5.2 on meta, parallelized for 512 ranks (efsdp 64 x ep 8)."""
+def test_glm5_plans_on_512_fake_ranks():
+    """The planner's view: GLM-5 on meta, parallelized for 512 ranks (efsdp 64 x ep 8)."""
     import subprocess
     import sys
 

@@ -3,7 +3,6 @@ split sizes of both all-to-alls), none in the backward, ops that do not grow wit
 of experts, and outputs and gradients equal to a single-process layer on the global batch,
 with every expert kernel and with an EP rank that receives no rows."""
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -83,7 +82,6 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
 def test_ep_dispatch_reads_the_host_once_per_layer_and_matches_one_process():
     per_rank = run_world(_world, 2, CASES, timeout_s=240)
     extra_reads = {"auto": {}, "padded_bmm": {"item": 1}, "loop": {"tolist": 1}}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -121,7 +120,6 @@ def _behaviour_world():
     return out
 
 
-@pytest.mark.slow
 def test_memory_balance_inflight_and_fingerprint():
     results = run_world(_behaviour_world, W, timeout_s=300)
     S = results[0]["matrix_bytes"]
@@ -196,7 +194,6 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
     return seen, batch.path, batch.fsdp_visible_rows, cost.collective_buffer_bytes(batch, 0)
 
 
-@pytest.mark.slow
 def test_ns_sees_ep_local_blocks_and_agrs_buffer_from_fsdp_visible_dim():
     results = run_world(_ns_shapes_world, 4, False, "agrs", timeout_s=120)
     for seen, path, visible, buf in results:

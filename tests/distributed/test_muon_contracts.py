@@ -296,9 +296,6 @@ CASES = (
 )
 
 
-pytestmark = pytest.mark.slow  # one 4-rank world for all the cases
-
-
 @pytest.fixture(scope="module")
 def contracts() -> list[dict]:
     """Every case on one 4-rank world (a world costs seconds; the cases only milliseconds)."""

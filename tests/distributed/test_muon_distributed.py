@@ -289,7 +289,6 @@ def _world(world: int) -> list[dict]:
     return _RESULTS[world]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", SPLIT_WORLDS)
 def test_split_parity_with_single_process(world):
     """Odd worlds: ceil chunking gives uneven shards (20 rows: 7, 7, 6 or 4 x 5)."""
@@ -302,7 +301,6 @@ def test_split_parity_with_single_process(world):
         assert err < bound, f"{label}: max |distributed - reference| = {err:.3g}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", PARITY_WORLDS)
 def test_parity_with_single_process(world):
     results = [r["parity"] for r in _world(world)]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from tests.distributed.test_muon_distributed import NORMUON, _ep_shard, _flat_shard, _run_case
 from tests.harness import init_mesh, run_world
@@ -73,7 +71,6 @@ def _generated_world(cases: list[dict]) -> list[tuple[str, float]]:
     return results
 
 
-@pytest.mark.slow
 def test_generated_layouts_equal_the_single_process_result():
     results = run_world(_generated_world, 2, generated_cases(), timeout_s=600)
     assert results[0] == results[1]  # every rank saw the same max error (one all-reduce)

@@ -10,8 +10,6 @@ sends must equal what `muon.cost` counts from the plan.
 
 from __future__ import annotations
 
-import pytest
-
 from muon.cost import bytes_sent
 from muon.plan import REMAINDER_STRATEGIES
 from tests.distributed.test_muon_distributed import NORMUON, _flat_shard, _run_case
@@ -54,7 +52,6 @@ def _cases():
     return results
 
 
-@pytest.mark.slow
 def test_widened_subgroups_equal_single_process():
     ranks = run_world(_cases, W, timeout_s=600)
     for rank, results in enumerate(ranks):

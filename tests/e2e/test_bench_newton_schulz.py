@@ -14,7 +14,6 @@ from recipes.bench.newton_schulz_report import summary
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_newton_schulz.py"
 
 
-@pytest.mark.slow
 def test_bench_writes_tables_and_plots(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
     bench = importlib.import_module("bench_newton_schulz")

@@ -52,7 +52,6 @@ def bench(tmp_path_factory):
     return out, proc.stdout, result, rows
 
 
-@pytest.mark.slow
 def test_memory_relations_of_the_strategies(bench):
     _, _, result, rows = bench
     S = rows[("agrs", 1)]["matrix_mib"]
@@ -75,7 +74,6 @@ def test_memory_relations_of_the_strategies(bench):
     assert agrs_peaks[-1] > max(pad_peaks), (agrs_peaks, pad_peaks)
 
 
-@pytest.mark.slow
 def test_measured_bytes_equal_the_plan(bench):
     _, _, result, rows = bench
     for row in rows.values():
@@ -91,7 +89,6 @@ def test_measured_bytes_equal_the_plan(bench):
     )
 
 
-@pytest.mark.slow
 def test_outputs_written(bench):
     out, stdout, result, _ = bench
     assert "| R | agrs ms / peak MiB" in stdout and "| R=1 | ms/step" in stdout

@@ -166,7 +166,6 @@ def test_wandb_api_runs(tmp_path):
 
 
 # ------------------------------------------------------------------ three short real runs
-@pytest.mark.slow
 def test_three_real_runs_make_a_table_and_plots(strategy_sweep, tmp_path):
     runs_root, _ = strategy_sweep  # tests/conftest.py: 4 ranks, ep=2, 3 steps, W&B offline
     out = tmp_path / "out"

@@ -6,12 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.unit.test_docs import DOCS, ROOT, _text
 
 
-@pytest.mark.slow
 def test_every_script_is_named_in_the_readme_and_answers_help():
     """One process runs each script's --help (torch imported once, not once per script)."""
     readme = _text(ROOT / "README.md")

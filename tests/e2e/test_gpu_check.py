@@ -92,7 +92,6 @@ def test_dry_run_lists_every_part_with_its_command(dry_run):
     assert len(table) == len(steps) + 2 and all(" DRY " in row for row in table[1:-1])
 
 
-@pytest.mark.slow
 def test_dry_run_train_overrides_compose(dry_run):
     """Every train.py command of the dry run composes against the typed schema (an unknown key
     or a bad value fails here, on CPU, not on the GPU): composed the way train.py composes
@@ -182,7 +181,6 @@ exit 0
 """
 
 
-@pytest.mark.slow
 def test_a_failed_step_does_not_stop_the_others_and_sets_the_exit_status(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)

@@ -1,7 +1,7 @@
-"""scripts/plan_memory.py: the dry-run planner at GLM-5.2 scale, and planned vs measured peaks
+"""scripts/plan_memory.py: the dry-run planner at GLM-5 scale, and planned vs measured peaks
 (the report: recipes/planning.py, its text and budget check: recipes/planning_report.py).
 
-GLM-5.2 on 512 fake ranks, ep 8: expert-aware, the fused gate+up weights
+GLM-5 on 512 fake ranks, ep 8: expert-aware, the fused gate+up weights
 are local and all 76 down weights take the sub-group path; with `--no-expert-aware` the down
 weights make a full batch of 64 and an AGRS remainder of 12 whose all-gather buffer is 9 GiB
 (FSDP-visible rows), not the 72 GiB of the global rows.
@@ -55,7 +55,7 @@ COUNT = 2
 
 def _run_planner(tmp_path: Path, *flags: str, world: int = 512) -> dict:
     out = tmp_path / "plan.json"
-    cmd = [sys.executable, str(SCRIPT), "--model", "glm52", "--world-size", str(world), "--ep", "8"]
+    cmd = [sys.executable, str(SCRIPT), "--model", "glm5", "--world-size", str(world), "--ep", "8"]
     proc = subprocess.run(
         [*cmd, *flags, "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
@@ -87,13 +87,12 @@ def _largest_unit(report: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def glm52_512(tmp_path_factory):
+def glm5_512(tmp_path_factory):
     return _run_planner(tmp_path_factory.mktemp("plan512"))
 
 
-@pytest.mark.slow
-def test_glm52_expert_aware_paths(glm52_512):
-    report = glm52_512
+def test_glm5_expert_aware_paths(glm5_512):
+    report = glm5_512
     assert report["meta"]["build_s"] < 60
     experts = _expert_groups(report)
     for s in STRATEGIES:
@@ -125,20 +124,18 @@ def test_glm52_expert_aware_paths(glm52_512):
     )
 
 
-@pytest.mark.slow
-def test_glm52_busiest_rank_work_halves_from_512_to_1024_ranks(glm52_512, tmp_path):
+def test_glm5_busiest_rank_work_halves_from_512_to_1024_ranks(glm5_512, tmp_path):
     """Strong scaling of the optimizer step: doubling the ranks shrinks the busiest rank's
     Newton-Schulz work by at least 1.8x (sub-group blocks of k = 2 and 4 once each)."""
     at_1024 = _run_planner(tmp_path, "--strategy", "auto", world=1024)["totals"]["auto"]["ns"]
-    assert at_1024["ns_flops_busiest"] <= at_1024["ns_flops_ideal"] + _largest_unit(glm52_512)
+    assert at_1024["ns_flops_busiest"] <= at_1024["ns_flops_ideal"] + _largest_unit(glm5_512)
     assert at_1024["ns_flops_busiest"] <= 1.1 * at_1024["ns_flops_ideal"], at_1024
-    at_512 = glm52_512["totals"]["auto"]["ns"]
+    at_512 = glm5_512["totals"]["auto"]["ns"]
     ratio = at_512["ns_flops_busiest"] / at_1024["ns_flops_busiest"]
     assert ratio >= 1.8, (at_512["ns_flops_busiest"], at_1024["ns_flops_busiest"])
 
 
-@pytest.mark.slow
-def test_glm52_without_expert_paths_agrs_remainder_is_9_gib(tmp_path):
+def test_glm5_without_expert_paths_agrs_remainder_is_9_gib(tmp_path):
     report = _run_planner(tmp_path, "--no-expert-aware", "--budget-gib", "80")
     down = _expert_groups(report)[DOWN]
     assert down["fsdp_visible_rows"] == 1572864 // 8
@@ -280,7 +277,6 @@ def _by_role(ranks, strategy):
     return busy + idle
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_exchange_buffers_match_measured(measured, strategy):
     for row in _by_role(measured, strategy):
@@ -292,7 +288,6 @@ def test_planned_exchange_buffers_match_measured(measured, strategy):
         assert lo <= row["measured_exchange"] <= hi, row
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_planned_step_peak_bounds_measured(measured, strategy):
     for row in _by_role(measured, strategy):
@@ -328,13 +323,12 @@ def test_indexer_training_flag_frozen_vs_kl():
     assert bad.returncode == 2 and "has no sparse-attention indexer" in bad.stderr
 
 
-@pytest.mark.slow
-def test_glm52_muon_split_and_normuon(tmp_path, glm52_512):
-    """Muon Split on GLM-5.2's MLA: q_b_proj / kv_b_proj / kv_a_proj_with_mqa plan as blocks
+def test_glm5_muon_split_and_normuon(tmp_path, glm5_512):
+    """Muon Split on GLM-5's MLA: q_b_proj / kv_b_proj / kv_a_proj_with_mqa plan as blocks
     of unequal heights, their Newton-Schulz work is below whole-matrix Muon's, and the
     attention knobs' costs are reported."""
     split = _run_planner(tmp_path, "--strategy", "pad_all2all", "--muon-split", "--normuon")
-    whole = glm52_512  # the default plan: whole matrices, no NorMuon
+    whole = glm5_512  # the default plan: whole matrices, no NorMuon
     groups = {tuple(g["shape"]): g for g in split["groups"]}
     assert groups[(64 * 256, 2048)]["split_sizes"][:2] == [192, 64]  # q_b_proj (nope, rope)
     assert groups[(512 + 64, 6144)]["split_sizes"] == [512, 64]  # kv_a_proj_with_mqa
@@ -348,3 +342,19 @@ def test_glm52_muon_split_and_normuon(tmp_path, glm52_512):
     # the owners balance the per-head blocks as well as the whole matrices (widened sub-groups)
     assert split["totals"]["pad_all2all"]["ns"]["busiest_over_ideal"] <= 1.05
     assert "128 (64/192 rows)" in split["stdout"]  # the planner prints the blocks' heights
+
+
+def test_planner_prints_the_whole_step_estimate_against_a_budget():
+    """`scripts/plan_memory.py --step` (fake 8-rank world): both checkpointing modes, the
+    verdict against --budget-gib, and the exit status when nothing fits."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "plan_memory.py"
+    args = [sys.executable, str(script), "--model", "small", "--world-size", "8", "--ep", "2"]
+    args += ["--step", "--seq-len", "256", "--micro-batch", "2", "--strategy", "pad_all2all"]
+    fits = subprocess.run([*args, "--budget-gib", "8"], capture_output=True, text=True)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    text = fits.stdout[fits.stdout.index("whole step per rank") :]
+    peaks = [float(line.split()[4]) for line in text.splitlines() if "step peak per rank" in line]
+    assert len(peaks) == 2 and 0 < peaks[1] < peaks[0], text  # checkpointing saves memory
+    assert text.count("fits in 8 GiB") == 2
+    tight = subprocess.run([*args, "--budget-gib", "0.001"], capture_output=True, text=True)
+    assert tight.returncode == 1 and "DOES NOT FIT in 0.001 GiB" in tight.stdout

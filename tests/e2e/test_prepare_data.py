@@ -56,7 +56,6 @@ def _decode(out: Path) -> list[str]:
     return docs
 
 
-@pytest.mark.slow
 def test_prepare_decodes_back_and_trains_with_only_the_path(tmp_path):
     docs = _corpus(tmp_path / "corpus")
     out = tmp_path / "prepared"

@@ -71,7 +71,6 @@ def _assert_same(a, b, path=""):
         assert a == b, path
 
 
-@pytest.mark.slow
 def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(strategy_sweep):
     """One `-m` sweep (tests/conftest.py): a world per remainder strategy (4 ranks, ep=2), W&B
     offline; a NaN gradient injected at step 2 is skipped and leaves parameters and Muon state
@@ -114,7 +113,6 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(strategy_sweep):
     np.testing.assert_allclose(losses["agrs"], losses["ragged_all_to_all"], rtol=1e-5)
 
 
-@pytest.mark.slow
 def test_sweep_over_a_layout_key_trains_every_job(cache, tmp_path):
     """`-m mesh.ep=1,2`: mesh.* stays out of a single run's directory, but a sweep over it
     gives each job its own directory, checkpoints and W&B run (2 ranks, 2 steps, offline)."""
@@ -136,7 +134,6 @@ def test_sweep_over_a_layout_key_trains_every_job(cache, tmp_path):
     assert len(wandb_ids) == 2
 
 
-@pytest.mark.slow
 def test_logs_in_the_run_dir(cache, tmp_path):
     """`train.steps=3` on 2 ranks: train.log (Hydra's job log) holds rank 0's lines; the
     warning every rank raises (enable_all2all=false with pad_all2all) is in each rank's file."""
@@ -153,7 +150,6 @@ def test_logs_in_the_run_dir(cache, tmp_path):
     assert "[rank1] WARNING py.warnings" in out  # still on the console
 
 
-@pytest.mark.slow
 def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again (with
     `checkpoint.async_mode=true`, which does not change what is trained): the losses and final
@@ -205,7 +201,6 @@ def _steps_logged(root: Path) -> int:
     return len(found[0].read_text().splitlines()) if found else 0
 
 
-@pytest.mark.slow
 def test_local_world_stops_with_a_checkpoint_on_ctrl_c_and_sigterm_then_resumes(cache, tmp_path):
     """The local world (no launcher env): Ctrl-C (SIGINT to the terminal's whole process group)
     and then SIGTERM to the launching process alone (Slurm ending the job) each reach the ranks
@@ -247,7 +242,6 @@ def test_local_world_stops_with_a_checkpoint_on_ctrl_c_and_sigterm_then_resumes(
         stopped_at = steps[-1]
 
 
-@pytest.mark.slow
 def test_local_world_rank_failure_names_the_rank_and_its_traceback(cache, tmp_path):
     """A rank that raises (its token cache path is a file) ends train.py with one message: the
     rank, its exit status and its own traceback; no rank is left running."""
@@ -279,7 +273,6 @@ def _nan_world(config_yaml: str, run_dir: str):
     return finished, again.step
 
 
-@pytest.mark.slow
 def test_nan_step_skipped_with_adamw(cache, tmp_path):
     """optim=adamw: the loop itself skips the poisoned step (2 ranks, ep=1, Trainer direct)."""
     cfg = from_yaml("optim: {name: adamw}")  # the AdamW schema with its defaults
@@ -306,7 +299,6 @@ def test_nan_step_skipped_with_adamw(cache, tmp_path):
     _assert_same(o1, o2)  # AdamW moments and step counts untouched
 
 
-@pytest.mark.slow
 def test_torchrun_world_checkpoints_and_stops_on_sigterm(cache, tmp_path):
     """Under torchrun (the SLURM path) every rank runs train.py and joins the launcher's world;
     SIGTERM (Slurm's preemption), forwarded to the ranks, commits a checkpoint and ends the run
@@ -346,7 +338,6 @@ def test_torchrun_world_checkpoints_and_stops_on_sigterm(cache, tmp_path):
     assert OmegaConf.load(run_dir / "config.yaml").optim.router == "muon"
 
 
-@pytest.mark.slow
 def test_mla_dsa_mtp_run_logs_each_loss(cache, tmp_path):
     """`model=mla_tiny` (seq_len 32 > index_topk 16) on 2 ranks, swept over
     train.mtp_loss_weight=0,0.3: `loss` is the next-token loss (the same at step 1, before

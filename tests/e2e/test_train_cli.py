@@ -31,7 +31,6 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ),
     ],
 )
-@pytest.mark.slow
 def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
     proc = _train_py(*override.split(), cwd=tmp_path)
     assert proc.returncode != 0
@@ -41,7 +40,6 @@ def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
     assert not list(tmp_path.iterdir())  # not even the empty run dir Hydra made
 
 
-@pytest.mark.slow
 def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     """`--help` renders the schema for the composed config: Muon's keys by default, AdamW's
     (and no Muon key) with optim=adamw."""
@@ -67,7 +65,6 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.slow
 def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path):
     """`a/b` and `a_b` give one directory name: the sweep fails before its first job; so does
     a sweep with one invalid job."""
@@ -85,4 +82,7 @@ def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path
         "sweep job [optim.lr=nan" in proc.stderr and "optim.lr=nan: must be a finite" in proc.stderr
     )
     assert "[rank" not in proc.stdout + proc.stderr
+    proc = _train_py("-m", "checkpoint.async_mode=true,2", cwd=tmp_path)  # 2 ran as true
+    assert "sweep job [checkpoint.async_mode=2" in proc.stderr
+    assert "checkpoint.async_mode=2: must be true or false" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written

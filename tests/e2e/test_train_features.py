@@ -83,7 +83,6 @@ def _mixed_precision_world():
     return out
 
 
-@pytest.mark.slow
 def test_bf16_params_halve_the_all_gather_bytes_over_fp32_masters():
     results = run_world(_mixed_precision_world, 2, timeout_s=240)
     for rank in results:
@@ -128,7 +127,6 @@ def _base(cache: Path) -> list[str]:
     ]
 
 
-@pytest.mark.slow
 def test_bf16_run_trains_and_resumes_exactly(tmp_path):
     """bf16 compute with NorMuon on: its moments are state that resumes bit for bit."""
     args = [*_base(tmp_path / "cache"), "train.param_dtype=bfloat16", "train.steps=4"]
@@ -149,7 +147,6 @@ def test_bf16_run_trains_and_resumes_exactly(tmp_path):
     assert [[m[k] for k in keys] for m in again] == [[m[k] for k in keys] for m in first]
 
 
-@pytest.mark.slow
 def test_activation_checkpointing_and_compile_keep_the_loss_curve(tmp_path):
     base = [*_base(tmp_path / "cache"), "train.steps=3", "metrics.memory_every=1"]
     # no evaluation: the curves are the training losses, and a compiled model's evaluation
@@ -204,7 +201,7 @@ def _loss_grads_loads(preset: str, checkpointing: bool, compiled: bool):
 
 
 @pytest.mark.parametrize("preset", list(_PRESETS))
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, True])
 def test_checkpointed_layers_give_the_same_gradients_and_count_loads_once(compiled, preset):
     loss, grads, loads = _loss_grads_loads(preset, checkpointing=False, compiled=False)
     loss2, grads2, loads2 = _loss_grads_loads(preset, checkpointing=True, compiled=compiled)

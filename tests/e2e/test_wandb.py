@@ -64,7 +64,6 @@ def sweep(tmp_path_factory) -> dict[str, Path]:
     return {o: next(d for n, d in dirs.items() if f"optim={o}" in n) for o in ("muon", "adamw")}
 
 
-@pytest.mark.slow
 def test_offline_run_holds_system_metrics_commit_and_peak_summaries(sweep):
     (offline,) = _offline(sweep["muon"])
     run = wandb_records.read(offline)
@@ -93,7 +92,6 @@ def test_offline_run_holds_system_metrics_commit_and_peak_summaries(sweep):
     assert run.config["optim"]["remainder_strategy"] == "pad_all2all"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["muon", "adamw"])
 def test_qk_clip_runs_under_both_optimizers_and_logs_max_logits(sweep, optim):
     lines = [json.loads(x) for x in (sweep[optim] / "metrics.jsonl").read_text().splitlines()]
@@ -105,7 +103,6 @@ def test_qk_clip_runs_under_both_optimizers_and_logs_max_logits(sweep, optim):
     assert lines[0]["attn/max_logit"] > 0.05 and lines[0]["attn/qk_clipped"] >= 1
 
 
-@pytest.mark.slow
 def test_adamw_run_carries_no_muon_keys(sweep):
     (offline,) = _offline(sweep["adamw"])
     run = wandb_records.read(offline)
@@ -115,7 +112,6 @@ def test_adamw_run_carries_no_muon_keys(sweep):
     assert OmegaConf.load(sweep["adamw"] / "config.yaml").optim.keys() == run.config["optim"].keys()
 
 
-@pytest.mark.slow
 def test_every_dashboard_key_is_logged_by_a_real_run(sweep):
     mod = _dashboard()
     run = wandb_records.read(_offline(sweep["muon"])[0])
@@ -168,7 +164,6 @@ def _log(run_dir: Path, config: dict, start: int, steps: range) -> None:
     wandb.teardown()
 
 
-@pytest.mark.slow
 def test_resumed_run_sends_no_step_twice_and_switches_turn_off(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = _config(system_metrics=False, git=False)

@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from tests.harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.gpu
 
 
 def _cfg(*dotlist: str):

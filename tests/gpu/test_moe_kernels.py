@@ -12,7 +12,6 @@ from tests.gpu.test_cuda_paths import _syncs
 from tests.models import tiny_glm
 from tests.unit.test_models_moe import _experts_case, _gamma, _run
 
-pytestmark = pytest.mark.gpu
 UB = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 SILU_SLOPE, SILU_CURVE = 1.1, 0.5  # max |silu'| = 1.0998..., max |silu''| = 0.5 (at 0)
 

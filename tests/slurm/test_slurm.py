@@ -206,8 +206,6 @@ def cluster(tmp_path_factory):
         yield c
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
 def test_cluster_status(cluster):
     out = cluster.run([str(SLURM_DIR / "local_cluster.sh"), "status", str(cluster.root)]).stdout
     assert "slurmctld: running" in out and "slurmd: running" in out and "idle" in out
@@ -216,8 +214,6 @@ def test_cluster_status(cluster):
     assert again.stdout.strip() == f"export SLURM_CONF={cluster.env['SLURM_CONF']}"
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
 def test_train_sbatch_dry_run_three_nodes(cluster):
     """The rendezvous host is the first node of the job's node list, as scontrol expands it."""
     env = dict(
@@ -235,8 +231,6 @@ def test_train_sbatch_dry_run_three_nodes(cluster):
     assert cmd.endswith("train.py mesh.world_size=24")
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
 def test_sweep_trains_one_job_per_strategy_and_a_preempted_one_resumes(cluster, tmp_path):
     """sweep_strategies.sh submits one `sbatch train.sbatch` job per remainder strategy; each
     runs a 2-rank CPU world through srun + torchrun (1 node x 2 ranks) and trains to the end
@@ -317,8 +311,6 @@ def test_sweep_trains_one_job_per_strategy_and_a_preempted_one_resumes(cluster, 
         assert "SIGUSR1" not in logs[strategy].read_text()
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
 def test_submitit_launcher_runs_a_job_and_returns_the_requeued_result(cluster, tmp_path):
     """`python train.py -m hydra/launcher=slurm ...` submits one submitit job (a local world of
     2 ranks) and waits for it. Preempted with submitit's signal (USR2), submitit requeues it,

@@ -42,8 +42,6 @@ from tests.slurm.slurm_util import (
     tail,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
 # The tiny model, ep=2, logging to metrics.jsonl only, small and quick.
 ARGS = ["mesh.ep=2", "logger=none", *FAST_ARGS]
 # How soon slurmctld marks a killed node down (its job's srun waits for that): SlurmdTimeout of

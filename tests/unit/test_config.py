@@ -279,7 +279,10 @@ def test_validate_checks_the_launcher_world():
 
 def test_every_field_has_help():
     lines = schema.describe()
-    assert any(line.startswith("optim.remainder_strategy = 'pad_all2all'  # ") for line in lines)
+    strategy = (
+        "optim.remainder_strategy = pad_all2all  [agrs, pad_all2all, ragged_all_to_all, auto]"
+    )
+    assert any(line.startswith(strategy + "  # ") for line in lines)
     leaves = [line.split(" = ")[0] for line in lines]
     assert len(leaves) == len(set(leaves)) > 40
     for line in lines:
@@ -337,7 +340,10 @@ def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
     assert "optim" in named  # the optimizer choice changes what is trained
     # Logging and checkpointing never change the weights; the keys that once were missing:
     assert {k for k in leaves if k.split(".")[0] in ("logger", "metrics")} <= declared
-    assert {k for k in leaves if k.startswith("checkpoint.")} - declared == {"checkpoint.init_from"}
+    assert {k for k in leaves if k.startswith("checkpoint.")} - declared == {
+        "checkpoint.init_from",
+        "checkpoint.init_missing_mtp",
+    }
     assert {"checkpoint.async_mode", "checkpoint.hf_dtype", "logger.project"} <= declared
 
 
@@ -427,4 +433,25 @@ def test_attention_knobs_reach_the_model_and_optimizer():
         for g in unsplit.param_groups
         if g.get("num_blocks", 1) > 1
         for n in g["param_names"]
+    )
+
+
+@pytest.mark.parametrize("key", ["+train.no_such_key", "+optim.no_such_key", "+no_such_key"])
+def test_an_appended_unknown_key_is_refused_before_the_ranks(key):
+    """Hydra's `+` appends to any node: the config composed, and every rank's `from_yaml`
+    then failed on the unknown key."""
+    cfg = _compose([f"{key}=1"])
+    with pytest.raises(schema.ConfigError, match=re.escape(f"{key[1:]}=1: not in the schema")):
+        schema.validate(cfg)
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "1"])
+def test_a_bool_key_takes_true_or_false_only(value):
+    """OmegaConf turns `checkpoint.async_mode=2` (or `yes`) into True without a word."""
+    overrides = [f"checkpoint.async_mode={value}"]
+    cfg = _compose(overrides)
+    with pytest.raises(schema.ConfigError, match="checkpoint.async_mode=.*must be true or false"):
+        schema.validate(cfg, overrides=overrides)
+    schema.validate(
+        _compose(["checkpoint.async_mode=true"]), overrides=["checkpoint.async_mode=true"]
     )

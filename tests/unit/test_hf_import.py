@@ -1,6 +1,7 @@
 """Import of transformers directories beyond the plain layout: block-wise fp8 checkpoints
 (dequantized, each read cut at any row), other quantizations refused, MTP layers absent from the
-files (initialized, reported), tensors the model has no place for, and `model=hf model.path`."""
+files (an error unless initialized on request, then reported), tensors the model has no place
+for, and `model=hf model.path`."""
 
 import json
 
@@ -142,7 +143,7 @@ def test_fp8_refusals_name_the_format(tmp_path):
             import_hf(tmp_path)
 
 
-def test_missing_mtp_layer_is_initialized_and_reported(tmp_path):
+def test_missing_mtp_layer_is_an_error_unless_initialized(tmp_path):
     model = _model()
     export_hf(model, CFG, str(tmp_path))
     tensors = _tensors(tmp_path)
@@ -152,7 +153,9 @@ def test_missing_mtp_layer_is_initialized_and_reported(tmp_path):
     fresh = GLMForCausalLM(CFG)
     fresh.init_weights(5)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    reported = load_hf(fresh, tmp_path)
+    with pytest.raises(ValueError, match=r"model.layers.2'\].*set init_missing_mtp=True"):
+        load_hf(fresh, tmp_path)
+    reported = load_hf(fresh, tmp_path, init_missing_mtp=True)
     assert sorted(reported) == mtp
     for key, value in fresh.state_dict().items():
         if key.startswith("model.mtp_layers."):
@@ -162,7 +165,7 @@ def test_missing_mtp_layer_is_initialized_and_reported(tmp_path):
     # Half an MTP layer is a broken file, not an absent layer.
     _rewrite(tmp_path, {**main, mtp[0]: tensors[mtp[0]]})
     with pytest.raises(ValueError, match="missing tensors"):
-        load_hf(GLMForCausalLM(CFG), tmp_path)
+        load_hf(GLMForCausalLM(CFG), tmp_path, init_missing_mtp=True)
     # The public checkpoints' MTP copies of the embedding and head are accepted (ours shares
     # the model's); any other tensor the model has no place for is an error naming it.
     copies = {
@@ -229,7 +232,7 @@ def test_glm_moe_dsa_config_mapping():
     from models.glm import get_preset
     from models.glm.hf_config import config_from_hf, config_to_hf
 
-    for name in ("mla_tiny", "glm52"):
+    for name in ("mla_tiny", "glm5", "glm52"):
         config = get_preset(name)
         hf = config_to_hf(config)
         assert hf["model_type"] == "glm_moe_dsa" and hf["head_dim"] == config.qk_rope_head_dim

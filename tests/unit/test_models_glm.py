@@ -255,7 +255,7 @@ def test_tiny_preset_shape():
     assert (cfg.n_shared_experts, cfg.intermediate_size, cfg.n_group) == (1, 128, 1)
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "glm45_air", "glm52"])
+@pytest.mark.parametrize("name", ["tiny", "small", "glm45_air", "glm5", "glm52"])
 def test_presets_build_on_meta_with_formula_param_count(name):
     cfg = get_preset(name)
     with torch.device("meta"):
@@ -266,8 +266,8 @@ def test_presets_build_on_meta_with_formula_param_count(name):
     assert n_moe == cfg.num_moe_layers
 
 
-def test_glm52_preset_shapes_and_count():
-    cfg = get_preset("glm52")
+def test_glm5_preset_shapes_and_count():
+    cfg = get_preset("glm5")
     with torch.device("meta"):
         model = GLMForCausalLM(cfg)
     experts = [m for m in model.modules() if hasattr(m, "orthogonal_blocks")]
@@ -286,6 +286,39 @@ def test_glm52_preset_shapes_and_count():
     assert attn.q_b_proj.weight.shape == (64 * 256, 2048)
     assert attn.kv_b_proj.weight.shape == (64 * 448, 512)
     assert attn.indexer.wq_b.weight.shape == (32 * 128, 2048)
+
+
+def test_glm52_preset_is_glm5_with_index_share_rope_and_token_ids():
+    """GLM-5.2 (InternLM xtuner's Glm52MoEConfig): the GLM-5 fields but RoPE theta, positions,
+    IndexShare and the token ids; layer i's keys come from the nearest full layer <= i."""
+    glm5, glm52 = get_preset("glm5").to_dict(), get_preset("glm52").to_dict()
+    differ = {k for k in glm5 if glm5[k] != glm52[k]}
+    assert differ == {
+        "rope_theta",
+        "max_position_embeddings",
+        "indexer_types",
+        "eos_token_id",
+        "pad_token_id",
+    }
+    cfg = get_preset("glm52")
+    assert (cfg.rope_theta, cfg.max_position_embeddings) == (8e6, 1_048_576)
+    assert (cfg.eos_token_id, cfg.pad_token_id) == ([154820, 154827, 154829], 154820)
+    full = [i for i, t in enumerate(cfg.indexer_types) if t == "full"]
+    assert full == [0, 1, 2, *range(6, 78, 4)] and len(full) == 21
+    # xtuner's dsa_topk_source_layer: walk down while max(i + 1 - offset, 0) % freq != 0.
+    for i in range(78):
+        src = i
+        while max(src + 1 - 3, 0) % 4:
+            src -= 1
+        assert cfg.indexer_source_layer(i) == src, i
+    assert cfg.indexer_source_layer(78) == 78  # the MTP layer runs its own indexer
+    with torch.device("meta"):
+        model = GLMForCausalLM(cfg)
+    assert [i for i, x in enumerate(model.model.layers) if x.self_attn.indexer] == full
+    # 743_377_000_704 without the MTP layer: transformers' GlmMoeDsaForCausalLM of
+    # GlmMoeDsaConfig(index_topk_freq=4, index_skip_topk_offset=3) built on meta.
+    assert cfg.expected_num_parameters() == model.num_parameters() == 753_329_921_024
+    assert get_preset("glm52", num_mtp_layers=0).expected_num_parameters() == 743_377_000_704
 
 
 def test_max_position_embeddings_enforced():

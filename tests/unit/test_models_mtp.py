@@ -152,3 +152,47 @@ def test_kl_mode_lowers_kl_and_keeps_main_gradients():
         opt.zero_grad()
         kls.append(terms["indexer_kl"].item())
     assert kls[-1] < 0.5 * kls[0], kls
+
+
+def test_mtp_depths_share_one_layer_like_separate_copies():
+    """mtp_depths 3 on one MTP layer (GLM-5's training) against three MTP layers holding the
+    same weights: the same per-depth losses, and the shared layer's gradient is the sum of
+    the three copies' (float32: equal up to the order of that 3-term sum and of the
+    accumulations into shared tensors, bounded by 8 ulps of the largest entry)."""
+    shared = _model("mla_tiny", num_mtp_layers=1, mtp_depths=3)
+    copies = _model("mla_tiny", num_mtp_layers=3)
+    assert len(shared.model.mtp_layers) == 1
+    state = {k: v for k, v in shared.state_dict().items() if "mtp_layers" not in k}
+    for i in range(3):
+        state |= {
+            k.replace("mtp_layers.0.", f"mtp_layers.{i}."): v
+            for k, v in shared.state_dict().items()
+            if "mtp_layers.0." in k
+        }
+    copies.load_state_dict(state, strict=True)
+    x, y = _batch(4)
+    terms_s, terms_c = shared(x, y), copies(x, y)
+    for k in (1, 2, 3):
+        assert terms_s[f"mtp_loss/depth_{k}"] == terms_c[f"mtp_loss/depth_{k}"]
+    mean = torch.stack([terms_s[f"mtp_loss/depth_{k}"] for k in (1, 2, 3)]).mean()
+    assert terms_s["mtp_loss"] == mean and not terms_s["mtp_loss/depth_2"].requires_grad
+    _objective(terms_s, 0.3).backward()
+    _objective(terms_c, 0.3).backward()
+    for name, p in shared.model.mtp_layers[0].named_parameters():
+        if p.grad is None:  # the kl indexer's gradient: from each depth's own KL, summed too
+            continue
+        summed = sum(copies.model.mtp_layers[i].get_parameter(name).grad for i in range(3))
+        scale = max(g.abs().max() for g in [p.grad, summed]).item()
+        torch.testing.assert_close(p.grad, summed, rtol=0, atol=8 * 2.0**-23 * scale + 1e-30)
+    for name, p in shared.named_parameters():  # the same operations: the same gradients
+        if "mtp_layers" not in name and p.grad is not None:
+            scale = p.grad.abs().max().item()
+            other = copies.get_parameter(name).grad
+            torch.testing.assert_close(p.grad, other, rtol=0, atol=8 * 2.0**-23 * scale + 1e-30)
+
+
+def test_mtp_depths_need_one_layer_or_one_per_depth():
+    with pytest.raises(ValueError, match="mtp_depths"):
+        get_preset("mla_tiny", num_mtp_layers=2, mtp_depths=3)
+    assert get_preset("mla_tiny", num_mtp_layers=2).mtp_depths_resolved == 2
+    assert get_preset("mla_tiny", num_mtp_layers=0).mtp_depths_resolved == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -250,3 +251,73 @@ def test_mtp_attention_is_recorded_in_training_and_clipped():
     now = _snapshot(model)
     changed = {n for n in snap if not torch.equal(snap[n], now[n])}
     assert changed and all(n.startswith("model.mtp_layers.0.self_attn.") for n in changed)
+
+
+@pytest.mark.parametrize(
+    ("tau", "alpha", "error", "named"),
+    [
+        (0.0, 0.5, ValueError, "tau=0.0"),
+        (-1.0, 0.5, ValueError, "tau=-1.0"),
+        (float("nan"), 0.5, ValueError, "tau=nan"),
+        (float("inf"), 0.5, ValueError, "tau=inf"),
+        (True, 0.5, TypeError, "tau=True"),
+        ("5", 0.5, TypeError, "tau='5'"),
+        (1.0, 1.5, ValueError, "alpha=1.5"),
+        (1.0, float("nan"), ValueError, "alpha=nan"),
+        (1.0, None, TypeError, "alpha=None"),
+    ],
+)
+def test_bad_tau_or_alpha_is_refused_before_any_write(tau, alpha, error, named):
+    """tau <= 0 used to zero (tau = 0) or flip and NaN (tau < 0) the q/k weights."""
+    model = _model()
+    before = _max_logits(model)
+    snap = _snapshot(model)
+    with pytest.raises(error, match=named.replace("'", ".")):
+        model.qk_clip_(before, tau, alpha)
+    now = _snapshot(model)
+    assert all(torch.equal(snap[n], now[n]) for n in snap)
+
+
+def test_logits_of_the_wrong_shape_are_refused():
+    attn = _model().attentions()[0]
+    with pytest.raises(ValueError, match=r"max_logit_N: shape \(3,\).*expected \(4,\)"):
+        qk.clip_attention_(attn, torch.ones(3), 1.0, 0.5)
+
+
+def test_a_nan_head_leaves_its_group_to_the_finite_heads():
+    """One NaN head in a KV group used to make the group's maximum NaN: the group unclipped."""
+    model = _model()
+    before = _max_logits(model)
+    tau = float(before[0, 0]) * 0.5
+    noisy = before.clone()
+    noisy[0, 1] = float("nan")  # head 1 shares KV group 0 with head 0, which is over tau
+    assert model.qk_clip_(noisy, tau) == 1
+    after = _max_logits(model)
+    torch.testing.assert_close(after[0, 0], torch.tensor(tau), rtol=1e-5, atol=0)
+    # a group with no finite head is not clipped (its weights would be zeroed by tau / inf)
+    logits = torch.tensor([float("nan"), float("inf"), 5.0, float("nan")])
+    assert torch.equal(qk.clip_factors(logits, 2, tau=1.0), torch.tensor([1.0, 0.2]))
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what would be a device -> host read on a GPU (`.item()`, `int()`, `bool()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("make", [_model, partial(_model, use_qk_norm=True), _mla_model])
+def test_the_clip_is_decided_on_the_device(make):
+    """No host read of the logits: eta, the rows and the count stay tensors."""
+    model = make()
+    before = _max_logits(model)
+    tau = float(before.max()) * 0.5
+    with _HostReads() as mode:
+        clipped = model.qk_clip_(before, tau)
+    assert mode.reads == 0
+    assert isinstance(clipped, torch.Tensor) and clipped >= 1

@@ -1,0 +1,305 @@
+"""Run a function on a fresh local world of N ranks: the one runner of scripts and tests.
+
+`run_world(fn, world_size, *args)` spawns `world_size` processes and returns each rank's
+`fn(*args)` in rank order. One port strategy: the calling process hosts the TCPStore on a port
+the kernel picks (port 0), and every rank joins it as a client (torch's agent-store mode, so
+`dist.init_process_group` from the environment works too), so no free port is ever guessed and
+raced for. One failure and timeout policy: a rank's exception is re-raised here with the
+child's traceback, a rank that dies names its exit code, and a world that does not finish in
+`timeout_s` is killed, naming the ranks still running, so a deadlocked collective fails
+instead of hanging (`timeout_s=None`: no deadline, for training). However the call ends, no
+rank outlives it: ranks still running are killed (after `grace_s` seconds of SIGTERM when
+`grace_s` > 0), and on Linux a rank dies with the calling process, even one killed outright.
+
+Stop signals: with `stop_signals=(signal.SIGTERM, signal.SIGINT)`, say, the calling process
+catches those signals while the world runs (the previous handlers come back afterwards), asks
+every rank to stop with SIGTERM, waits up to `grace_s` for them to exit, kills the rest and
+raises `WorldStopped` naming the signal and the killed ranks. Ranks that handle SIGTERM (the
+trainer checkpoints) finish their step and exit. Needs the main thread.
+
+`backend="gloo"` / `"nccl"` (one GPU per rank, `cuda:<rank>`) joins the process group before
+`fn` and destroys it after; `backend=None` leaves it to `fn` (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT are set). Every rank runs with one intra-op thread
+(OMP_NUM_THREADS=1, read by torch at import, so set before the spawn) unless `threads` says
+otherwise. `pythonpath`: a directory whose `muon`, `models` and `recipes` packages the ranks
+import instead of this tree's (a before/after benchmark against another checkout).
+`daemon=False`: ranks may start processes of their own (dataloader workers, a checkpoint
+writer), which multiprocessing forbids daemonic processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Collection, Iterator
+from datetime import timedelta
+from typing import Any
+
+_HOST = "127.0.0.1"
+_OWN_PACKAGES = ("muon", "models", "recipes")
+
+
+class WorldError(RuntimeError):
+    """A rank of a spawned world raised, died or did not finish in time.
+
+    `rank`, `exitcode`, `detail`: the first failed rank (the lowest of several that died), its
+    exit status (1 for a rank that raised, -N for one killed by signal N) and its traceback or
+    what became of it; None, None, "" for a world that ran out of time."""
+
+    def __init__(
+        self, message: str, rank: int | None = None, exitcode: int | None = None, detail: str = ""
+    ) -> None:
+        super().__init__(message, rank, exitcode, detail)  # all in args: it pickles
+        self.rank, self.exitcode, self.detail = rank, exitcode, detail
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class WorldStopped(WorldError):
+    """The calling process got one of `stop_signals`: the ranks were asked to stop (SIGTERM);
+    `killed` lists those that had not exited after the grace period."""
+
+    def __init__(self, message: str, signum: int, killed: list[int]) -> None:
+        RuntimeError.__init__(self, message, signum, killed)
+        self.rank, self.exitcode, self.detail = None, None, ""
+        self.signum, self.killed = signum, killed
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the one that started it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def _worker(rank: int, world_size: int, port: int, spec: dict, fn: Callable, args: tuple, results):
+    _die_with_parent(spec["parent"])
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=_HOST,
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # torch checks == "True": the store exists, join it
+    )
+    if spec["threads"] is not None:
+        torch.set_num_threads(spec["threads"])
+    try:
+        if spec["pythonpath"]:
+            sys.path.insert(0, spec["pythonpath"])
+            for name in [m for m in sys.modules if m.split(".")[0] in _OWN_PACKAGES]:
+                del sys.modules[name]  # later imports find the other checkout's packages
+        if spec["backend"] is not None:
+            store = dist.TCPStore(
+                _HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=60)
+            )
+            kwargs = {}
+            if spec["backend"] == "nccl":
+                kwargs["device_id"] = torch.device("cuda", rank)
+                torch.cuda.set_device(rank)
+            if spec["collective_timeout_s"] is not None:
+                kwargs["timeout"] = timedelta(seconds=spec["collective_timeout_s"])
+            dist.init_process_group(
+                spec["backend"], store=store, rank=rank, world_size=world_size, **kwargs
+            )
+        out = fn(*args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - forwarded to the caller, whatever it is
+        results.put((rank, "error", traceback.format_exc()))
+        failed = True
+    else:
+        failed = False
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if failed:
+        sys.exit(1)  # the status a rank that raised has under any launcher
+
+
+def run_world(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str | None = "gloo",
+    timeout_s: float | None = 300.0,
+    threads: int | None = 1,
+    pythonpath: str | None = None,
+    daemon: bool = True,
+    stop_signals: Collection[int] = (),
+    grace_s: float = 0.0,
+) -> list[Any]:
+    """Run module-level `fn(*args)` on `world_size` spawned ranks; their results by rank.
+
+    Raises WorldError when a rank raises, dies or the world outlives `timeout_s` (None: no
+    deadline), WorldStopped when one of `stop_signals` stopped it (see the module's doc)."""
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 or None (no deadline), got {timeout_s!r}")
+    if not grace_s >= 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s!r}")
+    if stop_signals and threading.current_thread() is not threading.main_thread():
+        raise ValueError("stop_signals: signal handlers can only be set in the main thread")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    # The calling process hosts the store; the ranks count towards world_size + 1 clients.
+    store = dist.TCPStore(
+        _HOST,
+        0,
+        world_size + 1,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
+    spec = dict(
+        backend=backend,
+        threads=threads,
+        pythonpath=pythonpath,
+        # No deadline: torch's default collective timeout, as under any launcher.
+        collective_timeout_s=None if timeout_s is None else max(timeout_s, 60.0),
+        parent=os.getpid(),
+    )
+    received: list[int] = []  # the stop signals caught, first one first
+    with _catching(stop_signals, received):
+        procs = _start(ctx, world_size, threads, daemon, (store.port, spec, fn, args, results))
+        try:
+            outputs = _collect(fn, procs, results, timeout_s, received)
+        finally:
+            killed = _stop(procs, results, grace_s)
+            results.close()
+    if outputs is None:
+        name = signal.Signals(received[0]).name
+        after = f"; rank(s) {killed} killed after {grace_s:.0f} s" if killed else ""
+        raise WorldStopped(f"{fn.__name__}: stopped by {name}{after}", received[0], killed)
+    return [outputs[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _catching(signals: Collection[int], received: list[int]) -> Iterator[None]:
+    """While the world runs, each of `signals` is recorded in `received` (the loop acts on it),
+    then the previous handlers come back."""
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in signals
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _start(ctx, world_size: int, threads: int | None, daemon: bool, worker_args: tuple) -> list:
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {k: os.environ.get(k) for k in names}
+    if threads is not None:
+        os.environ.update({k: str(threads) for k in names})
+    procs = []
+    try:
+        for r in range(world_size):
+            procs.append(
+                ctx.Process(target=_worker, args=(r, world_size, *worker_args), daemon=daemon)
+            )
+            procs[-1].start()
+    except BaseException:
+        _stop(procs, None, 0.0)
+        raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return procs
+
+
+def _stop(procs: list, results, grace_s: float) -> list[int]:
+    """End every rank still running: SIGTERM and up to `grace_s` to exit (the results queue
+    drained meanwhile, so no rank blocks flushing it), then SIGKILL. The ranks killed."""
+    try:
+        if grace_s > 0 and any(p.is_alive() for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            end = time.monotonic() + grace_s
+            while time.monotonic() < end and any(p.is_alive() for p in procs):
+                with contextlib.suppress(queue.Empty, OSError, ValueError):
+                    results.get(timeout=0.2)
+    finally:  # even when a signal handler raised during the grace period
+        killed = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+    return killed
+
+
+def _collect(
+    fn: Callable, procs: list, results, timeout_s: float | None, received: list[int]
+) -> dict[int, Any] | None:
+    """The ranks' results as they arrive; the first failure, death or the timeout raises.
+    None as soon as a stop signal has been received."""
+    world_size = len(procs)
+    outputs: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(outputs) < world_size:
+        if received:
+            return None
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                pending = sorted(set(range(world_size)) - set(outputs))
+                raise WorldError(
+                    f"{fn.__name__}: rank(s) {pending} did not finish within {timeout_s:.0f} s "
+                    "(deadlocked collective?)"
+                ) from None
+            # A rank that exited without a result (exit status 0 included: os._exit, say).
+            dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode is not None]
+            if dead and results.empty():
+                time.sleep(0.5)  # the queue feeder may still be flushing the error
+                if results.empty():
+                    codes = {r: procs[r].exitcode for r in dead}
+                    first = dead[0]
+                    raise WorldError(
+                        f"{fn.__name__}: rank(s) died with exit codes {codes}",
+                        first,
+                        codes[first],
+                        f"rank {first} exited without a result ({_describe(codes[first])})",
+                    ) from None
+            continue
+        if status == "error":
+            raise WorldError(f"{fn.__name__}: rank {rank} raised:\n{payload}", rank, 1, payload)
+        outputs[rank] = payload
+    return outputs
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
