@@ -42,7 +42,6 @@ def _sites(region: dict, under: str) -> int:
     return sum(s["count"] for s in region["syncs_by_site"] if s["site"].startswith(under))
 
 
-@pytest.mark.slow
 def test_the_trainer_reads_the_device_once_per_logged_step(counts):
     """The trainer's own syncs: one stacked read of the step's figures and one copy of the
     batch per micro-step; none in its optimizer part besides the optimizer's own."""
@@ -52,7 +51,6 @@ def test_the_trainer_reads_the_device_once_per_logged_step(counts):
         assert c[PART]["syncs"] == c[OPT]["syncs"], name
 
 
-@pytest.mark.slow
 def test_muon_step_syncs_at_most_once(counts):
     """The gradient census is Muon.step's one device-to-host read."""
     for name in ("small", "small_normuon", "mla_tiny"):
@@ -60,14 +58,12 @@ def test_muon_step_syncs_at_most_once(counts):
         assert counts[name][OPT]["syncs"] <= 1, (name, counts[name][OPT]["syncs_by_site"])
 
 
-@pytest.mark.slow
 def test_muon_step_syncs_do_not_grow_with_layers(counts):
     three, six = counts["small_3_layers"], counts["small"]
     assert (three["layers"]["layers"], six["layers"]["layers"]) == (3, 6)
     assert three[OPT]["syncs"] == six[OPT]["syncs"]
 
 
-@pytest.mark.slow
 def test_train_step_syncs_at_most_one_per_moe_layer_and_two(counts):
     """At most one read per MoE layer (the all-to-all split sizes), the census, the logged
     figures, and the batch's copy."""
