@@ -46,4 +46,8 @@ def _drop_empty_run_dir() -> None:
 
 
 if __name__ == "__main__":
+    try:  # Hydra's own error for an unknown key would suggest `+key=...`, which trains nowhere
+        _config.check_command_line(sys.argv[1:])
+    except _config.ConfigError as err:
+        sys.exit(f"train.py: config error: {err}")
     main()

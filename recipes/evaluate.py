@@ -11,12 +11,15 @@ Evaluation leaves training alone: no gradients, no random numbers drawn, and the
 expert-load counts (which the router-bias update consumes) are restored afterwards.
 """
 
+import logging
 import math
 
 import torch
 import torch.distributed as dist
 
 from recipes.data import TokenStream
+
+log = logging.getLogger("recipes")
 
 
 class Evaluator:
@@ -31,9 +34,31 @@ class Evaluator:
     ) -> None:
         self.stream, self.batches, self.batch_size = stream, batches, batch_size
         self.bytes_per_token = bytes_per_token
+        self._warned = False
+
+    def repeated(self, world_size: int) -> str | None:
+        """Why some validation sequences count more than once (the set asks for more than the
+        split holds: it wraps around), or None."""
+        wanted = self.batches * world_size * self.batch_size
+        held = self.stream.n_chunks
+        if wanted <= held:
+            return None
+        return (
+            f"held-out evaluation reads eval.batches={self.batches} x {world_size} ranks x "
+            f"data.batch_size={self.batch_size} = {wanted} sequences of "
+            f"{self.stream.seq_len} tokens, but the validation split holds {held}: "
+            f"{wanted - held} of them repeat ones already read, which val/loss then counts "
+            "more than once; lower "
+            "eval.batches or hold out more text (data.val_fraction)"
+        )
 
     def samples(self, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's validation batches, (input_ids, labels) each."""
+        """This rank's validation batches, (input_ids, labels) each; rank 0 warns once when
+        the set wraps around the split (`repeated`)."""
+        if rank == 0 and not self._warned:
+            self._warned = True
+            if (why := self.repeated(world_size)) is not None:
+                log.warning(why)
         return [
             self.stream.micro_batch(0, b, rank, world_size, self.batch_size)
             for b in range(self.batches)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.config import from_yaml, validate
+from recipes.config import from_yaml, reuse_export_command, validate
 from recipes.world import WorldError, WorldStopped, run_world
 
 log = logging.getLogger("recipes")
@@ -102,6 +102,9 @@ def run(cfg: DictConfig) -> float | None:
     if result is None:
         return None
     print(f"[summary] {payload['run_dir']}: {result['text']}", flush=True)
+    export = Path(payload["run_dir"]) / "hf"
+    if (export / "config.json").is_file():
+        print(f"[summary] start a run from this export: {reuse_export_command(export)}", flush=True)
     return result.get("loss_last")
 
 

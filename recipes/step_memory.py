@@ -20,10 +20,9 @@ The step peak is resident + the larger of the two peaks.
 
 Activation bytes per token are counted op by op from the model code (what autograd saves:
 `tests/unit/test_step_memory.py` checks them against `saved_tensors_hooks` on real layers,
-GQA and MLA + DSA, frozen and KL-trained indexer, MTP). Under DSA they grow with the sequence:
-SDPA keeps the sparse mask ([T, S] per sequence), a KL-trained indexer its [M, S] ReLU
-scores per token (float32: at GLM-5's 32 indexer heads and 4096 tokens, 512 KiB per token and
-layer, the largest activation of the model; a frozen indexer keeps none).
+GQA and MLA + DSA under every `dsa_impl`, frozen and KL-trained indexer, MTP). DSA's sparse
+paths keep O(index_topk) bytes per token (the kept keys' positions, the KL's kept-key terms);
+only the masked reference grows with the sequence (SDPA keeps the [T, S] mask).
 Tokens are assumed evenly routed (each rank's experts receive N*K rows on average).
 """
 
@@ -57,11 +56,18 @@ def attention_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
 
 def mla_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
     """Multi-head latent attention (models/glm/mla.py), per token: the input norm and its
-    output, the query and key/value latents with their norms, SDPA's q, k (the concatenated
-    nope + rope heads), the kv_b output v is a view of, its output and log-sum-exp, and under
-    DSA with seq_len > index_topk the sparse mask SDPA keeps in the compute dtype ([T, S]: S
-    per token). Counts the fused kernels (the GLM-5 shapes have equal q/k and v widths; CPU
-    runs with unequal widths fall back to the math kernel, which keeps [T, S] scores)."""
+    output, the query and key/value latents with their norms, then by `dsa_impl`:
+    - dense MLA and "masked": kv_b_proj's input, SDPA's q, k (the concatenated nope + rope
+      heads), the kv_b output v is a view of, its output and log-sum-exp, and under DSA with
+      seq_len > index_topk the sparse mask SDPA keeps in the compute dtype ([T, S]: S per
+      token). Counts the fused kernels (the GLM-5 shapes have equal q/k and v widths; CPU
+      runs with unequal widths fall back to the math kernel, which keeps [T, S] scores);
+    - "per_head": the same without the mask, plus the kept keys' int64 positions (K);
+    - "latent": the q_b output q_nope is a view of (read by kv_b_proj's key rows), the latent
+      query [N, L + R] and key [L + R], the kept keys' positions, the latent output [N, L]
+      and log-sum-exp, and o_proj's input (nothing of size S: the gathered keys are
+      recomputed in backward). A "shared" layer counts its kept keys too (a per-layer view
+      of one [B, T, K] tensor: an overestimate of K * 8 bytes per token and shared layer)."""
     D, N = config.hidden_size, config.num_attention_heads
     P, R, V, L = (
         config.qk_nope_head_dim,
@@ -72,10 +78,18 @@ def mla_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
     total = norm_bytes_per_token(D, a) + D * a
     if config.q_lora_rank is not None:
         total += norm_bytes_per_token(config.q_lora_rank, a) + config.q_lora_rank * a
-    total += norm_bytes_per_token(L, a) + L * a
+    total += norm_bytes_per_token(L, a)
     if a == 4:  # the latent norm's float32 input is then a view of the whole kv_a output
         total += R * 4
-    total += 2 * N * (P + R) * a + N * (P + V) * a + N * V * a + N * 4
+    impl = config.dsa_impl if config.uses_dsa else "masked"
+    if impl == "latent":
+        kept = min(config.index_topk, seq_len) * 8
+        return (
+            total + N * (P + R) * a + (N + 1) * (L + R) * a + kept + N * L * a + N * 4 + N * V * a
+        )
+    total += L * a + 2 * N * (P + R) * a + N * (P + V) * a + N * V * a + N * 4
+    if impl == "per_head":
+        return total + min(config.index_topk, seq_len) * 8
     if config.uses_dsa and seq_len > config.index_topk:
         total += seq_len * a
     return total
@@ -83,12 +97,14 @@ def mla_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
 
 def indexer_kl_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
     """What a trained ("kl") indexer of a "full" layer adds, per token: its key norm (input,
-    mean, rstd), the float32 query and key of its score product, the [M, S] float32 ReLU
-    scores, the head weights, and the KL's log-softmax, target and two [S] masks. A frozen
-    indexer runs under no_grad and saves nothing. (Plus one [T, S] causal mask per layer:
-    `indexer_kl_bytes_per_batch`.)"""
-    C, M, S = config.index_head_dim, config.index_n_heads, seq_len
-    return C * a + 2 * a + C * 4 + M * C * 4 + M * S * 4 + M * 4 + 2 * S + 2 * S * 4
+    mean, rstd), the float32 scaled query, key and head weights the kept keys' scores are
+    recomputed from, and the KL's log-softmax, target and two masks over the K kept keys
+    (plus their int64 positions under "masked", whose attention keeps a mask instead). A
+    frozen indexer runs under no_grad and saves nothing. Nothing of size S: the all-pairs
+    scores are reduced to the top-k chunk by chunk under no_grad."""
+    C, M, K = config.index_head_dim, config.index_n_heads, min(config.index_topk, seq_len)
+    total = C * a + 2 * a + C * 4 + M * C * 4 + M * 4 + 2 * K + 2 * K * 4
+    return total + (K * 8 if config.dsa_impl == "masked" else 0)
 
 
 def _kl_layer(config: GLMConfig, layer: int) -> bool:
@@ -148,8 +164,6 @@ def layer_activation_bytes(
     a micro-batch of `batch` sequences of `seq_len` tokens."""
     tokens = batch * seq_len
     total = tokens * layer_bytes_per_token(config, is_moe, a, ep, seq_len=seq_len, layer=layer)
-    if _kl_layer(config, layer):
-        total += seq_len * seq_len  # the indexer's causal mask, shared by the batch
     if layer >= config.num_hidden_layers:
         total += tokens * mtp_input_bytes_per_token(config, a)
     if is_moe:  # the grouped expert GEMM's int32 offsets, one per local expert
@@ -202,6 +216,10 @@ class StepMemory:
             self.peak(self.forward_backward), self.peak(self.optimizer)
         )
 
+    def fits(self, budget_gib: float) -> bool:
+        """Whether the step peak as `format` prints it (GiB, 3 decimals) is within the budget."""
+        return round(self.total / GiB, 3) <= budget_gib
+
     def format(self, budget_gib: float | None = None) -> str:
         """A table: one line per part, the phase peaks, the step peak (and the budget)."""
         lines = []
@@ -214,7 +232,7 @@ class StepMemory:
             lines += [f"    {n:<34} {self.parts[n] / GiB:10.3f} GiB" for n in names]
         verdict = ""
         if budget_gib is not None:
-            fits = self.total <= budget_gib * GiB
+            fits = self.fits(budget_gib)
             verdict = f"  {'fits' if fits else 'DOES NOT FIT'} in {budget_gib:g} GiB"
         lines.append(f"  step peak per rank: {self.total / GiB:.3f} GiB{verdict}")
         return "\n".join(lines)
@@ -414,7 +432,7 @@ def step_report(
         f"whole step per rank: {preset}, {world_size} ranks, ep {ep}, rank {rank}, "
         f"micro-batch {micro_batch} x {seq_len} tokens"
     ]
-    totals = []
+    estimates = []
     for mode in ("none", "full"):
         cfg = compose_train_config(
             [
@@ -430,7 +448,7 @@ def step_report(
             ]
         )
         est = estimate_for_config(cfg, world_size=world_size, rank=rank, device_type="cuda")
-        totals.append(est.total)
+        estimates.append(est)
         lines += [f" train.activation_checkpointing={mode}:", est.format(budget_gib)]
-    fits = budget_gib is None or min(totals) <= budget_gib * GiB
+    fits = budget_gib is None or any(est.fits(budget_gib) for est in estimates)
     return "\n".join(lines), fits

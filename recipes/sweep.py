@@ -73,7 +73,7 @@ def check_jobs(config: DictConfig) -> None:
             raise ConfigError(
                 f"sweep jobs [{' '.join(seen[path])}] and [{where}] would share the run directory "
                 f"{path}: sweep over values that differ (the directory name keeps "
-                "each swept key's value as written, '/' as '_')"
+                "each swept key's value, every character but letters, digits and ._+@%- as '_')"
             )
         seen[path] = overrides
 

@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remainders", default=None, help="R values, e.g. 1,2,7 (default 1..W-1)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per strategy and R")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     p.add_argument("--mem-steps", type=int, default=2, help="profiled steps for memory")
     p.add_argument(
         "--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl if W GPUs"
@@ -94,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.world_size = torch.cuda.device_count() if args.backend == "nccl" else 8
     if args.world_size < 2:
         raise SystemExit("--world-size must be >= 2 (a remainder needs R < W)")
+    if args.warmup < 1:
+        raise SystemExit(
+            f"--warmup {args.warmup}: must be >= 1 (the NS-only reference repeats the matrices "
+            "a warm-up step orthogonalized)"
+        )
     rows, _, cols = args.shape.lower().partition("x")
     args.rows, args.cols = int(rows), int(cols)
     W = args.world_size

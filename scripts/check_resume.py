@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from recipes.bench.report import as_shown
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -73,12 +75,12 @@ def check(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     return out + [
         (
             f"step {first} loss",
-            rel[first] <= args.first_rtol,
+            as_shown(rel[first], ".2e") <= args.first_rtol,  # judged as printed
             f"{res[first]:.6f} vs {ref[first]:.6f}: rel {rel[first]:.2e} (<= {args.first_rtol:g})",
         ),
         (
             f"steps {first + 1}-{after[-1]} loss",
-            mean <= args.rtol,
+            as_shown(mean, ".2e") <= args.rtol,
             f"mean rel {mean:.2e} (<= {args.rtol:g}), max {max(rel.values()):.2e}",
         ),
     ]

@@ -104,12 +104,18 @@ def per_rank_peaks(history: list[dict], key: str) -> dict[int, float]:
     return peaks
 
 
+def group_column(key: str) -> str:
+    """The column that holds a run's group: `strategy` for the remainder strategy (the
+    default), else the key itself (`--by optim.name`: an `optim.name` column)."""
+    return "strategy" if key == DEFAULT_KEY else key
+
+
 def summarize_run(run: Run, key: str = DEFAULT_KEY) -> dict[str, Any]:
     """One row of figures for a run (see the module docstring)."""
     timing = _timing_rows(run.history)
     out: dict[str, Any] = {
         "run": run.name,
-        "strategy": run.config_value(key),
+        group_column(key): run.config_value(key),
         "source": run.source,
         "steps_logged": len(run.history),
         "step_s": _median([_get(r, "step_s") for r in timing]),
@@ -139,11 +145,13 @@ def summarize_run(run: Run, key: str = DEFAULT_KEY) -> dict[str, Any]:
     return out
 
 
-def by_strategy(rows: list[dict]) -> list[dict]:
-    """Rows averaged per strategy, in the order agrs, pad_all2all, ragged_all_to_all, others."""
+def by_strategy(rows: list[dict], key: str = DEFAULT_KEY) -> list[dict]:
+    """Rows averaged per group (strategy), in the order agrs, pad_all2all, ragged_all_to_all,
+    others."""
+    column = group_column(key)
     groups: dict[Any, list[dict]] = {}
     for row in rows:
-        groups.setdefault(row["strategy"], []).append(row)
+        groups.setdefault(row[column], []).append(row)
 
     def order(s):
         return (STRATEGY_ORDER.index(s) if s in STRATEGY_ORDER else len(STRATEGY_ORDER), str(s))
@@ -151,7 +159,7 @@ def by_strategy(rows: list[dict]) -> list[dict]:
     out = []
     for strategy in sorted(groups, key=order):
         members = groups[strategy]
-        agg: dict[str, Any] = {"strategy": strategy, "runs": len(members)}
+        agg: dict[str, Any] = {column: strategy, "runs": len(members)}
         for col, _ in COLUMNS:
             values = [m[col] for m in members if m.get(col) is not None]
             agg[col] = statistics.fmean(values) if values else None
@@ -169,16 +177,18 @@ def by_strategy(rows: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------ writing
 def markdown(table: list[dict], rows: list[dict], key: str) -> str:
-    cols = ["strategy", "runs", *(c for c, _ in COLUMNS)]
+    column = group_column(key)
+    cols = [column, "runs", *(c for c, _ in COLUMNS)]
+    title = "Muon remainder strategies" if key == DEFAULT_KEY else "Training runs"
     lines = [
-        f"# Muon remainder strategies, grouped by `{key}`",
+        f"# {title}, grouped by `{key}`",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "|".join("---" for _ in cols) + "|",
     ]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in table]
     lines += ["", *(f"- `{c}`: {h}" for c, h in COLUMNS), "", "## Runs", ""]
-    run_cols = ["strategy", "run", "source", "steps_logged", "step_s", "optim_s"]
+    run_cols = [column, "run", "source", "steps_logged", "step_s", "optim_s"]
     run_cols += ["optim_peak_delta_mib_max", "optim_peak_delta_mib_min", "bytes_sent_mib_max"]
     lines += ["| " + " | ".join(run_cols) + " |", "|" + "|".join("---" for _ in run_cols) + "|"]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in run_cols) + " |" for r in rows]
@@ -193,7 +203,8 @@ def plot(runs: list[Run], rows: list[dict], table: list[dict], out: Path, key: s
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    strategies = [t["strategy"] for t in table]
+    column = group_column(key)
+    strategies = [t[column] for t in table]
     colors = {s: f"C{i}" for i, s in enumerate(strategies)}
     written = []
 
@@ -214,7 +225,7 @@ def plot(runs: list[Run], rows: list[dict], table: list[dict], out: Path, key: s
             pts = [(r["step"], _get(r, metric)) for r in rows_ if _get(r, metric) is not None]
             if not pts:
                 continue
-            s = row["strategy"]
+            s = row[column]
             ax.plot(*zip(*pts, strict=True), marker=".", color=colors[s],
                     label=None if s in seen else str(s))  # fmt: skip
             seen.add(s)
@@ -228,7 +239,7 @@ def plot(runs: list[Run], rows: list[dict], table: list[dict], out: Path, key: s
     for i, t in enumerate(table):
         per_rank = t["optim_peak_delta_mib_per_rank"]
         xs = [r + i * width for r in range(len(per_rank))]
-        ax.bar(xs, per_rank, width, color=colors[t["strategy"]], label=str(t["strategy"]))
+        ax.bar(xs, per_rank, width, color=colors[t[column]], label=str(t[column]))
     ranks = max((len(t["optim_peak_delta_mib_per_rank"]) for t in table), default=0)
     ax.set_xticks([r + 0.4 - width / 2 for r in range(ranks)], [str(r) for r in range(ranks)])
     ax.set(xlabel="rank", ylabel="optimizer-step peak delta (MiB)", title="per-rank memory")
@@ -257,11 +268,12 @@ def compare(runs: list[Run], out: Path, key: str = DEFAULT_KEY) -> dict[str, Any
         raise ValueError(f"runs without {key} in their config: {missing}")
     out.mkdir(parents=True, exist_ok=True)
     rows = [summarize_run(r, key) for r in runs]
-    rows_sorted = sorted(rows, key=lambda r: (str(r["strategy"]), r["run"]))
-    table = by_strategy(rows)
+    column = group_column(key)
+    rows_sorted = sorted(rows, key=lambda r: (str(r[column]), r["run"]))
+    table = by_strategy(rows, key)
     (out / "comparison.md").write_text(markdown(table, rows_sorted, key))
-    write_csv(table, out / "comparison.csv", ["strategy", "runs", *(c for c, _ in COLUMNS)])
-    run_cols = ["strategy", "run", "source", "steps_logged", *(c for c, _ in COLUMNS), "path"]
+    write_csv(table, out / "comparison.csv", [column, "runs", *(c for c, _ in COLUMNS)])
+    run_cols = [column, "run", "source", "steps_logged", *(c for c, _ in COLUMNS), "path"]
     write_csv(rows_sorted, out / "runs.csv", run_cols)
     pngs = plot(runs, rows, table, out, key)
     return {"table": table, "runs": rows_sorted, "files": [str(p) for p in pngs]}

@@ -366,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     except PrepareError as err:
         sys.exit(f"prepare_data.py: {err}")
     s = meta["splits"]
+    if args.train_tokenizer is not None and meta["vocab_size"] < args.train_tokenizer:
+        print(
+            f"prepare_data.py: warning: --train-tokenizer {args.train_tokenizer}: this corpus "
+            f"gives a vocabulary of {meta['vocab_size']} (BPE stops merging when no pair of "
+            "tokens repeats); meta.json and the model take that size",
+            file=sys.stderr,
+        )
     print(
         f"{args.out}: vocab {meta['vocab_size']} ({meta['dtype']}); train {s['train']['tokens']} "
         f"tokens / {s['train']['documents']} documents, val {s['val']['tokens']} tokens / "

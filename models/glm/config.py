@@ -12,7 +12,10 @@ Two attention families share the type, chosen by `attention`:
   qk_rope_head_dim, v_head_dim); with `index_topk` set it adds DeepSeek Sparse Attention (DSA:
   index_n_heads, index_head_dim, index_topk, indexer_types) and `indexer_training` picks how the
   indexer learns ("kl": DeepSeek-V3.2's KL objective, for pretraining; "frozen": no gradient and
-  no optimizer state, for fine-tuning a released checkpoint).
+  no optimizer state, for fine-tuning a released checkpoint); `dsa_impl` picks how the sparse
+  attention runs (models/glm/mla.py: "latent", the absorbed sparse MLA over gathered keys, by
+  default; "per_head"; "masked", dense SDPA under the kept-key mask, the reference) and
+  `dsa_chunk_mib` bounds one query chunk's temporaries there and in the indexer.
 `rope_scaling` (yarn) applies to both: {"rope_type": "yarn", "factor", "original_max_position_
 embeddings", optional "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
 "truncate"}, transformers' `rope_parameters` without `rope_theta`.
@@ -39,6 +42,7 @@ from typing import Any
 ATTENTION_CHOICES = ("gqa", "mla")
 INDEXER_TYPES = ("full", "shared")
 INDEXER_TRAINING_CHOICES = ("kl", "frozen")
+DSA_IMPLS = ("latent", "per_head", "masked")
 _MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _DSA_FIELDS = ("index_n_heads", "index_head_dim")
 _YARN_KEYS = (
@@ -94,6 +98,8 @@ class GLMConfig:
     index_topk: int | None = None  # dsa: keys kept per query (None: dense MLA, no indexer)
     indexer_types: list[str] | None = None  # dsa: "full"/"shared" per layer; None: all "full"
     indexer_training: str = "kl"  # dsa: "kl" (pretraining) or "frozen" (fine-tuning)
+    dsa_impl: str = "latent"  # dsa: latent (sparse MLA, absorbed), per_head (sparse), masked (ref.)
+    dsa_chunk_mib: int = 64  # dsa: MiB bound of one query chunk's temporaries (attention, indexer)
     rope_scaling: dict[str, Any] | None = None  # yarn RoPE scaling (see module doc); None: none
     mtp_depths: int | None = None  # MTP prediction depths; None: one per MTP layer (see above)
     loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk (the [chunk, V] logits)
@@ -224,6 +230,11 @@ class GLMConfig:
                 f"GLMConfig.indexer_training must be one of {INDEXER_TRAINING_CHOICES}, "
                 f"got {self.indexer_training!r}"
             )
+        if self.dsa_impl not in DSA_IMPLS:
+            raise ValueError(
+                f"GLMConfig.dsa_impl must be one of {DSA_IMPLS}, got {self.dsa_impl!r}"
+            )
+        _check_positive("dsa_chunk_mib", self.dsa_chunk_mib, "it bounds a query chunk's memory")
         mla_only = ("q_lora_rank", *_MLA_FIELDS, *_DSA_FIELDS, "index_topk", "indexer_types")
         if self.attention == "gqa":
             for name in mla_only:

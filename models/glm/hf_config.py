@@ -23,7 +23,7 @@ import torch
 from models.glm.config import GLMConfig, index_share_types
 from models.glm.hf_fp8 import parse_quantization
 
-TRAINING_ONLY = ("indexer_training", "mtp_depths", "loss_chunk_tokens")
+TRAINING_ONLY = ("indexer_training", "mtp_depths", "loss_chunk_tokens", "dsa_impl", "dsa_chunk_mib")
 
 # Keys that do not change what the model computes: transformers' bookkeeping, inference and
 # parallelism hints, values transformers derives itself (head_dim, qk_head_dim under MLA), and

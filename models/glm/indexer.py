@@ -6,6 +6,12 @@ with its own projections (`wq_b` reads the attention's low-rank query, `wk` the 
 key head normalized by a LayerNorm with bias) and interleaved RoPE on the first qk_rope_head_dim
 channels; the attention then keeps the top min(index_topk, T) keys per query.
 
+Bounded memory: the scores of all pairs are computed in chunks of queries under no_grad, each
+chunk reading the keys up to its last query, and reduced to the chunk's top-k at once (peak
+O(chunk x M x S), never [B, T, M, S]); a chunk's size follows from `GLMConfig.dsa_chunk_mib`.
+The differentiable scores the KL needs are those of the kept keys only ([B, T, K]), computed
+by `_KeptScores`, which gathers the kept keys per chunk in forward and again in backward.
+
 Training (`GLMConfig.indexer_training`):
 - "frozen": the indexer runs under no_grad and its parameters have requires_grad False, so they
   get no gradient and no optimizer state (as when fine-tuning a released GLM-5 checkpoint).
@@ -15,21 +21,22 @@ Training (`GLMConfig.indexer_training`):
   only and the main model's gradients are the same as in frozen mode.
 
 Shape legend: B batch, T sequence (queries) and S keys, D hidden, Q low-rank query width,
-M indexer heads, C indexer head width, K kept keys.
+M indexer heads, C indexer head width, K kept keys, J a chunk of queries.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
 from models.glm.layers import apply_interleaved_rope
+from models.glm.sparse_attention import gather_rows, query_chunk
 
 # The indexer key norm's eps is fixed in GLM-5 (transformers hard-codes it too), independent of
 # rms_norm_eps.
 INDEXER_NORM_EPS = 1e-6
+MiB = 1 << 20
 
 
 class Indexer(nn.Module):
@@ -46,6 +53,7 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEXER_NORM_EPS)
         self.weights_proj = nn.Linear(D, self.n_heads, bias=False)
         self.trained = config.indexer_training == "kl"
+        self.chunk_bytes = config.dsa_chunk_mib * MiB
         if not self.trained:
             self.requires_grad_(False)
 
@@ -54,38 +62,114 @@ class Indexer(nn.Module):
         rot_BTNR = apply_interleaved_rope(x_BTNC[..., :R], cos_TR, sin_TR)
         return torch.cat([rot_BTNR, x_BTNC[..., R:]], -1)
 
+    def project(self, x_BTD, q_BTQ, cos_TR, sin_TR):
+        """float32 (queries [B, T, M, C] scaled by C^-0.5, keys [B, T, C], head weights
+        [B, T, M]) of the detached layer input and low-rank query; differentiable in "kl"."""
+        B, T, _ = x_BTD.shape
+        q_BTMC = self.wq_b(q_BTQ).view(B, T, self.n_heads, self.head_dim)
+        k_BT1C = self.k_norm(self.wk(x_BTD)).unsqueeze(2)
+        q_BTMC = self._rope_first(q_BTMC, cos_TR, sin_TR).float() * self.head_dim**-0.5
+        k_BTC = self._rope_first(k_BT1C, cos_TR, sin_TR).squeeze(2).float()
+        # weights_proj computes in float32 (GLM-5 keeps it float32 in bf16 checkpoints).
+        # Through __call__: under FSDP2 mixed precision weights_proj is its own float32 unit.
+        x_in = x_BTD.to(self.weights_proj.weight.dtype)
+        w_BTM = self.weights_proj(x_in).float() * self.n_heads**-0.5
+        return q_BTMC, k_BTC, w_BTM
+
     def forward(
         self, x_BTD: torch.Tensor, q_BTQ: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
-    ) -> torch.Tensor:
-        """float32 index scores [B, T, S=T] of the (detached) layer input and low-rank query,
-        -inf above the diagonal; differentiable only in "kl" mode."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the kept keys [B, T, K], K = min(index_topk, T), and, in "kl" mode, their float32
+        index scores [B, T, K], differentiable in the indexer's parameters)."""
         x_BTD, q_BTQ = x_BTD.detach(), q_BTQ.detach()
         with torch.set_grad_enabled(self.trained and torch.is_grad_enabled()):
-            B, T, _ = x_BTD.shape
-            q_BTMC = self.wq_b(q_BTQ).view(B, T, self.n_heads, self.head_dim)
-            k_BT1C = self.k_norm(self.wk(x_BTD)).unsqueeze(2)
-            q_BTMC = self._rope_first(q_BTMC, cos_TR, sin_TR)
-            k_BTC = self._rope_first(k_BT1C, cos_TR, sin_TR).squeeze(2)
-            logits_BTMS = torch.einsum("btmc,bsc->btms", q_BTMC.float(), k_BTC.float())
-            relu_BTMS = F.relu(logits_BTMS * self.head_dim**-0.5)
-            # weights_proj computes in float32 (GLM-5 keeps it float32 in bf16 checkpoints).
-            # Through __call__: under FSDP2 mixed precision weights_proj is its own float32 unit.
-            x_in = x_BTD.to(self.weights_proj.weight.dtype)
-            w_BTM = self.weights_proj(x_in).float() * self.n_heads**-0.5
-            scores_BTS = torch.einsum("btm,btms->bts", w_BTM, relu_BTMS)
-            causal_TS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
-            return scores_BTS.masked_fill(~causal_TS, float("-inf"))
+            q_BTMC, k_BTC, w_BTM = self.project(x_BTD, q_BTQ, cos_TR, sin_TR)
+        B, T, M, C = q_BTMC.shape
+        topk_BTK = select_topk(q_BTMC, k_BTC, w_BTM, self.topk, self._chunk(B * M * T * 4 * 2))
+        if not self.trained:
+            return topk_BTK, None
+        K = topk_BTK.shape[-1]
+        chunk = self._chunk(B * K * 4 * (C + 3 * M))
+        return topk_BTK, _KeptScores.apply(q_BTMC, k_BTC, w_BTM, topk_BTK, chunk)
+
+    def _chunk(self, row_bytes: int) -> int:
+        return query_chunk(self.chunk_bytes, row_bytes)
 
 
-def select_topk(scores_BTS: torch.Tensor, topk: int) -> torch.Tensor:
-    """The kept key positions [B, T, K] (K = min(topk, S)) of each query: the top index scores.
-    A query s < K keeps all its s + 1 causal keys plus masked ones, which the causal mask drops."""
-    k = min(topk, scores_BTS.shape[-1])
-    return scores_BTS.detach().topk(k, dim=-1).indices
+def _chunk_scores(q_BJMC, k_BSC, w_BJM) -> torch.Tensor:
+    """Index scores [B, J, S] of a chunk of queries over keys k (no causal mask)."""
+    relu_BJMS = torch.matmul(q_BJMC, k_BSC[:, None].transpose(-1, -2)).relu_()
+    return torch.matmul(w_BJM[:, :, None], relu_BJMS).squeeze(2)
+
+
+@torch.no_grad()
+def select_topk(q_BTMC, k_BTC, w_BTM, topk: int, chunk: int) -> torch.Tensor:
+    """The kept key positions [B, T, K] (K = min(topk, T)) of each query: the top index scores
+    among its causal keys, chunk queries at a time, each chunk scoring only the keys up to its
+    last query. A query s < K keeps all its s + 1 causal keys plus later ones, which the
+    attention masks."""
+    B, T = k_BTC.shape[:2]
+    K = min(topk, T)
+    out_BTK = torch.empty(B, T, K, dtype=torch.long, device=k_BTC.device)
+    keys_S = torch.arange(T, device=k_BTC.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        end = max(t1, K)  # at least K candidates per row
+        s_BJS = _chunk_scores(q_BTMC[:, t0:t1].detach(), k_BTC[:, :end].detach(), w_BTM[:, t0:t1])
+        future_JS = keys_S[None, :end] > keys_S[t0:t1, None]
+        out_BTK[:, t0:t1] = s_BJS.masked_fill_(future_JS, -torch.inf).topk(K, dim=-1).indices
+    return out_BTK
+
+
+class _KeptScores(torch.autograd.Function):
+    """Index scores of the kept keys, [B, T, K] float32, gathered and recomputed per chunk."""
+
+    @staticmethod
+    def forward(ctx, q_BTMC, k_BTC, w_BTM, idx_BTK, chunk):
+        B, T, M, C = q_BTMC.shape
+        base_B11 = (torch.arange(B, device=idx_BTK.device) * T)[:, None, None]
+        out_BTK = torch.empty(idx_BTK.shape, dtype=torch.float32, device=q_BTMC.device)
+        k_F = k_BTC.reshape(B * T, C)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            kg_BJKC = gather_rows(k_F, idx_BTK[:, t0:t1] + base_B11)
+            relu_BJMK = torch.einsum("bjmc,bjkc->bjmk", q_BTMC[:, t0:t1], kg_BJKC).relu_()
+            out_BTK[:, t0:t1] = torch.einsum("bjm,bjmk->bjk", w_BTM[:, t0:t1], relu_BJMK)
+        ctx.save_for_backward(q_BTMC, k_BTC, w_BTM, idx_BTK)
+        ctx.chunk = chunk
+        return out_BTK
+
+    @staticmethod
+    def backward(ctx, g_BTK):
+        q_BTMC, k_BTC, w_BTM, idx_BTK = ctx.saved_tensors
+        B, T, M, C = q_BTMC.shape
+        base_B11 = (torch.arange(B, device=idx_BTK.device) * T)[:, None, None]
+        k_F = k_BTC.reshape(B * T, C)
+        dq, dw = torch.empty_like(q_BTMC), torch.empty_like(w_BTM)
+        dk_F = torch.zeros_like(k_F)
+        for t0 in range(0, T, ctx.chunk):
+            t1 = min(T, t0 + ctx.chunk)
+            flat_BJK = idx_BTK[:, t0:t1] + base_B11
+            kg_BJKC = gather_rows(k_F, flat_BJK)
+            q, w, g = q_BTMC[:, t0:t1], w_BTM[:, t0:t1], g_BTK[:, t0:t1]
+            logit_BJMK = torch.einsum("bjmc,bjkc->bjmk", q, kg_BJKC)
+            dw[:, t0:t1] = torch.einsum("bjk,bjmk->bjm", g, logit_BJMK.relu())
+            dl_BJMK = (g[:, :, None] * w[..., None]).masked_fill_(logit_BJMK <= 0, 0.0)
+            dq[:, t0:t1] = torch.einsum("bjmk,bjkc->bjmc", dl_BJMK, kg_BJKC)
+            dkg = torch.einsum("bjmk,bjmc->bjkc", dl_BJMK, q)
+            dk_F.index_add_(0, flat_BJK.reshape(-1), dkg.reshape(-1, C))
+        return dq, dk_F.view_as(k_BTC), dw, None, None
+
+
+def kept_mask(topk_BTK: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, K]: which kept keys are causal (at or below their query)."""
+    rows_T1 = torch.arange(topk_BTK.shape[1], device=topk_BTK.device)[:, None]
+    return topk_BTK <= rows_T1
 
 
 def sparse_mask(topk_BTK: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """bool [B, 1, T, S]: True where a query attends (a kept key, at or below the diagonal)."""
+    """bool [B, 1, T, S]: True where a query attends (a kept key, at or below the diagonal).
+    The masked (reference) attention's mask: O(T x S)."""
     B, T, _ = topk_BTK.shape
     kept_BTS = torch.zeros(B, T, seq_len, dtype=torch.bool, device=topk_BTK.device)
     kept_BTS.scatter_(-1, topk_BTK, True)
@@ -94,13 +178,13 @@ def sparse_mask(topk_BTK: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def indexer_kl(
-    scores_BTS: torch.Tensor, attn_probs_BTS: torch.Tensor, mask_BTS: torch.Tensor
+    scores_BTK: torch.Tensor, attn_probs_BTK: torch.Tensor, mask_BTK: torch.Tensor
 ) -> torch.Tensor:
-    """Mean over queries of KL(p_attn || p_index) on the attended keys `mask_BTS`: `attn_probs`
-    is the (detached) head-summed, L1-normalized attention, p_index the softmax of the index
-    scores over the same keys."""
-    logq_BTS = torch.log_softmax(scores_BTS.masked_fill(~mask_BTS, float("-inf")), dim=-1)
-    p_BTS = attn_probs_BTS
-    terms = p_BTS * (torch.log(p_BTS.clamp_min(1e-30)) - logq_BTS)
+    """Mean over queries of KL(p_attn || p_index) on the attended keys `mask_BTK` (the kept
+    causal keys, [B, T, K]): `attn_probs` is the (detached) head-summed, L1-normalized
+    attention on them, p_index the softmax of the index scores over the same keys."""
+    logq_BTK = torch.log_softmax(scores_BTK.masked_fill(~mask_BTK, float("-inf")), dim=-1)
+    p_BTK = attn_probs_BTK
+    terms = p_BTK * (torch.log(p_BTK.clamp_min(1e-30)) - logq_BTK)
     # Keys outside the mask have p = 0 and log q = -inf: their term is 0, not 0 * inf.
-    return terms.masked_fill(~mask_BTS, 0.0).sum(-1).mean()
+    return terms.masked_fill(~mask_BTK, 0.0).sum(-1).mean()

@@ -8,8 +8,16 @@ Per layer, with x the normed layer input:
     softmax scale (P + R)^-0.5, times YaRN's mscale^2 when rope_scaling sets mscale_all_dim
 RoPE is interleaved on the R slice. With DSA (`index_topk`) each query attends only the keys its
 layer's indexer keeps (a "shared" layer reuses the previous layer's choice); when T <= index_topk
-every causal key is kept and the layer is plain causal MLA. Parameter names are those of the GLM-5
-checkpoints (transformers `GlmMoeDsaAttention`).
+every causal key is kept. `GLMConfig.dsa_impl` picks how:
+- "latent" (default): the absorbed form, as DeepSeek-V3.2's sparse MLA. Scores
+  q_nope . k_nope = (q_nope W_uk) . kv, so every head reads one key per position, the normed
+  kv latent [L] plus the rotary key [R]; the output is W_uv (sum_k p_k kv_k). One gather of
+  [T, K, L + R] serves all heads (`models.glm.sparse_attention`); kv_b_proj is never applied
+  to the keys.
+- "per_head": the kept keys and values gathered per head ([T, K, N, P + R] and [T, K, N, V]).
+- "masked": dense SDPA under the [T, S] kept-key mask: the reference, O(T^2) memory.
+Dense MLA (no index_topk) is causal SDPA. Parameter names are those of the GLM-5 checkpoints
+(transformers `GlmMoeDsaAttention`).
 
 Shape legend: B batch, T queries, S keys, D hidden, N heads, Q q_lora_rank, L kv_lora_rank,
 P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, K kept keys.
@@ -22,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
-from models.glm.indexer import Indexer, indexer_kl, select_topk, sparse_mask
+from models.glm.indexer import Indexer, MiB, indexer_kl, kept_mask, sparse_mask
 from models.glm.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
 from models.glm.qk_clip import MaxLogitRecorder
+from models.glm.sparse_attention import attention_row_bytes, query_chunk, sparse_attention
 
 # The latent norms' eps is fixed in GLM-5 (as in transformers), independent of rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -73,6 +82,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         self.scale = softmax_scale(config)
         self.sparse = config.uses_dsa
         self.topk = config.index_topk
+        self.impl, self.chunk_bytes = config.dsa_impl, config.dsa_chunk_mib * MiB
         full = self.sparse and config.layer_indexer_type(layer) == "full"
         self.indexer = Indexer(config) if full else None
 
@@ -95,20 +105,49 @@ class MLAttention(MaxLogitRecorder, nn.Module):
             q_BTNH = self.q_b_proj(q_lat_BTQ)
         q_BTNH = q_BTNH.view(B, T, N, P + R)
         kv_lat_BTL, k_rope_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_rank, R], -1)
-        kv_BTNW = self.kv_b_proj(self.kv_a_layernorm(kv_lat_BTL)).view(B, T, N, P + self.v_dim)
-        k_nope_BTNP, v_BTNV = kv_BTNW.split([P, self.v_dim], -1)
+        kv_BTL = self.kv_a_layernorm(kv_lat_BTL)
         q_rope_BTNR = apply_interleaved_rope(q_BTNH[..., P:], cos_TR, sin_TR)
         k_rope_BT1R = apply_interleaved_rope(k_rope_BTR.unsqueeze(2), cos_TR, sin_TR)
-        q_BNTH = torch.cat([q_BTNH[..., :P], q_rope_BTNR], -1).transpose(1, 2)
-        k_BNTH = torch.cat([k_nope_BTNP, k_rope_BT1R.expand(B, T, N, R)], -1).transpose(1, 2)
-        v_BNTV = v_BTNV.transpose(1, 2)
+        topk_BTK, kept_scores_BTK = self._kept_keys(x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK)
+        want_kl = with_kl and kept_scores_BTK is not None
+        if self.sparse and self.impl == "latent":  # kv_b_proj applied inside, per head
+            o_BTNV, probs_BTK = self._latent(
+                q_BTNH[..., :P], q_rope_BTNR, kv_BTL, k_rope_BT1R, topk_BTK, want_kl
+            )
+        else:
+            kv_BTNW = self.kv_b_proj(kv_BTL).view(B, T, N, P + self.v_dim)
+            k_nope_BTNP, v_BTNV = kv_BTNW.split([P, self.v_dim], -1)
+            q_BTNE = torch.cat([q_BTNH[..., :P], q_rope_BTNR], -1)
+            k_BTNE = torch.cat([k_nope_BTNP, k_rope_BT1R.expand(B, T, N, R)], -1)
+            if self.sparse and self.impl == "per_head":
+                o_BTNV, probs_BTK = self._per_head(q_BTNE, k_BTNE, v_BTNV, topk_BTK, want_kl)
+            else:
+                o_BNTV, probs_BTK = self._masked(
+                    q_BTNE.transpose(1, 2),
+                    k_BTNE.transpose(1, 2),
+                    v_BTNV.transpose(1, 2),
+                    topk_BTK,
+                    want_kl,
+                )
+                o_BTNV = o_BNTV.transpose(1, 2)
+        kl = None
+        if want_kl:
+            kl = indexer_kl(kept_scores_BTK, probs_BTK, kept_mask(topk_BTK))
+        out_BTD = self.o_proj(o_BTNV.reshape(B, T, N * self.v_dim))
+        return out_BTD, (topk_BTK if self.sparse else None), kl
 
-        scores_BTS = kl = None
+    def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK):
+        """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None)."""
         if self.indexer is not None:
-            scores_BTS = self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR)
-            topk_BTK = select_topk(scores_BTS, self.topk)
-        elif self.sparse and topk_BTK is None:
+            return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR)
+        if self.sparse and topk_BTK is None:
             raise ValueError("a 'shared' DSA layer needs the kept keys of a previous layer")
+        return topk_BTK, None
+
+    def _masked(self, q_BNTH, k_BNTH, v_BNTV, topk_BTK, want_kl):
+        """Dense SDPA, masked to the kept keys under DSA (the reference; O(T^2) memory):
+        (output [B, N, T, V], the KL target on the kept keys [B, T, K] when `want_kl`)."""
+        T = q_BNTH.shape[2]
         if self.sparse and self.topk < T:
             mask_B1TS = sparse_mask(topk_BTK, T)
             o_BNTV = F.scaled_dot_product_attention(
@@ -120,14 +159,56 @@ class MLAttention(MaxLogitRecorder, nn.Module):
                 q_BNTH, k_BNTH, v_BNTV, is_causal=True, scale=self.scale
             )
         self.record(q_BNTH, k_BNTH, self.scale, mask_B1TS)  # QK-clip's max logits
-        if with_kl and scores_BTS is not None and self.indexer.trained:
-            if mask_B1TS is None:
-                causal_TS = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
-                mask_B1TS = causal_TS[None, None]
-            probs_BTS = self._head_summed_probs(q_BNTH, k_BNTH, mask_B1TS)
-            kl = indexer_kl(scores_BTS, probs_BTS, mask_B1TS[:, 0].expand_as(scores_BTS))
-        out_BTD = self.o_proj(o_BNTV.transpose(1, 2).reshape(B, T, N * self.v_dim))
-        return out_BTD, (topk_BTK if self.sparse else None), kl
+        if not want_kl:
+            return o_BNTV, None
+        if mask_B1TS is None:
+            causal_TS = torch.ones(T, T, dtype=torch.bool, device=q_BNTH.device).tril()
+            mask_B1TS = causal_TS[None, None]
+        probs_BTS = self._head_summed_probs(q_BNTH, k_BNTH, mask_B1TS)
+        return o_BNTV, probs_BTS.gather(-1, topk_BTK) * kept_mask(topk_BTK)
+
+    def _latent(self, q_nope_BTNP, q_rope_BTNR, kv_BTL, k_rope_BT1R, topk_BTK, want_kl):
+        """Sparse attention in MLA's absorbed form (DeepSeek-V3.2's sparse MLA): one key head
+        of width L + R (the normed kv latent and the rotary key) whose first L channels are the
+        values; queries enter the latent through kv_b_proj's key rows, outputs leave it through
+        its value rows. (output [B, T, N, V], the KL target [B, T, K] or None)."""
+        N, P, V, L = self.n_heads, self.nope, self.v_dim, self.kv_rank
+        w_NWL = self.kv_b_proj.weight.view(N, P + V, L)
+        q_lat_BTNL = torch.einsum("btnp,npl->btnl", q_nope_BTNP, w_NWL[:, :P])
+        q_BTNE = torch.cat([q_lat_BTNL, q_rope_BTNR], -1)
+        k_BS1E = torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1).unsqueeze(2)
+        rows = attention_row_bytes(q_BTNE.shape[0], N, 1, k_BS1E.shape[-1], topk_BTK.shape[-1])
+        o_BTNL, probs_BTK, max_N = sparse_attention(
+            q_BTNE,
+            k_BS1E,
+            None,
+            topk_BTK,
+            self.scale,
+            value_dim=L,
+            chunk=query_chunk(self.chunk_bytes, rows),
+            want_probs=want_kl,
+        )
+        self.record_max(max_N)
+        return torch.einsum("btnl,nvl->btnv", o_BTNL, w_NWL[:, P:]), (
+            probs_BTK if want_kl else None
+        )
+
+    def _per_head(self, q_BTNE, k_BSNE, v_BSNV, topk_BTK, want_kl):
+        """Sparse attention gathering each head's own key and value (N x the latent form's
+        gathered bytes): (output [B, T, N, V], the KL target [B, T, K] or None)."""
+        B, _, N, E = q_BTNE.shape
+        rows = attention_row_bytes(B, N, N, max(E, v_BSNV.shape[-1]), topk_BTK.shape[-1])
+        o_BTNV, probs_BTK, max_N = sparse_attention(
+            q_BTNE,
+            k_BSNE,
+            v_BSNV,
+            topk_BTK,
+            self.scale,
+            chunk=query_chunk(self.chunk_bytes, rows),
+            want_probs=want_kl,
+        )
+        self.record_max(max_N)
+        return o_BTNV, (probs_BTK if want_kl else None)
 
     @torch.no_grad()
     def _head_summed_probs(self, q_BNTH, k_BNTH, mask_B1TS) -> torch.Tensor:

@@ -82,11 +82,20 @@ class MaxLogitRecorder:
     @torch.compiler.disable
     def record(self, q_BNTK, k_BNTK, scale: float, keep_B1TS=None) -> None:
         """Eager, as the router's load counts: the recomputation flag must not be traced."""
-        if not self.record_max_logits or not torch.is_grad_enabled() or is_recomputing():
-            return
-        best = head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS)
-        prev = self.max_logits_N
-        self.max_logits_N = best if prev is None else torch.maximum(prev, best)
+        if self._recording():
+            self.record_max(head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS))
+
+    @torch.compiler.disable
+    def record_max(self, best_N: torch.Tensor) -> None:
+        """Keep `best_N`, each head's largest logit of this forward, when recording (DSA's
+        sparse attention computes it as it goes)."""
+        if self._recording():
+            prev = self.max_logits_N
+            best = best_N.detach()
+            self.max_logits_N = best if prev is None else torch.maximum(prev, best)
+
+    def _recording(self) -> bool:
+        return self.record_max_logits and torch.is_grad_enabled() and not is_recomputing()
 
 
 def recording_flops(seq_len: int, heads: int, qk_dim: int) -> int:

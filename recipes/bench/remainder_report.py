@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipes.bench.fixtures import MiB
+from recipes.bench.report import as_shown
 
 LABELS = {
     "agrs": "agrs",
@@ -36,7 +37,8 @@ def evaluate_targets(rows: list[dict], cfg: dict) -> list[dict]:
             )
         )
 
-    # 1. ragged idle-rank peak <= 10% of its busy-rank peak (upstream GPU figures, R=2: 48 / 648 MB)
+    # 1. ragged idle-rank peak <= 10% of its busy-rank peak (upstream GPU figures, R=2: 48 / 648
+    # MB), judged at the R it names (R=2 when measured, else the smallest R) on the printed ratio
     if "ragged_all_to_all" in strategies:
         r_eval = 2 if 2 in rs else rs[0]
         row = _row(rows, "ragged_all_to_all", r_eval)
@@ -46,13 +48,14 @@ def evaluate_targets(rows: list[dict], cfg: dict) -> list[dict]:
             if r["strategy"] == "ragged_all_to_all" and r["idle_peak_mib"] is not None
         }
         ratio = ratios.get(r_eval)
-        span = ", ".join(f"R={k}: {v:.1%}" for k, v in sorted(ratios.items()))
+        others = ", ".join(f"R={k}: {v:.1%}" for k, v in sorted(ratios.items()) if k != r_eval)
         add(
-            "ragged idle-rank peak <= 10% of busy-rank peak",
-            None if ratio is None else ratio <= 0.10,
-            f"R={r_eval}: idle {_fmt(row and row['idle_peak_mib'], 2)} MiB / busy "
+            f"ragged idle-rank peak <= 10% of busy-rank peak at R={r_eval}",
+            None if ratio is None else as_shown(ratio, ".1%") <= 0.10,
+            f"idle {_fmt(row and row['idle_peak_mib'], 2)} MiB / busy "
             f"{_fmt(row and row['busy_peak_mib'], 2)} MiB = "
-            f"{'-' if ratio is None else f'{ratio:.1%}'} (all R: {span})",
+            f"{'-' if ratio is None else f'{ratio:.1%}'}"
+            + (f" (not judged, other R: {others})" if others else ""),
         )
     # 2. padded peak flat in R
     if "pad_all2all" in strategies and len(rs) > 1:
@@ -60,7 +63,7 @@ def evaluate_targets(rows: list[dict], cfg: dict) -> list[dict]:
         ratio = max(peaks) / min(peaks)
         add(
             "padded all-to-all peak flat in R (max/min <= 1.1)",
-            ratio <= 1.1,
+            as_shown(ratio, ".3f") <= 1.1,
             f"max {max(peaks):.2f} / min {min(peaks):.2f} MiB = {ratio:.3f}x",
         )
     # 3. agrs peak grows with R
@@ -69,14 +72,18 @@ def evaluate_targets(rows: list[dict], cfg: dict) -> list[dict]:
         ratio = hi["peak_mib"] / lo["peak_mib"]
         add(
             f"agrs peak at R={rs[-1]} >= 2.5x its peak at R={rs[0]}",
-            ratio >= 2.5,
+            as_shown(ratio, ".2f") >= 2.5,
             f"{hi['peak_mib']:.2f} / {lo['peak_mib']:.2f} MiB = {ratio:.2f}x "
             "(upstream GPU figures: 3.2x)",
         )
     # 4. ragged step time <= padded step time
     if {"pad_all2all", "ragged_all_to_all"} <= set(strategies):
         pairs = [(R, _row(rows, "ragged_all_to_all", R), _row(rows, "pad_all2all", R)) for R in rs]
-        worse = [(R, a, b) for R, a, b in pairs if a["step_ms"] > b["step_ms"]]
+        worse = [
+            (R, a, b)
+            for R, a, b in pairs
+            if as_shown(a["step_ms"], ".1f") > as_shown(b["step_ms"], ".1f")
+        ]
         detail = ", ".join(f"R={R}: {a['step_ms']:.1f} vs {b['step_ms']:.1f}" for R, a, b in pairs)
         add("ragged step time <= padded step time (every R)", not worse, f"ms {detail}")
     # 5. measured bytes == plan; ragged at the lower bound
@@ -103,7 +110,7 @@ def evaluate_targets(rows: list[dict], cfg: dict) -> list[dict]:
         worst = max(srows, key=lambda r: r["step_over_ns_only"])
         add(
             f"{s}: step <= 1.2x NS-only time of busiest rank (every R)",
-            worst["step_over_ns_only"] <= 1.2,
+            as_shown(worst["step_over_ns_only"], ".2f") <= 1.2,
             f"worst R={worst['R']}: {worst['step_ms']:.1f} / {worst['ns_only_ms']:.1f} ms = "
             f"{worst['step_over_ns_only']:.2f}x; all R: "
             + ", ".join(f"{r['step_over_ns_only']:.2f}" for r in srows),
@@ -181,7 +188,7 @@ def plot(rows: list[dict], cfg: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.2))
     for s in cfg["strategies"]:
         srows = sorted((r for r in rows if r["strategy"] == s), key=lambda r: r["R"])
         rs = [r["R"] for r in srows]
@@ -204,9 +211,14 @@ def plot(rows: list[dict], cfg: dict, path: Path) -> None:
             )
     ax_t.set(xlabel="remainder size R", ylabel="ms per optimizer step", title="step time")
     ax_m.set(xlabel="remainder size R", ylabel="peak MiB in the step", title="peak memory")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax_t, ax_m):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # R counts matrices
+    ax_t.legend(fontsize=8)
+    # outside the axes: inside, the six memory lines leave it no free corner
+    ax_m.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.suptitle(
         f"Muon remainder strategies: W={cfg['world_size']} ({cfg['backend']}), "
         f"{cfg['rows']}x{cfg['cols']} {cfg['dtype']}"

@@ -15,6 +15,13 @@ def cell(value: Any, fmt: str = "") -> str:
     return format(value, fmt) if isinstance(value, float) and fmt else str(value)
 
 
+def as_shown(value: float, fmt: str) -> float:
+    """`value` as a table prints it through `fmt` (e.g. ".2f", ".1%"): a verdict printed next
+    to a figure is computed from this, so it follows from the number the reader sees."""
+    text = format(value, fmt)
+    return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     """A markdown table of `rows`; `columns` are (header, key, float format) triples."""
     head = "| " + " | ".join(h for h, _, _ in columns) + " |"

@@ -10,7 +10,10 @@ One module per purpose, every public name re-exported here (`from recipes.config
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config;
 - `describe`: the schema as text, one renderer (`schema_lines`, `describe`, `key_help`);
-- `run_dir`: the run directory's name (`same_run_keys`, `run_id`);
+- `keys`: an unknown key on the command line, with or without `+`, named with the nearest real
+  one (`check_command_line`, `known_keys`, `nearest_key`);
+- `run_dir`: the run directory's name (`same_run_keys`, `run_id`) and how to pass it back
+  (`override_value`, `reuse_export_command`);
 - `store`: registration with Hydra and conf/'s resolvers (`register`, `slurm_tasks`), the YAML
   round trip of a resolved config (`to_plain`, `from_yaml`).
 Importing the package registers the schema (`register()`).
@@ -18,7 +21,15 @@ Importing the package registers the schema (`register()`).
 
 from recipes.config.checks import validate
 from recipes.config.describe import describe, key_help
-from recipes.config.run_dir import RUN_ID_MAX, SAME_RUN_GROUPS, run_id, same_run_keys
+from recipes.config.keys import check_command_line, known_keys, nearest_key
+from recipes.config.run_dir import (
+    RUN_ID_MAX,
+    SAME_RUN_GROUPS,
+    override_value,
+    reuse_export_command,
+    run_id,
+    same_run_keys,
+)
 from recipes.config.schema import (
     MUON_SPLIT,
     OPTIM_SCHEMAS,
@@ -98,10 +109,15 @@ __all__ = [
     "TrainConfig",
     "TrainDtype",
     "WandbMode",
+    "check_command_line",
     "describe",
     "from_yaml",
     "key_help",
+    "known_keys",
+    "nearest_key",
+    "override_value",
     "register",
+    "reuse_export_command",
     "run_id",
     "same_run_keys",
     "slurm_tasks",

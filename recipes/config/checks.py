@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.config.describe import key_help
+from recipes.config.keys import nearest_key
 from recipes.config.schema import (
     OPTIM_SCHEMAS,
     ConfigError,
@@ -381,9 +382,12 @@ def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
     for key in node:
         path = f"{prefix}{key}"
         if key not in hints:
-            allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+            names = [f.name for f in dataclasses.fields(cls)]
             value = OmegaConf.select(node, str(key))
-            raise ConfigError(f"{path}={value}: not in the schema; allowed: {allowed}")
+            hint = nearest_key(path, [f"{prefix}{n}" for n in names])
+            raise ConfigError(
+                f"{path}={value}: not in the schema; {hint}allowed: {', '.join(names)}"
+            )
         child = OmegaConf.get_type(node, str(key)) if key == "optim" else hints[key]
         if dataclasses.is_dataclass(child) and isinstance(node[key], DictConfig):
             _schema_keys(node[key], child, f"{path}.")

@@ -6,6 +6,8 @@ and its run directory ends in `run_id(override_dirname)`, both resolvers registe
 """
 
 import dataclasses
+import re
+from pathlib import Path
 
 from recipes.config.schema import OPTIM_SCHEMAS, Config
 
@@ -32,16 +34,53 @@ def same_run_keys() -> list[str]:
 
 
 RUN_ID_MAX = 200  # bytes of a run-dir leaf (file systems allow 255 per name)
+#: conf/train.yaml's override_dirname separators: `key-value` items joined by `+`, so a run
+#: directory's path can be passed back as an override value unquoted (Hydra's grammar reserves
+#: `=` and `,`, which Hydra's own defaults would put in the name)
+KV_SEP, ITEM_SEP = "-", "+"
+_SAFE = re.compile(r"[^A-Za-z0-9._+@%-]")
 
 
 def run_id(override_dirname: str) -> str:
-    """The run-dir leaf for a set of overrides: stable for the same command, never empty. A
-    longer one (paths in `model.path` / `checkpoint.init_from`) keeps its start and ends in a
+    """The run-dir leaf for a set of overrides: stable for the same command, never empty, and
+    only letters, digits and `._+@%-`: quotes are dropped, `/` and every other character
+    (brackets, `=`, `,`, spaces) become `_`; e.g. the overrides `model=mla_tiny train.steps=20`
+    give `model-mla_tiny+train.steps-20`.
+    A longer one (paths in `model.path` / `checkpoint.init_from`) keeps its start and ends in a
     hash of the whole, so the same command still finds its run directory."""
     import hashlib
 
-    leaf = override_dirname.replace("/", "_") or "base"
+    leaf = _SAFE.sub("_", override_dirname.replace("'", "").replace('"', "")) or "base"
     if len(leaf.encode()) <= RUN_ID_MAX:
         return leaf
-    digest = hashlib.sha1(leaf.encode()).hexdigest()[:16]
-    return leaf.encode()[: RUN_ID_MAX - 17].decode(errors="ignore") + "-" + digest
+    digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:16]
+    return leaf[: RUN_ID_MAX - 17] + "-" + digest
+
+
+def override_value(value: str) -> str:
+    """`value` as a Hydra override value: as is when Hydra's grammar reads it back unchanged,
+    else single-quoted (backslashes and quotes escaped)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        if OverridesParser.create().parse_override(f"k={value}").value() == value:
+            return value
+    except Exception:  # noqa: BLE001 - any parse error: quote it
+        pass
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def reuse_export_command(hf_dir: Path) -> str:
+    """The train.py overrides that start a run from an exported transformers directory:
+    `model=hf model.path=DIR checkpoint.init_from=DIR`, DIR relative to the working directory
+    when inside it, each word quoted for the shell where it needs it."""
+    import shlex
+
+    path = Path(hf_dir).resolve()
+    try:
+        shown = str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(path)
+    value = override_value(shown)
+    words = ["model=hf", f"model.path={value}", f"checkpoint.init_from={value}"]
+    return " ".join(shlex.quote(w) for w in words)

@@ -8,17 +8,18 @@
 # checkpoint directory) and the sweep's W&B group, so the runs sit side by side in W&B.
 # Arguments before `--` go to sbatch, those after it to train.py; without `--` all go to
 # train.py. Prints one "<strategy> <job id>" line per job. Requeued jobs resume by themselves;
-# to restart a whole sweep where it stopped, submit it again with the same SWEEP_NAME.
+# the same command submitted again resumes every run where it stopped (run names and run
+# directories come from the sweep name and the overrides, never the time); another SWEEP_NAME
+# starts a separate sweep.
 #
 # Environment: STRATEGIES (default "agrs pad_all2all ragged_all_to_all"), SWEEP_NAME (default
-# strategies-<date>-<time>), DRY_RUN=1 or --dry-run to print the sbatch commands instead of
-# submitting them.
+# strategies), DRY_RUN=1 or --dry-run to print the sbatch commands instead of submitting them.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 strategies=${STRATEGIES:-"agrs pad_all2all ragged_all_to_all"}
-sweep=${SWEEP_NAME:-strategies-$(date +%Y%m%d-%H%M%S)}
+sweep=${SWEEP_NAME:-strategies}
 
 sbatch_args=()
 train_args=()

@@ -108,6 +108,23 @@ def test_table_groups_by_strategy_and_skips_warmup_and_profiled_steps(tmp_path):
         assert (out / png).read_bytes()[:8] == PNG
 
 
+def test_by_another_key_titles_and_labels_its_groups_by_that_key(tmp_path):
+    """`--by optim.name`: the table is titled and its group column named by that key, not
+    as remainder strategies."""
+    mod = _load()
+    _hydra_run(tmp_path / "sweep", "m", "agrs")
+    adamw = _hydra_run(tmp_path / "sweep", "a", "agrs")
+    (adamw / "config.yaml").write_text(yaml.safe_dump({"optim": {"name": "adamw"}}))
+    out = tmp_path / "out"
+    result = mod.compare(mod.discover([tmp_path / "sweep"]), out, "optim.name")
+    assert [r["optim.name"] for r in result["table"]] == ["adamw", "muon"]
+    md = (out / "comparison.md").read_text()
+    assert md.startswith("# Training runs, grouped by `optim.name`")
+    assert "remainder strategies" not in md and "strategy" not in md.split("\n")[2]
+    with open(out / "comparison.csv") as f:
+        assert next(csv.reader(f))[0] == "optim.name"
+
+
 def test_missing_strategy_key_is_an_error(tmp_path):
     mod = _load()
     run = _hydra_run(tmp_path, "x", "agrs")

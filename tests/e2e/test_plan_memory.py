@@ -314,7 +314,10 @@ def test_indexer_training_flag_frozen_vs_kl():
         ]
         out[mode] = tensors, peaks
     assert out["kl"][0] - out["frozen"][0] == 15, out
-    assert all(f < k for f, k in zip(out["frozen"][1], out["kl"][1], strict=True)), out
+    # Without checkpointing every layer keeps its KL terms; with it, one recomputed layer's
+    # kept-key KL terms (O(index_topk) bytes per token) are below the printed 0.001 GiB.
+    (frozen_none, frozen_full), (kl_none, kl_full) = out["frozen"][1], out["kl"][1]
+    assert frozen_none < kl_none and frozen_full <= kl_full, out
     bad = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", "small", "--indexer-training", "frozen"],
         capture_output=True,

@@ -149,3 +149,21 @@ def test_bad_inputs_fail_by_name_and_leave_no_directory(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         mod.main(["--input", str(good), "--out", str(out), "--train-tokenizer", "300"])
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys):
+    """A small corpus cannot fill `--train-tokenizer 8192`: the script says which size it got
+    (meta.json's, which the model takes) instead of passing over it silently."""
+    mod = _script()
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    assert (
+        mod.main(
+            ["--input", str(tmp_path / "corpus"), "--out", str(out), "--train-tokenizer", "8192"]
+        )
+        == 0
+    )
+    vocab = json.loads((out / "meta.json").read_text())["vocab_size"]
+    assert vocab < 8192
+    err = capsys.readouterr().err
+    assert f"--train-tokenizer 8192: this corpus gives a vocabulary of {vocab}" in err

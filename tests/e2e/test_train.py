@@ -77,7 +77,7 @@ def test_multirun_strategies_ep2_memory_wandb_and_nan_skip(strategy_sweep):
     unchanged."""
     sweep, out = strategy_sweep
     assert out.count("[summary]") == 3
-    runs = {s: next(sweep.glob(f"*remainder_strategy={s},*")) for s in STRATEGIES}
+    runs = {s: next(sweep.glob(f"*remainder_strategy-{s}+*")) for s in STRATEGIES}
     losses = {}
     for strategy, run_dir in runs.items():
         lines = _metrics(run_dir)
@@ -119,7 +119,7 @@ def test_sweep_over_a_layout_key_trains_every_job(cache, tmp_path):
     args = ["-m", "mesh.ep=1,2", "mesh.world_size=2", "train.steps=2", "checkpoint.export_hf=false"]
     out = _finish(_train_py([*args, *_small(cache)], tmp_path))
     assert out.count("[summary]") == 2
-    runs = sorted((tmp_path / "default").glob("*mesh.ep=*"))
+    runs = sorted((tmp_path / "default").glob("*mesh.ep-*"))
     assert [r.name.split("mesh.ep=")[1][0] for r in runs] == ["1", "2"], runs
     assert "mesh.world_size" not in runs[0].name  # not swept: still left out
     wandb_ids = set()
@@ -347,7 +347,7 @@ def test_mla_dsa_mtp_run_logs_each_loss(cache, tmp_path):
     args += ["mesh.ep=1", "train.steps=3", "checkpoint.export_hf=false", "logger=none"]
     out = _finish(_train_py([*args, *_small(cache)], tmp_path))
     assert out.count("[summary]") == 2
-    runs = sorted((tmp_path / "default").glob("*mtp_loss_weight=*"))
+    runs = sorted((tmp_path / "default").glob("*mtp_loss_weight-*"))
     weights = [r.name.split("mtp_loss_weight=")[1].split(",")[0] for r in runs]
     assert weights == ["0", "0.3"], runs
     off, on = (_metrics(r) for r in runs)

@@ -29,6 +29,16 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
             "+model.overrides.n_routed_experts=6 mesh.ep=4",
             "mesh.ep=4: n_routed_experts (6) must be divisible by ep (4); allowed ep: [1, 2]",
         ),
+        # a typo, and Hydra's hint for it: both end here, naming the nearest real key
+        ("train.step=5", "train.step: unknown key, with or without '+'; did you mean train.steps?"),
+        (
+            "+train.step=5",
+            "train.step: unknown key, with or without '+'; did you mean train.steps?",
+        ),
+        (
+            "optim=adamw +optim.ns_steps=3",
+            "optim.ns_steps=3: not in the schema; did you mean optim.eps?",
+        ),
     ],
 )
 def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):

@@ -114,11 +114,25 @@ def test_train_sbatch_dry_run_knobs():
     env = _dry_env(
         RDZV_PORT="23456", REPO_DIR="/src/repo", TORCHRUN="/venv/bin/torchrun", SHUTDOWN_TIMEOUT="7"
     )
-    out = _run(["bash", str(SLURM_DIR / "train.sbatch"), "mesh.world_size=1"], env=env).stdout
+    argv = ["bash", str(SLURM_DIR / "train.sbatch"), "mesh.world_size=1", "mesh.ep=1"]
+    out = _run(argv, env=env).stdout
     assert out.startswith("cd /src/repo\n")
     cmd = next(line for line in out.splitlines() if line.startswith("srun "))
     assert " /venv/bin/torchrun --nnodes 1 " in cmd
     assert ":23456 " in cmd and "--shutdown-timeout 7 " in cmd
+
+
+def test_train_sbatch_rejects_an_ep_that_does_not_divide_the_world():
+    """docs/slurm.md's dry run: outside a job one rank per node unless NPROC_PER_NODE says
+    more, so `mesh.ep=2` alone is refused naming both values, and with 4 ranks it runs."""
+    script = ["bash", str(SLURM_DIR / "train.sbatch"), "mesh.ep=2"]
+    proc = subprocess.run(script, env=_dry_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "srun" not in proc.stdout
+    assert "mesh.ep=2 does not divide mesh.world_size=1" in proc.stderr
+    proc = subprocess.run(script[:2], env=_dry_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "mesh.ep=2" in proc.stderr  # conf/mesh/default.yaml's ep
+    out = _run(script, env=_dry_env(NPROC_PER_NODE="4")).stdout
+    assert out.splitlines()[1].endswith("train.py mesh.ep=2 mesh.world_size=4")
 
 
 def test_sweep_dry_run():
@@ -131,6 +145,16 @@ def test_sweep_dry_run():
         assert f"train.sbatch optim.remainder_strategy={strategy} " in line
         assert f"run.name=cmp-{strategy} logger.group=cmp " in line
         assert line.endswith(" ".join(TRAIN_ARGS))
+
+
+def test_sweep_resubmitted_names_the_same_runs():
+    """Without SWEEP_NAME the sweep is `strategies`, never a timestamp: the same command again
+    gives the same run names, so its jobs resume the runs (README: the same command resumes)."""
+    cmd = [str(SLURM_DIR / "sweep_strategies.sh"), "--dry-run", "--", *TRAIN_ARGS]
+    first = _run(cmd, env=_dry_env()).stdout
+    time.sleep(1.1)  # a timestamped name would change by now
+    assert _run(cmd, env=_dry_env()).stdout == first
+    assert f"run.name=strategies-{STRATEGIES[0]} logger.group=strategies " in first
 
 
 def test_sweep_dry_run_strategies_subset():

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from muon.plan import REMAINDER_STRATEGIES
 from recipes import config as schema
+from recipes.config import run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -178,6 +179,15 @@ def test_compose_rejects(override, expected):
             "model.overrides.indexer_types=['full', 'full']: GLMConfig.indexer_types has 2",
         ),
         (
+            ["model=mla_tiny", "+model.overrides.dsa_impl=dense"],
+            "model.overrides.dsa_impl=dense: GLMConfig.dsa_impl must be one of ('latent', "
+            "'per_head', 'masked')",
+        ),
+        (
+            ["model=mla_tiny", "+model.overrides.dsa_chunk_mib=0"],
+            "model.overrides.dsa_chunk_mib=0: GLMConfig.dsa_chunk_mib must be a positive int",
+        ),
+        (
             ["+model.overrides.kv_lora_rank=8"],
             "model.overrides.kv_lora_rank=8: GLMConfig.kv_lora_rank is a multi-head latent",
         ),
@@ -332,7 +342,8 @@ def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
     overrides = [f"optim={optim}", *(_override(k, v) for k, v in leaves.items())]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    named = {item.split("=")[0] for item in cfg.hydra.job.override_dirname.split(",")}
+    items = cfg.hydra.job.override_dirname.split(run_dir.ITEM_SEP)  # keys hold no `+` or `-`
+    named = {item.split(run_dir.KV_SEP)[0] for item in items}
     declared = set(schema.same_run_keys())
     assert list(cfg.hydra.job.config.override_dirname.exclude_keys) == schema.same_run_keys()
     for key in leaves:
@@ -351,11 +362,38 @@ def test_run_dir_is_stable_per_command():
     assert schema.run_id("") == "base"
     # Paths in the overrides can pass the file system's 255-byte name limit: a long leaf keeps
     # its start and a hash of the whole (stable, distinct per command).
-    long = ",".join(f"model.path=/{'d' * 150}/{k}" for k in "ab")
+    long = "+".join(f"model.path-/{'d' * 150}/{k}" for k in "ab")
     leaf = schema.run_id(long)
-    assert len(leaf.encode()) <= schema.RUN_ID_MAX and leaf.startswith("model.path=_ddd")
+    assert len(leaf.encode()) <= schema.RUN_ID_MAX and leaf.startswith("model.path-_ddd")
     assert leaf == schema.run_id(long) != schema.run_id(long.replace("/b", "/c"))
-    assert schema.run_id("data.path=/a/b,optim.lr=0.1") == "data.path=_a_b,optim.lr=0.1"
+    assert schema.run_id("data.path-/a/b+optim.lr-0.1") == "data.path-_a_b+optim.lr-0.1"
+
+
+def test_run_dir_passes_back_as_an_override_value():
+    """Names hold no `=` or `,` (Hydra's separators, conf/train.yaml sets `-` and `+`): a run's
+    directory is a valid unquoted override value; quoted values, lists and paths that hold
+    the old separators map to `_`. The summary's reuse command reads back as the same path."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from recipes.config import reuse_export_command
+
+    dirname = OmegaConf.load(ROOT / "conf" / "train.yaml").hydra.job.config.override_dirname
+    assert (dirname.kv_sep, dirname.item_sep) == (run_dir.KV_SEP, run_dir.ITEM_SEP) == ("-", "+")
+    quoted = "checkpoint.init_from-'out/model=mla_tiny,x'+optim.betas-[0.9,0.95]+train.steps-20"
+    leaf = schema.run_id(quoted)
+    assert leaf == "checkpoint.init_from-out_model_mla_tiny_x+optim.betas-_0.9_0.95_+train.steps-20"
+    parser = OverridesParser.create()
+    path = f"outputs/default/{leaf}/hf"
+    assert parser.parse_override(f"model.path={path}").value() == path
+    for hf in (Path(path), Path("/tmp/a b/x=1,2/it's/hf")):
+        words = shlex.split(reuse_export_command(hf))
+        assert words[0] == "model=hf" and len(words) == 3
+        for word, key in zip(words[1:], ("model.path", "checkpoint.init_from"), strict=True):
+            override = parser.parse_override(word)
+            assert override.key_or_group == key
+            assert Path(override.value()).resolve() == hf.resolve()
 
 
 def test_choice_lists_are_the_libraries_own():
@@ -436,6 +474,16 @@ def test_attention_knobs_reach_the_model_and_optimizer():
     )
 
 
+def test_dsa_impl_defaults_to_the_sparse_path_and_overrides_to_masked():
+    """`python train.py model=mla_tiny` builds the sparse (latent) DSA path; the masked
+    reference is `+model.overrides.dsa_impl=masked`."""
+    from recipes.parallel import model_config
+
+    assert model_config(_compose(["model=mla_tiny"])).dsa_impl == "latent"
+    masked = _compose(["model=mla_tiny", "+model.overrides.dsa_impl=masked"])
+    assert model_config(masked).dsa_impl == "masked"
+
+
 @pytest.mark.parametrize("key", ["+train.no_such_key", "+optim.no_such_key", "+no_such_key"])
 def test_an_appended_unknown_key_is_refused_before_the_ranks(key):
     """Hydra's `+` appends to any node: the config composed, and every rank's `from_yaml`
@@ -455,3 +503,25 @@ def test_a_bool_key_takes_true_or_false_only(value):
     schema.validate(
         _compose(["checkpoint.async_mode=true"]), overrides=["checkpoint.async_mode=true"]
     )
+
+
+def test_unknown_keys_fail_naming_the_nearest_real_one():
+    """With or without `+`, on the command line (before Hydra composes) and in a composed
+    config (what `+key=` added): one ConfigError naming the key and the closest real key."""
+    for args, message in [
+        (
+            ["train.step=5"],
+            "train.step: unknown key, with or without '+'; did you mean train.steps?",
+        ),
+        (["+train.step=5"], "did you mean train.steps?"),
+        (["-m", "optim.remainder_stratgy=agrs,auto"], "did you mean optim.remainder_strategy?"),
+        (["modle=tiny"], "did you mean model?"),
+    ]:
+        with pytest.raises(schema.ConfigError, match=re.escape(message)):
+            schema.check_command_line(args)
+    fine = ["-m", "model=mla_tiny", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "--cfg"]
+    schema.check_command_line([*fine, "job", "optim.lr=1,2", "+model.overrides.num_mtp_layers=0"])
+    with pytest.raises(schema.ConfigError, match=re.escape("did you mean train.steps?")):
+        schema.validate(_compose(["+train.step=5"]))
+    with pytest.raises(schema.ConfigError, match="optim.ns_steps=3: not in the schema"):
+        schema.validate(_compose(["optim=adamw", "+optim.ns_steps=3"]))

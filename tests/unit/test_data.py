@@ -85,3 +85,21 @@ def test_token_ids_beyond_vocab_are_rejected(tmp_path):
     stream = data.TokenStream(path, "uint16", seq_len=8, seed=0, vocab_size=256)
     with pytest.raises(ValueError, match="vocab_size=256"):
         stream.batch(0, 1)
+
+
+def test_an_evaluation_set_larger_than_the_split_is_reported_once(tmp_path, caplog):
+    """70 held-out sequences, 128 asked for (4 batches x 4 ranks x 8): rank 0 says so once, with
+    the figures; a set that fits says nothing."""
+    from recipes.evaluate import Evaluator
+
+    path = data.write_tokens(tmp_path / "val.bin", np.zeros(70 * 8 + 1, dtype=np.uint16))
+    stream = data.TokenStream(path, "uint16", seq_len=8, seed=0, vocab_size=256)
+    big = Evaluator(stream, batches=4, batch_size=8, bytes_per_token=None)
+    with caplog.at_level("WARNING", logger="recipes"):
+        big.samples(1, 4)  # other ranks stay quiet
+        big.samples(0, 4)
+        big.samples(0, 4)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "= 128 sequences" in warned[0]
+    assert "the validation split holds 70: 58 of them repeat" in warned[0]
+    assert Evaluator(stream, batches=2, batch_size=8, bytes_per_token=None).repeated(4) is None

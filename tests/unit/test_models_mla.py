@@ -22,9 +22,9 @@ YARN = {
 }
 
 
-def _ours(rope_scaling=None, index_topk=TOPK) -> GLMConfig:
+def _ours(rope_scaling=None, index_topk=TOPK, dsa_impl="latent") -> GLMConfig:
     """mla_tiny (3 layers, the middle one shared) with 8 indexer heads, attention biases and
-    no MTP layer (transformers' model has none)."""
+    no MTP layer (transformers' model has none); `dsa_impl`: the sparse path by default."""
     return get_preset(
         "mla_tiny",
         index_n_heads=8,
@@ -33,6 +33,7 @@ def _ours(rope_scaling=None, index_topk=TOPK) -> GLMConfig:
         max_position_embeddings=64,
         num_mtp_layers=0,
         rope_scaling=rope_scaling,
+        dsa_impl=dsa_impl,
     )
 
 
@@ -104,9 +105,10 @@ def _hook_topk(model, cls_name: str, found: list) -> list:
     return handles
 
 
+@pytest.mark.parametrize("dsa_impl", ["latent", "per_head", "masked"])
 @pytest.mark.parametrize("rope_scaling", [None, YARN], ids=["default_rope", "yarn"])
-def test_logits_equal_transformers_glm_moe_dsa(rope_scaling):
-    config = _ours(rope_scaling)
+def test_logits_equal_transformers_glm_moe_dsa(rope_scaling, dsa_impl):
+    config = _ours(rope_scaling, dsa_impl=dsa_impl)
     theirs = _theirs(config)
     ours = GLMForCausalLM(config).eval()
     _load_theirs(ours, theirs)
@@ -128,10 +130,7 @@ def test_logits_equal_transformers_glm_moe_dsa(rope_scaling):
     # layer reuses layer 0's), with the causal ones only (ties among masked keys are free).
     assert len(their_topk) == len(our_scores) == 2
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    for theirs_k, scores in zip(their_topk, our_scores, strict=True):
-        from models.glm.indexer import select_topk
-
-        ours_k = select_topk(scores, TOPK)
+    for theirs_k, (ours_k, _) in zip(their_topk, our_scores, strict=True):
         a = torch.zeros(2, T, T, dtype=torch.bool).scatter_(-1, theirs_k.long(), True) & causal
         b = torch.zeros(2, T, T, dtype=torch.bool).scatter_(-1, ours_k, True) & causal
         assert torch.equal(a, b)

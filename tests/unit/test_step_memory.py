@@ -31,9 +31,13 @@ CONFIGS = {
 # MLA + DSA with equal q/k and v head widths (16 + 8 = 24, as GLM-5's 192 + 64 = 256), so SDPA
 # takes the fused kernel with the sparse mask on CPU too; index_topk 16 < T, a "shared" layer
 # and an MTP layer (which runs its own indexer).
+# Every dsa_impl: the sparse paths (latent, per_head) and the masked reference.
 MLA_CONFIGS = {
-    f"mla-{mode}": get_preset("mla_tiny", v_head_dim=24, attention_bias=True, indexer_training=mode)
+    f"mla-{impl}-{mode}": get_preset(
+        "mla_tiny", v_head_dim=24, attention_bias=True, indexer_training=mode, dsa_impl=impl
+    )
     for mode in ("frozen", "kl")
+    for impl in ("latent", "per_head", "masked")
 }
 
 

@@ -1,0 +1,170 @@
+"""DSA's main attention at sparse cost: each query reads only its kept keys, gathered per query.
+
+Query t attends the keys `idx[t]` that are at or below it (a top-k over fewer than K causal keys
+pads with later positions, which are masked out here). Forward gathers the kept keys and values
+of a chunk of queries at a time and saves only its inputs, the output and the log-sum-exp;
+backward gathers them again chunk by chunk and scatter-adds the key/value gradients (the
+recomputation flash attention does, over gathered keys). Memory: O(T x K) for the indices and
+O(chunk x K x width) per chunk, never a [T, S] tensor. Scores and softmax run in float32.
+
+Two layouts of the keys (`k_BSHE`, H = 1 or N):
+- H = 1, one key head for every query head (MQA): MLA's absorbed ("latent") form, as
+  DeepSeek-V3.2's sparse MLA; with `v_BSHV` None the values are the first `value_dim` key
+  channels (the kv latent), so one gather of [chunk, K, E] serves all heads;
+- H = N, a key and a value per head (MLA's per-head form): N times the gathered bytes.
+
+Shape legend: B batch, T queries, S keys, N query heads, H key heads, E query/key width,
+V value width, K kept keys per query, C a chunk of queries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def query_chunk(budget_bytes: int, row_bytes: int) -> int:
+    """Queries per chunk so that one chunk's temporaries (`row_bytes` per query) stay within
+    `budget_bytes` (at least one query)."""
+    return max(1, budget_bytes // max(1, row_bytes))
+
+
+def attention_row_bytes(batch: int, heads: int, key_heads: int, width: int, topk: int) -> int:
+    """float32 bytes one query row of a chunk holds at once: its gathered keys and values
+    (at most 2 x width per key head) and four [N, K] score-sized tensors (scores,
+    probabilities and, in backward, their gradients)."""
+    return batch * topk * 4 * (2 * key_heads * width + 4 * heads)
+
+
+def gather_rows(x_BSF: torch.Tensor, flat_BCK: torch.Tensor) -> torch.Tensor:
+    """Rows of x [B, S, F] (or [B * S, F]) at flat positions b * S + s: [B, C, K, F]
+    (index_select: on CPU several times faster than advanced indexing)."""
+    rows = torch.index_select(x_BSF.reshape(-1, x_BSF.shape[-1]), 0, flat_BCK.reshape(-1))
+    return rows.view(*flat_BCK.shape, x_BSF.shape[-1])
+
+
+def _subscripts(shared: bool) -> str:
+    """The gathered-key subscripts: one key head ([B, C, K, E]) or one per head."""
+    return "bck" if shared else "bckn"
+
+
+class _SparseAttention(torch.autograd.Function):
+    """See `sparse_attention`; tensors saved for backward are the inputs, output and lse."""
+
+    @staticmethod
+    def forward(ctx, q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs):
+        B, T, N, E = q_BTNE.shape
+        S, H = k_BSHE.shape[1], k_BSHE.shape[2]
+        K = idx_BTK.shape[-1]
+        g = _subscripts(H == 1)
+        keys_BSF = k_BSHE.reshape(B, S, H * E)
+        vals_BSF = None if v_BSHV is None else v_BSHV.reshape(B, S, -1)
+        base_B11 = (torch.arange(B, device=idx_BTK.device) * S)[:, None, None]
+        o_BTNV = q_BTNE.new_empty(B, T, N, value_dim)
+        lse_BTN = torch.empty(B, T, N, dtype=torch.float32, device=q_BTNE.device)
+        probs_BTK = torch.empty(B, T, K if want_probs else 0, device=q_BTNE.device)
+        max_N = torch.full((N,), -torch.inf, device=q_BTNE.device)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
+            q_s = q_BTNE[:, t0:t1].float() * scale  # the scale on [C, N, E], not [C, N, K]
+            s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
+            s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
+            max_N = torch.maximum(max_N, s_BCNK.amax(dim=(0, 1, 3)))
+            lse = torch.logsumexp(s_BCNK, -1)
+            p_BCNK = s_BCNK.sub_(lse[..., None]).exp_()
+            o_BTNV[:, t0:t1] = torch.einsum(f"bcnk,{g}v->bcnv", p_BCNK, vg).to(o_BTNV.dtype)
+            lse_BTN[:, t0:t1] = lse
+            if want_probs:
+                total_BCK = p_BCNK.sum(2)
+                probs_BTK[:, t0:t1] = total_BCK / total_BCK.sum(-1, keepdim=True)
+        ctx.save_for_backward(q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN)
+        ctx.scale, ctx.value_dim, ctx.chunk = scale, value_dim, chunk
+        ctx.mark_non_differentiable(probs_BTK, max_N)
+        return o_BTNV, probs_BTK, max_N
+
+    @staticmethod
+    def backward(ctx, do_BTNV, _probs, _max):
+        q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN = ctx.saved_tensors
+        scale, value_dim, chunk = ctx.scale, ctx.value_dim, ctx.chunk
+        B, T, N, E = q_BTNE.shape
+        S, H = k_BSHE.shape[1], k_BSHE.shape[2]
+        g = _subscripts(H == 1)
+        keys_BSF = k_BSHE.reshape(B, S, H * E)
+        vals_BSF = None if v_BSHV is None else v_BSHV.reshape(B, S, -1)
+        base_B11 = (torch.arange(B, device=idx_BTK.device) * S)[:, None, None]
+        dq_BTNE = torch.empty(B, T, N, E, dtype=torch.float32, device=q_BTNE.device)
+        dk_F = torch.zeros(B * S, H * E, dtype=torch.float32, device=q_BTNE.device)
+        dv_F = None if v_BSHV is None else torch.zeros(B * S, H * value_dim, device=dk_F.device)
+        # D = rowsum(dO * O): the softmax backward's per-row term
+        delta_BTN = (do_BTNV.float() * o_BTNV.float()).sum(-1)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
+            q_s = q_BTNE[:, t0:t1].float() * scale
+            do = do_BTNV[:, t0:t1].float()
+            s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
+            s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
+            p_BCNK = s_BCNK.sub_(lse_BTN[:, t0:t1, :, None]).exp_()
+            dp_BCNK = torch.einsum(f"bcnv,{g}v->bcnk", do, vg)
+            # dS / scale = P * (dP - D): the scale goes on the [C, N, E] results instead
+            ds_BCNK = dp_BCNK.sub_(delta_BTN[:, t0:t1, :, None]).mul_(p_BCNK)
+            dq_BTNE[:, t0:t1] = torch.einsum(f"bcnk,{g}e->bcne", ds_BCNK, kg).mul_(scale)
+            dkg = torch.einsum(f"bcnk,bcne->{g}e", ds_BCNK, q_s)
+            dvg = torch.einsum(f"bcnk,bcnv->{g}v", p_BCNK, do)
+            flat = (idx_BTK[:, t0:t1] + base_B11).reshape(-1)
+            if dv_F is None:  # the values are the keys' first value_dim channels
+                dkg[..., :value_dim] += dvg
+            else:
+                dv_F.index_add_(0, flat, dvg.reshape(flat.numel(), -1))
+            dk_F.index_add_(0, flat, dkg.reshape(flat.numel(), -1))
+        dk = dk_F.view_as(k_BSHE).to(k_BSHE.dtype)
+        dv = None if dv_F is None else dv_F.view_as(v_BSHV).to(v_BSHV.dtype)
+        return dq_BTNE.to(q_BTNE.dtype), dk, dv, None, None, None, None, None
+
+
+def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
+    """float32 gathered keys and values of queries t0..t1 ([B, C, K, E] for one key head,
+    else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K])."""
+    idx_BCK = idx_BTK[:, t0:t1]
+    flat_BCK = idx_BCK + base_B11
+    kg = gather_rows(keys_BSF, flat_BCK).float()
+    if H > 1:
+        kg = kg.unflatten(-1, (H, -1))
+    if vals_BSF is None:
+        vg = kg[..., :value_dim]
+    else:
+        vg = gather_rows(vals_BSF, flat_BCK).float()
+        vg = vg.unflatten(-1, (H, -1)) if H > 1 else vg
+    rows_C = torch.arange(t0, t1, device=idx_BTK.device)
+    return kg, vg, idx_BCK <= rows_C[None, :, None]
+
+
+def sparse_attention(
+    q_BTNE: torch.Tensor,
+    k_BSHE: torch.Tensor,
+    v_BSHV: torch.Tensor | None,
+    idx_BTK: torch.Tensor,
+    scale: float,
+    *,
+    value_dim: int | None = None,
+    chunk: int,
+    want_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of each query over its kept causal keys `idx_BTK` (int64 positions < S):
+    (output [B, T, N, V], the head-summed L1-normalized float32 probabilities on the kept keys
+    [B, T, K] when `want_probs` (DSA's KL target; else empty), each head's largest logit [N]).
+    `v_BSHV` None: the values are `k_BSHE[..., :value_dim]` (one key head only). `chunk`:
+    queries per chunk. Differentiable in q, k and v; the probabilities and maxima are not."""
+    H = k_BSHE.shape[2]
+    if H not in (1, q_BTNE.shape[2]):
+        raise ValueError(f"sparse_attention: key heads must be 1 or {q_BTNE.shape[2]}, got {H}")
+    if v_BSHV is None:
+        if H != 1 or value_dim is None:
+            raise ValueError(
+                "sparse_attention: values from the keys need one key head and value_dim"
+            )
+    else:
+        value_dim = v_BSHV.shape[-1]
+    return _SparseAttention.apply(
+        q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs
+    )

@@ -1,0 +1,145 @@
+"""One MLA + DSA attention layer, forward + backward: seconds and peak memory per (T, path, mode).
+
+The layer (GLM-5's proportions at a small width): hidden 512, 16 heads, q/kv ranks 128,
+nope/rope/v 32/16/32, indexer 4 heads x 32, index_topk 256. Paths are `GLMConfig.dsa_impl`
+(masked: dense SDPA under the kept-key mask, the reference; latent and per_head: the sparse
+attention over gathered keys), modes `indexer_training` (frozen, kl).
+
+Each (T, path, mode) runs in a fresh process (`python -m recipes.bench.attention T PATH MODE`)
+with one intra-op thread, so that one measurement's allocator cache and heap never shape the
+next: one warm-up step, `repeats` timed steps (median of process CPU time: other load on the
+machine does not enter), then one step inside `recipes.memory.MemoryMeter`, whose CPU figures
+are the profiler's [memory] events with c10's cross-thread counter on; the peak is the step's
+`peak_delta_bytes` over the live bytes before it (the layer's parameters and its input are
+allocated before). The step: forward on a fixed random input, a fixed random projection of
+the output as the loss (plus the indexer KL in kl mode), backward into the parameters and the
+input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+PATHS = ("masked", "latent", "per_head")
+MODES = ("frozen", "kl")
+MiB = 1 << 20
+LAYER = dict(
+    hidden_size=512,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=256,
+)
+
+
+def layer_config(seq_len: int, path: str, mode: str):
+    """The benchmarked layer's GLMConfig (mla_tiny's other fields, one decoder layer)."""
+    from models.glm import get_preset
+
+    return get_preset(
+        "mla_tiny",
+        **LAYER,
+        num_hidden_layers=1,
+        indexer_types=None,
+        num_mtp_layers=0,
+        max_position_embeddings=max(seq_len, 4096),
+        dsa_impl=path,
+        indexer_training=mode,
+    )
+
+
+def measure(seq_len: int, path: str, mode: str, repeats: int) -> dict:
+    """Seconds (median of `repeats`) and peak MiB of one forward + backward, in this process."""
+    from models.glm.layers import rope_cos_sin
+    from models.glm.mla import MLAttention
+    from recipes.memory import MemoryMeter
+
+    torch.set_num_threads(1)
+    meter = MemoryMeter("cpu")  # before anything is allocated: the absolute figures count all
+    config = layer_config(seq_len, path, mode)
+    torch.manual_seed(0)
+    layer = MLAttention(config, 0)
+    for p in layer.parameters():  # std 1/sqrt(fan_in): activations and logits of order one
+        torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5) if p.ndim > 1 else None
+    cos, sin = rope_cos_sin(seq_len, config.rotary_dim, config.rope_theta, torch.device("cpu"))
+    x = torch.randn(1, seq_len, config.hidden_size, requires_grad=True)
+    probe = torch.randn(1, seq_len, config.hidden_size)
+
+    def step() -> None:
+        out, _, kl = layer(x, cos, sin, with_kl=(mode == "kl"))
+        loss = (out * probe).sum() / seq_len
+        (loss if kl is None else loss + kl).backward()
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    step()  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        step()
+        seconds.append(time.process_time() - t0)
+    with meter.measure() as m, m.region("step"):
+        step()
+    return {
+        "T": seq_len,
+        "path": path,
+        "mode": mode,
+        "seconds": statistics.median(seconds),
+        "peak_mib": m.peak_delta_bytes("step") / MiB,
+        "repeats": repeats,
+    }
+
+
+def run_fresh(seq_len: int, path: str, mode: str, repeats: int, timeout: float) -> dict:
+    """`measure` in a fresh Python process (one thread); its row, or a row saying why not."""
+    cmd = [sys.executable, "-m", "recipes.bench.attention", str(seq_len), path, mode, str(repeats)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+        )
+    except subprocess.TimeoutExpired:
+        return {"T": seq_len, "path": path, "mode": mode, "skipped": f"over {timeout:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+        return {"T": seq_len, "path": path, "mode": mode, "skipped": f"failed: {tail}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sweep(
+    lengths, paths, modes, *, repeats: int, max_t: dict[str, int], timeout: float, log=print
+) -> list[dict]:
+    """Every (T, path, mode), each in a fresh process; T ascending, at each T the paths side
+    by side. A path is not run past its `max_t` (the masked path's time and memory are
+    quadratic in T; the per-head path only needs the sizes that decide against it)."""
+    rows = []
+    for T in lengths:
+        for mode in modes:
+            for path in paths:
+                if max_t.get(path, T) < T:
+                    rows.append(
+                        {"T": T, "path": path, "mode": mode, "skipped": f"T > {max_t[path]}"}
+                    )
+                    continue
+                row = run_fresh(T, path, mode, repeats, timeout)
+                log(json.dumps(row))
+                rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":  # one measurement: T PATH MODE REPEATS; prints its row as JSON
+    T_, path_, mode_, repeats_ = sys.argv[1:5]
+    print(json.dumps(measure(int(T_), path_, mode_, int(repeats_))))

@@ -1,0 +1,110 @@
+"""Benchmark one MLA + DSA attention layer: masked (dense SDPA under the kept-key mask) against
+the sparse paths (gathered kept keys: latent / per-head), frozen and kl indexer, forward +
+backward, seconds and peak memory, one fresh single-thread process per (T, path, mode).
+
+    python scripts/bench_attention.py                                  # T = 1k..16k
+    python scripts/bench_attention.py --lengths 2048,4096,8192 --out /tmp/attn
+
+What is measured and how: recipes/bench/attention.py. Writes results.json, results.csv,
+tables.md and attention.png into `--out` (and the plot to `--plot` if given); prints the
+tables and a PASS / MISS line per target (sparse at T = 4096 <= 0.35x the masked time and
+<= 0.25x its peak; sparse peak 8192 / 4096 <= 2.3; sparse time 8192 / 2048 <= 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from recipes.bench.attention import MODES, PATHS, sweep
+from recipes.bench.attention_report import markdown, plot, targets
+from recipes.bench.cli import command_line
+from recipes.bench.report import machine_description, write_csv
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [t for t in text.split(",") if t]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"{flag}: {bad or text!r}; allowed: {','.join(allowed)}")
+    return items
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--lengths: positive ints, e.g. 1024,2048; got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--lengths", type=_lengths, default=[1024, 2048, 4096, 8192, 16384], help="T values"
+    )
+    p.add_argument(
+        "--paths",
+        type=lambda t: _choices(t, PATHS, "--paths"),
+        default=list(PATHS),
+        help="dsa_impl values",
+    )
+    p.add_argument(
+        "--modes",
+        type=lambda t: _choices(t, MODES, "--modes"),
+        default=list(MODES),
+        help="indexer_training values",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per process (median)")
+    p.add_argument("--masked-max-t", type=int, default=4096, help="longest T the masked path runs")
+    p.add_argument(
+        "--per-head-max-t", type=int, default=4096, help="longest T the per_head path runs"
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
+    p.add_argument("--out", default="bench_out/attention", help="output directory")
+    p.add_argument("--plot", default=None, help="also write the plot here (e.g. docs/img/...)")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = command_line("bench_attention.py", argv)
+    rows = sweep(
+        args.lengths,
+        args.paths,
+        args.modes,
+        repeats=args.repeats,
+        max_t={"masked": args.masked_max_t, "per_head": args.per_head_max_t},
+        timeout=args.timeout,
+    )
+    machine = machine_description("gloo", 1)
+    text = markdown(rows, command, machine)
+    (out / "tables.md").write_text(text)
+    write_csv(
+        rows,
+        out / "results.csv",
+        ["T", "path", "mode", "seconds", "peak_mib", "repeats", "skipped"],
+    )
+    checks = targets(rows)
+    (out / "results.json").write_text(
+        json.dumps(
+            {"command": command, "machine": machine, "rows": rows, "targets": checks}, indent=1
+        )
+    )
+    plot(rows, out / "attention.png")
+    if args.plot:
+        plot(rows, Path(args.plot))
+    print(text)
+    return 0 if all(t["ok"] is not False for t in checks) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
