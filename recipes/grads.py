@@ -3,7 +3,8 @@
 torch's clip_grad_norm_ stacks per-parameter norms, which fails when DTensors of several meshes
 (dense FSDP mesh, expert (efsdp, ep) mesh) meet. Here each rank sums the squares of its local
 shards, each divided by how many ranks hold a copy of the same elements, and one all-reduce over
-the world gives the exact global sum of squares.
+the world gives the exact global sum of squares. The sums, the clip factor and the scaling stay
+on the device: the trainer reads the norms only when it logs them.
 """
 
 import torch
@@ -24,11 +25,10 @@ def _copies(t: torch.Tensor, world_size: int) -> int:
     return replicated * (world_size // mesh.size())
 
 
-def squared_norms(params_by_key: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-    """Collective: the global sum of squared gradients of each parameter list, as floats.
-
-    Summed on the gradients' device and read back once (one host sync per call, not one per
-    parameter); the all-reduce runs where the backend wants it (CUDA for NCCL, CPU for gloo)."""
+def squared_norm_tensors(params_by_key: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Collective: the global sum of squared gradients of each parameter list, as 0-dim
+    float64 tensors (views of one all-reduced tensor) that stay where the all-reduce ran: the
+    gradients' device under NCCL (CUDA), the host under gloo. No host read."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     keys = sorted(params_by_key)
     totals: list[torch.Tensor | None] = []
@@ -36,7 +36,7 @@ def squared_norms(params_by_key: dict[str, list[torch.Tensor]]) -> dict[str, flo
         total = None
         for p in params_by_key[key]:
             if p.grad is not None:
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local = _local(p.grad)
                 term = local.detach().double().pow(2).sum() / _copies(p.grad, world)
                 total = term if total is None else total + term
         totals.append(total)
@@ -49,15 +49,46 @@ def squared_norms(params_by_key: dict[str, list[torch.Tensor]]) -> dict[str, flo
     stacked = torch.stack([zero if t is None else t.to(on) for t in totals] or [zero])
     if world > 1:
         dist.all_reduce(stacked)
-    return dict(zip(keys, stacked.cpu().tolist()[: len(keys)], strict=True))
+    return dict(zip(keys, stacked[: len(keys)].unbind(), strict=True))
+
+
+def squared_norms(params_by_key: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Collective: `squared_norm_tensors` as floats (one host read)."""
+    norms = squared_norm_tensors(params_by_key)
+    values = torch.stack(list(norms.values())).tolist() if norms else []
+    return dict(zip(norms, values, strict=True))
 
 
 @torch.no_grad()
-def scale_grads(params: list[torch.Tensor], factor: float) -> None:
-    """Multiply the gradients of `params` by `factor`, in place."""
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
+def clip_factor(sq_clipped: torch.Tensor, finite: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings the gradients of norm sqrt(`sq_clipped`) down to `max_norm`:
+    max_norm / (norm + 1e-6) where the norm exceeds max_norm and `finite` holds, else exactly 1
+    (a 0-dim tensor on their device: deciding needs no host read)."""
+    norm = sq_clipped.sqrt()
+    scaled = max_norm / (norm + 1e-6)
+    return torch.where(finite & (norm > max_norm), scaled, torch.ones_like(scaled))
+
+
+@torch.no_grad()
+def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply the gradients of `params` by `factor`, in place: a float, or a 0-dim tensor
+    (then one foreach op per gradient dtype, the factor rounded as a float factor is: to the
+    dtype's compute type, float32 for float32 and narrower)."""
+    local = [_local(p.grad) for p in params if p.grad is not None]
+    if not isinstance(factor, torch.Tensor):
+        for g in local:
+            g.mul_(factor)
+        return
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in local:
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for (dtype, device), tensors in by_dtype.items():
+        compute = torch.promote_types(dtype, torch.float32)
+        torch._foreach_mul_(tensors, factor.to(device=device, dtype=compute))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -65,7 +96,7 @@ def poison_grad(params: list[torch.Tensor]) -> None:
     """Debug: make the first local gradient element NaN (train.inject_nan_at_step)."""
     for p in params:
         if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local = _local(p.grad)
             if local.numel():
                 local.view(-1)[0] = float("nan")
                 return

@@ -19,6 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger("recipes")
 
 #: the repository whose git commit a W&B run records (train.py's checkout)
@@ -60,6 +62,36 @@ def remainder_metrics(step_stats: dict[str, float]) -> dict[str, float]:
         )
         for stat in REMAINDER_STATS
     }
+
+
+class DeviceValues:
+    """A step's figures that live on the device (losses, gradient norms, attention logits),
+    kept as tensors until they are logged, then read together: `read` stacks them into one
+    float64 tensor and reads it with one device-to-host copy (float64 holds every float32 and
+    float64 value exactly, so the floats are those `.item()` of each would give). Figures
+    already on the host (Python numbers) are kept as they are."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, torch.Tensor | float] = {}
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        """Keep `value` (a tensor of any shape, or a number) under `name`."""
+        self._values[name] = value.detach() if isinstance(value, torch.Tensor) else float(value)
+
+    def read(self) -> dict[str, list[float]]:
+        """Every value as a flat list of floats (one host read; none without tensors)."""
+        tensors = {k: v for k, v in self._values.items() if isinstance(v, torch.Tensor)}
+        out = {k: [v] for k, v in self._values.items() if not isinstance(v, torch.Tensor)}
+        if not tensors:
+            return out
+        device = next(iter(tensors.values())).device
+        flat = [v.reshape(-1).to(device=device, dtype=torch.float64) for v in tensors.values()]
+        host = torch.cat(flat).tolist()
+        start = 0
+        for name, v in zip(tensors, flat, strict=True):
+            out[name] = host[start : start + v.numel()]
+            start += v.numel()
+        return out
 
 
 #: the auxiliary training losses a step may log next to `loss` (the next-token loss)

@@ -5,12 +5,17 @@ One optimizer step:
      of the objective loss + train.mtp_loss_weight * mtp_loss + indexer_kl; `loss` (logged) is
      the next-token loss alone, `mtp_loss` and `indexer_kl` are logged under their own keys.
   2. The global gradient norm per algorithm (AdamW groups, Muon groups), one all-reduce.
-  3. Clipping of the AdamW groups (and the Muon groups with `train.clip_muon`) when finite.
+  3. Clipping of the AdamW groups (and the Muon groups with `train.clip_muon`) when finite,
+     decided on the device: the clip factor is a tensor (exactly 1 when nothing is clipped).
   4. The optimizer step. Non-finite gradients skip it on every rank, whichever the optimizer:
      Muon checks and skips by itself (`last_step_skipped`); for AdamW the loop does, from the
      same all-reduced norm. A skipped step changes no parameter, optimizer state or router
      bias; the schedule and the data stream move on, and `skipped_steps` counts it.
   5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
+The step's losses, gradient norms and attention logits stay on the device; on a step that is
+logged (`metrics.log_every`, memory, evaluation, rank 0's progress line) they are read once,
+stacked into one tensor (`recipes.metrics.DeviceValues`), and only then is the step
+synchronized for its timer. The batch reaches the device in one copy per micro-step.
 Every `metrics.memory_every` steps (and on step 1) the step runs inside the MemoryMeter, with
 an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its log line holds
 `memory/rank_<k>/...` for every rank. Every `eval.every` steps and at the last step the ranks
@@ -18,9 +23,7 @@ evaluate the held-out split (`recipes.evaluate`), logged with that step's row.
 """
 
 import logging
-import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
 from recipes.metrics import (
     AUX_LOSSES,
     RANK_EXTREMES,
+    DeviceValues,
     MetricsLog,
     Summary,
     memory_extremes,
@@ -50,6 +54,7 @@ from recipes.parallel import (
     model_config,
     records_max_logits,
 )
+from recipes.stop_signal import StopSignal
 
 log = logging.getLogger("recipes")
 
@@ -66,34 +71,6 @@ def _groups_by_algorithm(opt: torch.optim.Optimizer) -> dict[str, list[torch.Ten
     for g in opt.param_groups:
         out[g.get("algorithm", "adamw")] += list(g["params"])
     return out
-
-
-class StopSignal:
-    """SIGUSR1 (Slurm's warning before a time limit or preemption, forwarded to every rank by
-    torchrun's --signals-to-handle) or SIGTERM (Slurm's own preemption and time limit, which
-    torchrun forwards by default) asks for a checkpoint and a clean exit at the next step
-    boundary. Ranks may get it at different moments, so they agree with one MAX all-reduce
-    per step (a single int) before acting."""
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-    def __init__(self, device: torch.device) -> None:
-        self.received = False
-        self.name = ""
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-        self.name = signal.Signals(signum).name
-
-    def requested(self) -> bool:
-        """Collective: did any rank receive the signal?"""
-        self.flag.fill_(int(self.received))
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
-        return bool(self.flag.item())
 
 
 def _broadcast(obj: Any) -> Any:
@@ -216,7 +193,8 @@ class Trainer:
             )
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(micro == accum - 1)
-            terms = self.model(x.to(self.device), y.to(self.device), with_mtp=weight > 0)
+            x, y = self._to_device(x, y)
+            terms = self.model(x, y, with_mtp=weight > 0)
             objective = terms["loss"]
             if "mtp_loss" in terms:
                 objective = objective + weight * terms["mtp_loss"]
@@ -227,62 +205,109 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value.detach() / accum
         return sums
 
-    def _optimizer_step(self) -> tuple[bool, dict[str, float]]:
-        """Clip and step; returns (skipped, grad-norm metrics)."""
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's input ids and labels on the device in one copy (from pinned memory
+        and asynchronous on CUDA)."""
+        both = torch.stack([x, y])
+        cuda = self.device.type == "cuda"
+        if cuda:
+            both = both.pin_memory()
+        both = both.to(self.device, non_blocking=cuda)
+        return both[0], both[1]
+
+    def _optimizer_step(self, values: DeviceValues | None = None) -> bool:
+        """Clip and step; returns whether the step was skipped. The squared gradient norms
+        (and the attention logits) go into `values`, still on the device: clipping decides on
+        the device (the clip factor is a tensor, exactly 1 when the norm is within the limit or
+        not finite), so nothing here reads the device, except AdamW's skip decision."""
         cfg = self.cfg
         if cfg.train.inject_nan_at_step == self.step + 1 and self.rank == 0:
             grads.poison_grad(self.params["muon"] + self.params["adamw"])
-        sq = grads.squared_norms(self.params)
-        finite = all(v == v and v != float("inf") for v in sq.values())
-        clip_sq = sq["adamw"] + (sq["muon"] if cfg.train.clip_muon else 0.0)
-        if finite and cfg.train.grad_clip > 0 and clip_sq**0.5 > cfg.train.grad_clip:
-            grads.scale_grads(self.clipped, cfg.train.grad_clip / (clip_sq**0.5 + 1e-6))
+        sq = grads.squared_norm_tensors(self.params)
+        finite = torch.isfinite(torch.stack(list(sq.values()))).all()
+        if cfg.train.grad_clip > 0:
+            clip_sq = sq["adamw"] + sq["muon"] if cfg.train.clip_muon else sq["adamw"]
+            factor = grads.clip_factor(clip_sq, finite, float(cfg.train.grad_clip))
+            grads.scale_grads(self.clipped, factor)
         if cfg.optim.name == "muon":
             self.opt.step()  # checks finiteness itself, on every rank
             skipped = self.opt.last_step_skipped
         else:
-            skipped = not finite
+            # torch's AdamW cannot skip a step on the device: the one read of an AdamW step
+            skipped = not bool(finite)
             if not skipped:
                 self.opt.step()
-        norms = {f"grad_norm/{k}": v**0.5 for k, v in sq.items()}
-        norms["grad_norm"] = sum(sq.values()) ** 0.5
+        if values is not None:
+            for key, value in sq.items():
+                values.add(f"grad_sq/{key}", value)
         if self.max_logits:
-            norms.update(self._qk_clip())
-        return skipped, norms
+            self._qk_clip(values)
+        return skipped
 
-    def _qk_clip(self) -> dict[str, float]:
-        """Collective (one MAX all-reduce): the step's max attention logits, then QK-clip of the
-        updated weights when `optim.qk_clip_tau` is set; returns the attn/ metrics."""
+    def _qk_clip(self, values: DeviceValues | None) -> None:
+        """Collective (one MAX all-reduce): the step's max attention logits into `values`, then
+        QK-clip of the updated weights when `optim.qk_clip_tau` is set."""
         logits_LN = self.model.take_max_logits()
-        out = {"attn/max_logit": logits_LN.max().item()}
-        for i, value in enumerate(logits_LN.amax(dim=1).tolist()):
-            out[f"attn/max_logit/layer_{i:02d}"] = value
+        if values is not None:
+            values.add("attn/max_logit", logits_LN.max())
+            values.add("attn/max_logit/layer", logits_LN.amax(dim=1))
         if self.qk_clip_tau is not None:
             alpha = self.cfg.optim.qk_clip_alpha
-            out["attn/qk_clipped"] = float(self.model.qk_clip_(logits_LN, self.qk_clip_tau, alpha))
+            clipped = self.model.qk_clip_(logits_LN, self.qk_clip_tau, alpha)
+            if values is not None:
+                values.add("attn/qk_clipped", clipped)
+
+    def _read(self, loss: dict[str, torch.Tensor], values: DeviceValues) -> dict[str, float]:
+        """Collective (one all-reduce of the loss terms): the step's losses, gradient norms
+        and attention figures, read from the device together (`DeviceValues.read`)."""
+        keys = sorted(loss)  # the same terms on every rank: one all-reduce of all of them
+        summed = torch.stack([loss[k] for k in keys])
+        dist.all_reduce(summed)
+        values.add("loss", summed)
+        raw = values.read()
+        out = {k: v / self.world for k, v in zip(keys, raw["loss"], strict=True)}
+        sq = {k.removeprefix("grad_sq/"): v[0] for k, v in raw.items() if k.startswith("grad_sq/")}
+        out.update({f"grad_norm/{k}": v**0.5 for k, v in sq.items()})
+        out["grad_norm"] = sum(sq.values()) ** 0.5
+        if "attn/max_logit" in raw:
+            out["attn/max_logit"] = raw["attn/max_logit"][0]
+            for i, value in enumerate(raw["attn/max_logit/layer"]):
+                out[f"attn/max_logit/layer_{i:02d}"] = value
+        if "attn/qk_clipped" in raw:
+            out["attn/qk_clipped"] = raw["attn/qk_clipped"][0]
         return out
 
-    def train_step(self, measure: bool) -> dict[str, float]:
-        """One optimizer step; returns this rank's metrics (memory figures when measured)."""
+    def train_step(self, measure: bool, read: bool = True) -> dict[str, float]:
+        """One optimizer step; returns this rank's metrics (memory figures when measured).
+
+        With `read=False` (a step that is not logged) the figures that live on the device -
+        losses, gradient norms, attention logits - are left unread and the step is not
+        synchronized for its timer: no host read beyond the model's and the optimizer's own;
+        the metrics then hold the host figures only (lr, skipped, counters)."""
         cfg = self.cfg
-        _sync(self.device)
+        timed = read or measure
+        if timed:
+            _sync(self.device)
         t0 = time.perf_counter()
         memory: dict[str, float] = {}
+        values = DeviceValues()
         if measure:
             with self.meter.measure("step") as m:
                 loss = self._forward_backward()
                 _sync(self.device)
                 t_opt = time.perf_counter()
                 with m.region("optim"):
-                    skipped, norms = self._optimizer_step()
+                    skipped = self._optimizer_step(values)
                     _sync(self.device)
             memory = m.summary()
         else:
             loss = self._forward_backward()
-            _sync(self.device)
+            if timed:
+                _sync(self.device)
             t_opt = time.perf_counter()
-            skipped, norms = self._optimizer_step()
-            _sync(self.device)
+            skipped = self._optimizer_step(values)
+            if timed:
+                _sync(self.device)
         optim_s = time.perf_counter() - t_opt
         lr = self.sched.get_last_lr()
         # A skipped step leaves the bias alone but still consumes the step's expert counts.
@@ -294,13 +319,12 @@ class Trainer:
         self.step += 1
         self.samples += self.samples_per_step
         self.skipped += int(skipped)
-        keys = sorted(loss)  # the same terms on every rank: one all-reduce of all of them
-        summed = torch.stack([loss[k] for k in keys])
-        dist.all_reduce(summed)
-        terms = {k: v.item() / self.world for k, v in zip(keys, summed, strict=True)}
+        figures = self._read(loss, values) if read else {}
         step_s = time.perf_counter() - t0
         tokens = self.samples_per_step * cfg.data.seq_len
         stats = getattr(self.opt, "step_stats", {})
+        terms = {k: v for k, v in figures.items() if not k.startswith(("grad_norm", "attn/"))}
+        norms = {k: v for k, v in figures.items() if k.startswith(("grad_norm", "attn/"))}
         return {
             **terms,
             "lr": lr[0],
@@ -350,22 +374,27 @@ class Trainer:
         val_loss = None
         while self.step < cfg.train.steps:
             measure = self.step % cfg.metrics.memory_every == 0
-            metrics = self.train_step(measure)
+            done = self.step + 1  # the step this iteration completes
             evaluated = self.evaluator is not None and (
-                self.step % cfg.eval.every == 0 or self.step == cfg.train.steps
+                done % cfg.eval.every == 0 or done == cfg.train.steps
             )
+            logged = done % cfg.metrics.log_every == 0 or measure or evaluated
+            reported = done % report_every == 0 or evaluated  # rank 0's progress line
+            # The same decision on every rank: reading all-reduces the loss terms.
+            metrics = self.train_step(measure, read=logged or reported)
             if evaluated:
                 metrics.update(self.evaluator.run(self.model, self.device))
                 val_loss = metrics["val/loss"]
-            if self.step % cfg.metrics.log_every == 0 or measure or evaluated:
+            if logged:
                 self._log(metrics, measure, sink, summary)
             if bar is not None:
                 bar.update(1)
-                postfix = {"loss": f"{metrics['loss']:.3f}"}
-                if val_loss is not None:
-                    postfix["val"] = f"{val_loss:.3f}"
-                bar.set_postfix(postfix)
-            if self.rank == 0 and (self.step % report_every == 0 or evaluated):
+                if "loss" in metrics:  # a step whose figures were read
+                    postfix = {"loss": f"{metrics['loss']:.3f}"}
+                    if val_loss is not None:
+                        postfix["val"] = f"{val_loss:.3f}"
+                    bar.set_postfix(postfix)
+            if self.rank == 0 and reported:
                 extra = "".join(f" {k} {metrics[k]:.4g}" for k in AUX_LOSSES if k in metrics)
                 line = (
                     f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f}{extra} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 
@@ -20,4 +21,4 @@ def ns_variant_arg(text: str) -> dict[str, str]:
 def command_line(script: str, argv: list[str] | None) -> str:
     """`python scripts/<script> ARGS`, the command written next to a measurement."""
     args = sys.argv[1:] if argv is None else argv
-    return " ".join(["python", f"scripts/{script}", *args])
+    return shlex.join(["python", f"scripts/{script}", *args])  # quoted as a shell reads it

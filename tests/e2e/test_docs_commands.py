@@ -125,6 +125,8 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/bench_remainder\.py --ns-variant fixed,standard$", REMAINDER, "bench_out/results.json bench_out/tables.md bench_out/remainder.png"),
     Run(r"^python scripts/bench_remainder\.py --world-size 4 .* --out /tmp/b$", REMAINDER, "tmp/b/results.csv"),
     Run(r"^python scripts/bench_step\.py --baseline /tmp/before --steps [58] --out bench_step_out --ns-variant fixed,standard$", "--steps 1 --warmup 0 --strategies pad_all2all", "bench_step_out/results.json bench_step_out/tables.md", needs="tmp/before"),
+    Run(r"^python scripts/probe_step\.py mesh\.ep=2 --case model=small --case .* --baseline-tree /tmp/probe-before --out probe_out$", "--no-double --baseline-tree . model=tiny", "probe_out/results.json probe_out/tables.md"),
+    Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/probe_time2 mesh\.ep=2$", "--baseline-tree . --time-steps 1 --time-rounds 1 model=tiny", "tmp/probe_time2/results.json"),
     Run(r"^python scripts/bench_attention\.py --per-head-max-t 2048 --plot docs/img/attention_dsa\.png$", "--lengths 256 --paths masked,latent --modes frozen --repeats 1 --plot bench_out/attention/plot.png", "bench_out/attention/tables.md bench_out/attention/plot.png"),
     Run(r"^python scripts/bench_newton_schulz\.py --scale 8 --out bench_ns$", NS, "bench_ns/results.json"),
     Run(r"^python scripts/bench_newton_schulz\.py --scale 8 --repeats 5 --variants .* --skip train,step --out bench_ns_after$", NS, "bench_ns_after/results.json"),

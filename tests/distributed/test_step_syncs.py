@@ -1,0 +1,72 @@
+"""Host syncs of train.py's step as a GPU would see them, counted on CPU (recipes.bench.probe):
+what the optimizer, the MoE dispatch and the trainer read from the device per step.
+
+One 2-rank world (mesh.ep=2) counts rank 0's step of every case; the counts are deterministic
+(they depend on the model, the mesh and the code, not on the machine or the data's values), so
+the thresholds are exact. Small batches: the counts do not depend on the number of tokens.
+"""
+
+import pytest
+
+from recipes.bench.probe_step import REGIONS, layer_counts
+from tests.harness import run_world
+
+OPT, PART, STEP = REGIONS
+_SHARED = ["mesh.ep=2", "data.seq_len=32", "data.batch_size=2"]
+CASES = {
+    "small": ["model=small"],
+    "small_normuon": ["model=small", "optim.normuon=true"],
+    "mla_tiny": ["model=mla_tiny"],
+    "small_3_layers": ["model=small", "++model.overrides.num_hidden_layers=3"],
+}
+
+
+def _count_cases(cases: dict[str, list[str]]) -> dict[str, dict]:
+    from recipes.bench.probe_step import count_rank
+
+    return {name: count_rank(case, profile=False) for name, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory) -> dict[str, dict]:
+    cache = tmp_path_factory.mktemp("cache")
+    extra = [*_SHARED, f"data.cache_dir={cache}", "mesh.world_size=2"]
+    cases = {name: [*case, *extra] for name, case in CASES.items()}
+    out = run_world(_count_cases, 2, cases, timeout_s=1200)[0]
+    for name, case in cases.items():
+        out[name]["layers"] = layer_counts(case)
+    return out
+
+
+def _sites(region: dict, under: str) -> int:
+    return sum(s["count"] for s in region["syncs_by_site"] if s["site"].startswith(under))
+
+
+def test_the_trainer_reads_the_device_once_per_logged_step(counts):
+    """The trainer's own syncs: one stacked read of the step's figures and one copy of the
+    batch per micro-step; none in its optimizer part besides the optimizer's own."""
+    for name, c in counts.items():
+        assert _sites(c[STEP], "recipes/") == 2, (name, c[STEP]["syncs_by_site"])
+        assert _sites(c[PART], "recipes/") == 0, (name, c[PART]["syncs_by_site"])
+        assert c[PART]["syncs"] == c[OPT]["syncs"], name
+
+
+def test_muon_step_syncs_at_most_once(counts):
+    """The gradient census is Muon.step's one device-to-host read."""
+    for name in ("small", "small_normuon", "mla_tiny"):
+        assert counts[name]["optimizer"] == "Muon.step"
+        assert counts[name][OPT]["syncs"] <= 1, (name, counts[name][OPT]["syncs_by_site"])
+
+
+def test_muon_step_syncs_do_not_grow_with_layers(counts):
+    three, six = counts["small_3_layers"], counts["small"]
+    assert (three["layers"]["layers"], six["layers"]["layers"]) == (3, 6)
+    assert three[OPT]["syncs"] == six[OPT]["syncs"]
+
+
+def test_train_step_syncs_at_most_one_per_moe_layer_and_two(counts):
+    """At most one read per MoE layer (the all-to-all split sizes), the census, the logged
+    figures, and the batch's copy."""
+    for name, c in counts.items():
+        bound = c["layers"]["moe_layers"] + 2 + 1
+        assert c[STEP]["syncs"] <= bound, (name, c[STEP]["syncs_by_site"])
