@@ -1,16 +1,21 @@
-"""The finiteness check of a step's updates: an update that does not fit its parameter's dtype
-is not applied, and the step is marked skipped on every rank.
+"""The fit check of a step's updates: an update that does not fit its parameter's dtype is not
+applied, and the step is marked skipped on every rank, without a host read in the step.
 
 Finite gradients and validated hyperparameters can still give an update that is not finite:
 a float16 parameter overflows at 65504, so an lr large enough for `lr * O` to pass it (or a
-coefficient schedule whose outputs leave the band) would write infinities. Each parameter's
-update is checked on the device (no host sync per parameter) and replaced by zeros, its
-weight decay undone, when it fails; the step's verdict is read once, after the last batch
-(`updates_finite`). An AdamW update whose scale lr / (1 - beta1^t) passes the dtype's
-largest value is not written either (`muon.optimizer.Muon._adamw_group`).
+coefficient schedule whose outputs leave the band) would write infinities. The updates of a
+batch are checked together on the device (`guard_batch`: one foreach max-norm, one compare,
+one `torch.where` over the batch); a parameter whose update fails keeps its value and its
+weight decay is not applied. The step's verdict stays on the device (`SkipFlag`): all-reduced
+asynchronously across ranks, read by the host only when someone asks (`last_step_skipped`,
+`skipped_steps`). An AdamW update whose scale lr / (1 - beta1^t) passes the dtype's largest
+value is not written either; that is decided on the host from the hyperparameters alone
+(`muon.optimizer.Muon._adamw_group`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -20,35 +25,60 @@ from muon.planner import comm_device
 
 def fit(alpha: float, dtype: torch.dtype) -> float:
     """`alpha` clamped to the range of `dtype`, so that torch accepts it as a scale (a larger
-    one only ever multiplies an update `guard_update` replaced by zeros)."""
+    one only ever multiplies an update `guard_batch` replaced by zeros)."""
     top = torch.finfo(dtype).max
     return max(-top, min(top, alpha))
 
 
-def guard_update(
-    x: torch.Tensor, update: torch.Tensor, lr: float, g: dict, verdicts: list
-) -> torch.Tensor:
-    """Apply the decoupled weight decay of group `g` to the parameter `x` and return the update
-    to add at learning rate `lr` (at most); when `lr * update` does not fit `x`'s dtype (its
-    largest magnitude, in float32, above the dtype's largest value; NaN fails too) the decay
-    is not applied and zeros are returned. Appends the 0-d verdict to `verdicts`."""
-    decay = 1 - g["lr"] * g["weight_decay"]
-    if not update.numel():
-        return update
-    peak = update.abs().amax().float() * abs(lr)
-    ok = peak <= torch.finfo(x.dtype).max  # False for NaN and for an overflow to inf
+def guard_batch(X: list, U: list, lr: float, decay: float, verdicts: list) -> list:
+    """Decoupled weight decay `X *= decay` for the parameters whose update fits, and the updates
+    to add at learning rate `lr` (at most): zeros where `lr * U` does not fit the parameters'
+    dtype (its largest magnitude, in float32, above the dtype's largest value; NaN fails too).
+    `X` (one dtype) and `U` are a batch's non-empty local tensors; appends the batch's bool
+    verdicts `[len(X)]` to `verdicts`. A fixed number of ops per batch on equal shapes."""
+    peaks = torch.stack(torch._foreach_norm(U, ord=math.inf, dtype=torch.float32))
+    ok = peaks * abs(lr) <= torch.finfo(X[0].dtype).max  # False for NaN and inf
     verdicts.append(ok)
-    if decay != 1.0:  # x * decay as a Python scalar, rounded as an in-place mul_ would be
-        x.copy_(torch.where(ok, x * decay, x))
-    return torch.where(ok, update, torch.zeros((), dtype=update.dtype, device=update.device))
+    if decay != 1.0:  # a float64 factor: rounded to the parameter's math as a Python scalar is
+        scale = torch.where(ok, torch.full_like(peaks, decay, dtype=torch.float64), 1.0)
+        torch._foreach_mul_(X, list(scale.unbind()))
+    if len({u.shape for u in U}) == 1:  # one where over the stacked batch
+        stacked = torch.stack(U)
+        keep = ok.reshape(-1, *[1] * (stacked.ndim - 1))
+        return list(torch.where(keep, stacked, 0).unbind())
+    return [torch.where(o, u, 0) for o, u in zip(ok.unbind(), U, strict=True)]
 
 
-def updates_finite(verdicts: list[torch.Tensor]) -> bool:
-    """True when every verdict of this step holds on every rank (one int32 all-reduce when the
-    default process group has more than one rank, so that all ranks mark the same steps)."""
-    bad = torch.stack([~v for v in verdicts]).any() if verdicts else torch.tensor(False)
-    flag = bad.to(torch.int32).reshape(1)
-    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
-        flag = flag.to(comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not bool(flag.item())
+class SkipFlag:
+    """Whether a step's updates were all written, on every rank, kept on the device: `launch`
+    all-reduces the step's verdicts asynchronously (one int32 MAX when the default process
+    group has more than one rank); `read` waits and reads it on the host, once."""
+
+    def __init__(self, verdicts: list[torch.Tensor], unfit_on_host: bool) -> None:
+        self._work = None
+        self._value: bool | None = None
+        ranks = dist.is_initialized() and dist.get_world_size() > 1
+        ranks = ranks and dist.get_backend() != "fake"
+        if verdicts:  # made on the device; the host's verdict joins it as a Python scalar
+            bad = (~torch.cat([v.reshape(-1) for v in verdicts])).any() | unfit_on_host
+            self.flag = bad.to(torch.int32).reshape(1)
+        else:  # a fill, not a copy from the host
+            device = comm_device() if ranks else "cpu"
+            self.flag = torch.full((1,), int(unfit_on_host), dtype=torch.int32, device=device)
+        if ranks:
+            self.flag = self.flag.to(comm_device())
+            self._work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        """The all-reduced flag (int32 `[1]`), on the device: waits for the collective (on
+        NCCL the stream waits, not the host)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self.flag
+
+    def read(self) -> bool:
+        """True when an update of the step did not fit on some rank (one host read)."""
+        if self._value is None:
+            self._value = bool(self.wait().item())
+        return self._value

@@ -48,7 +48,7 @@ from muon.blocks import orthogonalize as _orthogonalize
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks, row_scales
 from muon.cost import LinkModel
-from muon.guard import fit, guard_update, updates_finite
+from muon.guard import SkipFlag, fit, guard_batch
 from muon.layout import from_rows, local, moved_shape
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
@@ -191,8 +191,10 @@ class Muon(torch.optim.Optimizer):
         self.expert_aware = expert_aware
         self.memory_budget = memory_budget
         super().__init__(params, defaults)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
+        self._skipped_on_host = 0  # steps the census skipped, and update skips already read
+        self._census_skipped = False
+        self._unfit: SkipFlag | None = None  # this step's update verdict, still on the device
+        self._unfit_earlier: torch.Tensor | None = None  # earlier steps' verdicts, summed
         self.step_stats: dict[str, float] = {}
         #: ids of the parameters without a grad on any rank, this step
         self._gradless: set[int] = set()
@@ -301,6 +303,31 @@ class Muon(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------------------------- step
     @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped: a non-finite gradient (decided by the census) or
+        an update that did not fit (`muon.guard`, read from the device the first time this is
+        asked after the step, so a step nobody asks about waits for nothing)."""
+        return self._census_skipped or (self._unfit is not None and self._unfit.read())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (reads the update verdicts not read yet, at most one read)."""
+        if self._unfit_earlier is not None:
+            self._skipped_on_host += int(self._unfit_earlier.item())
+            self._unfit_earlier = None
+        return self._skipped_on_host + int(self._unfit is not None and self._unfit.read())
+
+    @property
+    def step_skipped(self) -> bool | torch.Tensor:
+        """The last step's `last_step_skipped` without a host read: True (the census skipped
+        it), or a 0-d bool tensor on the device (whether an update did not fit, on any rank)."""
+        if self._census_skipped:
+            return True
+        if self._unfit is None:
+            return False
+        return self._unfit.wait()[0].bool()
+
+    @property
     def step_stats(self) -> dict[str, float]:
         """This rank's counters of the last step (`muon.stats`), read when first asked for: on
         CUDA that waits for the step's timing events, so the step itself never does."""
@@ -320,7 +347,8 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One step: the gradient census (one host read), then `update` unless it skips, then
-        the update guard's verdict (`muon.guard`, one host read)."""
+        the update guard's verdict left on the device (`muon.guard.SkipFlag`, read lazily by
+        `last_step_skipped` / `skipped_steps`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -329,16 +357,22 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:  # a scheduler's cycled momentum is an AdamW group's beta1
             if g["algorithm"] == "adamw":
                 fold_adamw_momentum(g)
+        if self._unfit is not None:  # summed on the device until `skipped_steps` is read
+            if self._unfit._value is not None:
+                self._skipped_on_host += self._unfit._value
+            else:
+                flag = self._unfit.wait()[0]
+                prior = self._unfit_earlier
+                self._unfit_earlier = flag if prior is None else prior + flag
+            self._unfit = None
         finite, self._gradless = self._census(self.param_groups)
+        self._census_skipped = not finite
         if not finite:
-            self.skipped_steps += 1
-            self.last_step_skipped = True
+            self._skipped_on_host += 1
             return loss
-        self.last_step_skipped = False
         self.update()
-        if not updates_finite(self._updates_ok):  # an update that did not fit was not written
-            self.skipped_steps += 1
-            self.last_step_skipped = True
+        # an update that did not fit was not written; the verdict stays on the device
+        self._unfit = SkipFlag(self._updates_ok, self._adamw_unfit)
         return loss
 
     @torch.no_grad()
@@ -349,6 +383,7 @@ class Muon(torch.optim.Optimizer):
         timing events, which a graph cannot record: `step_stats` then times on the host). The
         verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
         self._updates_ok: list[torch.Tensor] = []
+        self._adamw_unfit = False
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
@@ -365,7 +400,7 @@ class Muon(torch.optim.Optimizer):
         # there cannot be written at all (`muon.guard`), decided on the host without t
         big = {p.dtype for p in params if g["lr"] / (1 - beta1) > torch.finfo(p.dtype).max}
         if big:
-            self._updates_ok.append(torch.tensor(False))
+            self._adamw_unfit = True  # the same on every rank: hyperparameters and dtypes
             params = [p for p in params if p.dtype not in big]
         update.adamw_group_(
             params,
@@ -482,24 +517,19 @@ class Muon(torch.optim.Optimizer):
             rows, cols = b.block_shape
         lists: dict[tuple, tuple[list, list]] = {}
         for (p, g), o in zip(params, shards, strict=True):
-            if id(p) in self._gradless:  # a parameter without any grad stays untouched
+            x = local(p)
+            if id(p) in self._gradless or not x.numel():  # no grad anywhere, or nothing here
                 continue
             if len(b.global_shape) <= 2:
                 rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
-            key = (g["lr"], g["adjust_lr"], rows, cols)
-            top = max(
-                adjusted_lr(g["lr"], g["adjust_lr"], h, cols) for h in b.split_sizes or (rows,)
-            )
-            x = local(p)
+            key = (g["lr"], g["adjust_lr"], rows, cols, g["weight_decay"], x.dtype)
             same = b.shard_tensor_dim == 0 and o.shape == x.shape
-            u = guard_update(
-                x, o if same else from_rows(o, x, b.shard_tensor_dim), top, g, self._updates_ok
-            )
             out = lists.setdefault(key, ([], []))
             out[0].append(x)
-            out[1].append(u)
-        for (lr, mode, rows, cols), (X, U) in lists.items():
-            dtype = X[0].dtype
+            out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
+        for (lr, mode, rows, cols, wd, dtype), (X, U) in lists.items():
+            top = max(adjusted_lr(lr, mode, h, cols) for h in b.split_sizes or (rows,))
+            U = guard_batch(X, U, top, 1 - lr * wd, self._updates_ok)
             if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
                 if mode not in chunk.row_scales:  # adjust_lr changed since planning: made once
                     chunk.row_scales.update(row_scales(b, r, [mode], X[0].device))

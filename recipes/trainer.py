@@ -231,7 +231,8 @@ class Trainer:
             grads.scale_grads(self.clipped, factor)
         if cfg.optim.name == "muon":
             self.opt.step()  # checks finiteness itself, on every rank
-            skipped = self.opt.last_step_skipped
+            # True, or the update guard's verdict still on the device (read after the step)
+            skipped = self.opt.step_skipped
         else:
             # torch's AdamW cannot skip a step on the device: the one read of an AdamW step
             skipped = not bool(finite)
@@ -309,6 +310,10 @@ class Trainer:
             if timed:
                 _sync(self.device)
         optim_s = time.perf_counter() - t_opt
+        # Muon's update-guard verdict, read after the optimizer's part: the router bias and the
+        # skip counter decide on the host (`docs/optimizer.md`, host syncs)
+        if cfg.optim.name == "muon":
+            skipped = self.opt.last_step_skipped
         lr = self.sched.get_last_lr()
         # A skipped step leaves the bias alone but still consumes the step's expert counts.
         rate = 0.0 if skipped else cfg.train.router_bias_rate
