@@ -8,9 +8,11 @@ One optimizer step:
   3. Clipping of the AdamW groups (and the Muon groups with `train.clip_muon`) when finite,
      decided on the device: the clip factor is a tensor (exactly 1 when nothing is clipped).
   4. The optimizer step. Non-finite gradients skip it on every rank, whichever the optimizer:
-     Muon checks and skips by itself (`last_step_skipped`); for AdamW the loop does, from the
-     same all-reduced norm. A skipped step changes no parameter, optimizer state or router
-     bias; the schedule and the data stream move on, and `skipped_steps` counts it.
+     Muon checks and skips by itself (`step_skipped`: its update guard's verdict stays on the
+     device, the router-bias rate is scaled by it there and it is read with the logged
+     figures); for AdamW the loop does, from the same all-reduced norm. A skipped step changes
+     no parameter, optimizer state or router bias; the schedule and the data stream move on,
+     and `skipped_steps` counts it.
   5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
 The step's losses, gradient norms and attention logits stay on the device; on a step that is
 logged (`metrics.log_every`, memory, evaluation, rank 0's progress line) they are read once,
@@ -113,6 +115,8 @@ class Trainer:
             self.evaluator = Evaluator(val, cfg.eval.batches, d.batch_size, files.bytes_per_token)
         self.samples_per_step = self.world * cfg.train.grad_accum_steps * d.batch_size
         self.step, self.samples, self.skipped = 0, 0, 0
+        #: skipped steps not read yet: Muon's update-guard verdicts, summed on the device
+        self.skipped_unread: torch.Tensor | None = None
         self.ckpt_root = self.run_dir / "checkpoints"
         c = cfg.checkpoint
         self.checkpointer = checkpoint.Checkpointer(
@@ -171,6 +175,7 @@ class Trainer:
     def save(self) -> Path:
         """Collective: checkpoint the current step (committed now, or at the next save / `wait`
         with `checkpoint.async_mode`)."""
+        self._read_skipped()
         state = {
             "samples": self.samples,
             "skipped": self.skipped,
@@ -215,11 +220,20 @@ class Trainer:
         both = both.to(self.device, non_blocking=cuda)
         return both[0], both[1]
 
-    def _optimizer_step(self, values: DeviceValues | None = None) -> bool:
-        """Clip and step; returns whether the step was skipped. The squared gradient norms
-        (and the attention logits) go into `values`, still on the device: clipping decides on
-        the device (the clip factor is a tensor, exactly 1 when the norm is within the limit or
-        not finite), so nothing here reads the device, except AdamW's skip decision."""
+    def _read_skipped(self, unread: float | None = None) -> None:
+        """Fold the skipped steps still on the device into `skipped` (`unread`: their count,
+        read with the step's figures; None reads it here, one host read)."""
+        if self.skipped_unread is not None:
+            self.skipped += int(self.skipped_unread.item() if unread is None else unread)
+            self.skipped_unread = None
+
+    def _optimizer_step(self, values: DeviceValues | None = None) -> bool | torch.Tensor:
+        """Clip and step; returns whether the step was skipped (Muon: True, or its update
+        guard's verdict, a 0-d bool tensor on the device: `Muon.step_skipped`). The squared
+        gradient norms (and the attention logits) go into `values`, still on the device:
+        clipping decides on the device (the clip factor is a tensor, exactly 1 when the norm is
+        within the limit or not finite), so nothing here reads the device, except AdamW's skip
+        decision."""
         cfg = self.cfg
         if cfg.train.inject_nan_at_step == self.step + 1 and self.rank == 0:
             grads.poison_grad(self.params["muon"] + self.params["adamw"])
@@ -276,6 +290,9 @@ class Trainer:
                 out[f"attn/max_logit/layer_{i:02d}"] = value
         if "attn/qk_clipped" in raw:
             out["attn/qk_clipped"] = raw["attn/qk_clipped"][0]
+        for key in ("skipped", "skipped_unread"):  # Muon's update-guard verdict (train_step)
+            if key in raw:
+                out[key] = raw[key][0]
         return out
 
     def train_step(self, measure: bool, read: bool = True) -> dict[str, float]:
@@ -310,21 +327,34 @@ class Trainer:
             if timed:
                 _sync(self.device)
         optim_s = time.perf_counter() - t_opt
-        # Muon's update-guard verdict, read after the optimizer's part: the router bias and the
-        # skip counter decide on the host (`docs/optimizer.md`, host syncs)
-        if cfg.optim.name == "muon":
-            skipped = self.opt.last_step_skipped
         lr = self.sched.get_last_lr()
         # A skipped step leaves the bias alone but still consumes the step's expert counts.
-        rate = 0.0 if skipped else cfg.train.router_bias_rate
+        if isinstance(skipped, torch.Tensor):  # decided on the device, counted when read
+            rate = cfg.train.router_bias_rate * (~skipped).to(torch.float32)
+            prior = self.skipped_unread
+            self.skipped_unread = skipped.to(torch.int64) + (0 if prior is None else prior)
+            values.add("skipped", skipped)
+        else:
+            rate = 0.0 if skipped else cfg.train.router_bias_rate
+        if self.skipped_unread is not None:
+            values.add("skipped_unread", self.skipped_unread)
         if cfg.train.router_bias_rate > 0:
             self.model.update_router_bias(rate)
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.step += 1
         self.samples += self.samples_per_step
-        self.skipped += int(skipped)
+        host = {}
+        if not isinstance(skipped, torch.Tensor):
+            self.skipped += int(skipped)
+            host["skipped"] = float(skipped)
         figures = self._read(loss, values) if read else {}
+        if "skipped" in figures:  # the device verdict, read with the figures
+            host["skipped"] = figures.pop("skipped")
+        if "skipped_unread" in figures:
+            self._read_skipped(figures.pop("skipped_unread"))
+        if "skipped" in host and self.skipped_unread is None:
+            host["skipped_steps"] = float(self.skipped)
         step_s = time.perf_counter() - t0
         tokens = self.samples_per_step * cfg.data.seq_len
         stats = getattr(self.opt, "step_stats", {})
@@ -335,8 +365,7 @@ class Trainer:
             "lr": lr[0],
             "lr_adamw": lr[-1],
             **norms,
-            "skipped": float(skipped),
-            "skipped_steps": float(self.skipped),
+            **host,  # absent on a step not read whose verdict is still on the device
             "step_s": step_s,
             "optim_s": optim_s,
             "tokens_per_s": tokens / step_s,
