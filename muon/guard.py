@@ -42,10 +42,10 @@ def guard_batch(X: list, U: list, lr: float, decay: float, verdicts: list) -> li
     if decay != 1.0:  # a float64 factor: rounded to the parameter's math as a Python scalar is
         scale = torch.where(ok, torch.full_like(peaks, decay, dtype=torch.float64), 1.0)
         torch._foreach_mul_(X, list(scale.unbind()))
-    if len({u.shape for u in U}) == 1:  # one where over the stacked batch
+    if len({u.shape for u in U}) == 1:  # one where over the stacked batch, in place: one copy
         stacked = torch.stack(U)
-        keep = ok.reshape(-1, *[1] * (stacked.ndim - 1))
-        return list(torch.where(keep, stacked, 0).unbind())
+        unfit = (~ok).reshape(-1, *[1] * (stacked.ndim - 1))
+        return list(stacked.masked_fill_(unfit, 0).unbind())
     return [torch.where(o, u, 0) for o, u in zip(ok.unbind(), U, strict=True)]
 
 
