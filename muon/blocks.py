@@ -8,14 +8,32 @@ slices of a >2-D parameter) and hands the blocks to NorMuon when it is on (`post
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from muon.newton_schulz import newton_schulz, orthogonalize_blocks
 
+#: blocks of unequal heights, grouped by height: (height, positions of its blocks among the
+#: stacked ones, the row index of those blocks as a device tensor); made once at planning
+SplitGroups = list[tuple[int, list[int], torch.Tensor]]
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of a DTensor (a plain tensor is its own)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+
+def split_groups(heights: list[int], device) -> SplitGroups:
+    """The `SplitGroups` of blocks of `heights` stacked along dim 0 (in that order)."""
+    starts = [0]
+    for h in heights[:-1]:
+        starts.append(starts[-1] + h)
+    by_height: dict[int, list[int]] = {}
+    for i, h in enumerate(heights):
+        by_height.setdefault(h, []).append(i)
+    return [
+        (
+            h,
+            members,
+            torch.tensor(
+                [r for i in members for r in range(starts[i], starts[i] + h)], device=device
+            ),
+        )
+        for h, members in by_height.items()
+    ]
 
 
 def orthogonalize(
@@ -31,11 +49,13 @@ def orthogonalize(
     algorithm="",
     units=(),
     post=None,
-    heights=(),
+    split: SplitGroups | None = None,
 ) -> torch.Tensor:
     """Newton-Schulz of `m` block by block, blocks being `block_rows` runs of the parameter's dim 0
-    (`heights` rows each when they are unequal), each orthogonalized as a `block_shape` matrix,
-    then `post(O_BRC, blocks)` on them when given (NorMuon; `units` say whose blocks they are).
+    (of unequal heights when `split`, the units' blocks grouped by height, is given), each
+    orthogonalized as a `block_shape` matrix, then `post(O_BRC, blocks)` on them when given
+    (NorMuon; `units` say whose blocks they are: `blocks[i]` is the (parameter, block) of the
+    i-th).
 
     With `dim` != 0, `m` is a whole matrix in the exchanged `[shape[dim], rest]` layout; its
     Muon matrix is `[shape[0], rest]`, so it is orthogonalized in that layout and moved back.
@@ -52,9 +72,9 @@ def orthogonalize(
         )
 
     def rows(x: torch.Tensor) -> torch.Tensor:  # `[rows, C]` in the Muon layout
-        if heights:
+        if split:
             ns = dict(steps=steps, coefficients=coefficients, dtype=dtype, eps=eps)
-            return orthogonalize_split(x, [heights[i] for _, i in ids], ids, ns, algorithm, post)
+            return orthogonalize_split(x, split, ids, ns, algorithm, post)
         o = orthogonalize_blocks(x, x.size(0) // block_rows, steps, coefficients, dtype, eps, **kw)
         return o if post is None else finish(o.reshape(-1, block_rows, o.size(1))).reshape(o.shape)
 
@@ -68,19 +88,12 @@ def orthogonalize(
     return o.reshape(shape).movedim(dim, 0).reshape(m.shape)
 
 
-def orthogonalize_split(x, heights, ids, ns: dict, algorithm: str, post) -> torch.Tensor:
-    """Newton-Schulz of the blocks of unequal `heights` stacked along dim 0 of `x`, each on its
-    own: blocks of one height go through one batched call (`ids[i]`, the (parameter, block) of
-    block i, tells NorMuon's `post` whose moments they use)."""
-    starts = [0]
-    for h in heights[:-1]:
-        starts.append(starts[-1] + h)
+def orthogonalize_split(x, split: SplitGroups, ids, ns: dict, algorithm: str, post) -> torch.Tensor:
+    """Newton-Schulz of the blocks of unequal heights stacked along dim 0 of `x`, each on its
+    own: blocks of one height go through one batched call (`split`, from `split_groups`;
+    `ids[i]`, the (parameter, block) of block i, tells NorMuon's `post` whose moments they use)."""
     out = torch.empty_like(x)
-    by_height: dict[int, list[int]] = {}
-    for i, h in enumerate(heights):
-        by_height.setdefault(h, []).append(i)
-    for h, members in by_height.items():
-        rows = torch.cat([torch.arange(starts[i], starts[i] + h) for i in members]).to(x.device)
+    for h, members, rows in split:
         o = newton_schulz(
             x.index_select(0, rows).view(len(members), h, -1), algorithm=algorithm, **ns
         )

@@ -1,5 +1,4 @@
-"""The cost model, in one place: what Newton-Schulz runs and costs, what each path moves and
-holds, what a link costs, and the step's sliding-window memory bound.
+"""The rank-independent cost model: what Newton-Schulz runs and costs and what a link costs.
 
 - Newton-Schulz: `ns_flops` (4·m²·n + 2·m³ per standard iteration on an m x n block, m <= n;
   Gram Newton-Schulz counted as it arranges its products) and `effective_algorithm` (the
@@ -8,19 +7,14 @@ holds, what a link costs, and the step's sliding-window memory bound.
   `block_flops` (their integer form, so every rank sums loads exactly), the dry-run planner
   reports them and the benchmark compares measured time against them. `ns_block_bytes` is the
   iteration's workspace.
-- Per path: the functions of a `muon.plan.BatchPlan` and an FSDP rank below (`blocks_on`,
-  `bytes_sent`, `collective_buffer_bytes`, `exchange_buffer_bytes`, `ns_workspace_bytes`,
-  `peak_bytes`, `modelled_s`) count, from the plan alone, what the path's exchange in
-  `muon.comm` does; the tests check each figure against the real step.
+- What each path moves and holds is counted by the path object itself (`muon.paths`), next
+  to its exchange; `ns_block_bytes` here is the Newton-Schulz workspace those figures use.
 - `LinkModel` turns a collective's bytes into seconds with two constants per backend, measured
   at construction with two tiny collectives (`measure_link`) or given by the caller;
   `remainder_strategy="auto"` compares the remainder strategies with it.
-- `window_peak_bytes`: the largest sum of per-batch peaks over `max_inflight` consecutive
-  batches (the runtime keeps that many alive), which the dry-run planner and the whole-step
-  estimate (`recipes.step_memory`) both report.
 
-This module reads plans by their fields only and imports neither `muon.plan` nor `muon.comm`,
-so both may import it.
+This module reads plans by their fields only and imports no other muon module, so every
+module may import it.
 """
 
 from __future__ import annotations
@@ -156,203 +150,8 @@ def batch_blocks_flops(b, first: int = 0, count: int | None = None) -> int:
 def ns_flops_on(b, r: int) -> int:
     """Newton-Schulz FLOPs FSDP rank `r` spends on batch `b`."""
     if not b.split_sizes:
-        return blocks_on(b, r) * batch_block_flops(b)
+        return sum(count for _, _, count in b.units_on(r)) * batch_block_flops(b)
     return sum(batch_blocks_flops(b, f, c) for _, f, c in b.units_on(r))
-
-
-# -------------------------------------------------------------------------- bytes per path
-# Layout legend (as in `muon.comm`): a shard is `[rows_r, C]`, rows the sharded dim; a unit is
-# what one owner assembles, `[N, C]`; W is the exchange group's size, n the batch size,
-# p = ceil(N / W) * C * itemsize a padded shard.
-class _LocalCost:
-    """No communication: each rank orthogonalizes its own blocks, one parameter at a time."""
-
-    collectives = 0
-
-    def blocks_on(self, b, r: int) -> int:
-        return b.size * b.unit_blocks(r)[1]
-
-    def bytes_sent(self, b, r: int) -> int:
-        return 0
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        return 0
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        return 0
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        blocks = self.blocks_on(b, r) // max(1, b.size)
-        if not blocks:
-            return 0
-        # one parameter's blocks at a time, plus its NS output until applied
-        rows = b.shard_sizes[r if b.fsdp_size > 1 else 0]
-        return blocks * ns_block_bytes(b, ns_itemsize) + rows * b.other_numel * b.itemsize
-
-
-class _OwnerAllToAllCost:
-    """all_to_all_single with per-rank split sizes (full, ragged remainder, sub-group): each
-    rank sends its rows of the n units it holds to their owners, and an owner receives the
-    other rows of each unit it owns, in the exchange group's coordinates (`exchange_view`)."""
-
-    collectives = 2
-
-    def _figures(self, b, r: int) -> tuple[int, int, int, int, int]:
-        """Bytes on the wire dtype: (my rows of one unit, units held here that others own,
-        units I own, bytes of the units I own, of those the bytes other ranks hold)."""
-        view = b.exchange_view(r)
-        row = b.other_numel * b.wire_itemsize
-        mine = view.sizes[view.me] * row
-        owned = view.owned()
-        owned_bytes = sum(view.unit_rows(u) for u in owned) * row
-        own_rows = sum(view.me in view.holders(u) for u in owned) * mine
-        away = sum(o != view.me for o in view.held)
-        return mine, away, len(owned), owned_bytes, owned_bytes - own_rows
-
-    def blocks_on(self, b, r: int) -> int:
-        return self._figures(b, r)[2] * b.blocks_per_unit
-
-    def bytes_sent(self, b, r: int) -> int:
-        # my rows of each unit owned elsewhere; each owned unit's other rows back
-        mine, away, _, _, others = self._figures(b, r)
-        return mine * away + others
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        # the owned units arrive whole; the return lands in the send buffer
-        mine, _, _, owned_bytes, _ = self._figures(b, r)
-        return max(owned_bytes, b.size * mine)
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the return) + received units + NS output; several units are also
-        # gathered into one contiguous input
-        mine, _, owned, owned_bytes, _ = self._figures(b, r)
-        return b.size * mine + (2 if owned == 1 else 3) * owned_bytes
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)
-
-
-def _padded(b) -> int:
-    return b.padded_shard_rows * b.other_numel * b.wire_itemsize
-
-
-class _PadAllToAllCost:
-    """The batch padded to W matrices of c-row shards: flat in R, the same on every rank."""
-
-    collectives = 2
-
-    def blocks_on(self, b, r: int) -> int:
-        return b.num_blocks if r in b.owners else 0
-
-    def bytes_sent(self, b, r: int) -> int:
-        return 2 * _padded(b) * (b.fsdp_size - 1)
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        return b.fsdp_size * _padded(b)
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the return) + received slab + an owner's NS output copied back into it
-        return 2 * b.fsdp_size * _padded(b) + (b.matrix_bytes if r in b.owners else 0)
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)
-
-
-class _AgrsCost:
-    """All-gather the batch, orthogonalize the owned share, reduce-scatter: grows with n."""
-
-    collectives = 2
-
-    def _owned(self, b, r: int) -> int:
-        return sum(o == r for o in b.owners)
-
-    def blocks_on(self, b, r: int) -> int:
-        return self._owned(b, r) * b.num_blocks
-
-    def bytes_sent(self, b, r: int) -> int:
-        # all-gather my padded shards to W-1 peers; reduce-scatter W-1 padded shards back
-        return 2 * b.size * _padded(b) * (b.fsdp_size - 1)
-
-    def collective_buffer_bytes(self, b, r: int) -> int:
-        return b.fsdp_size * b.size * _padded(b)
-
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the reduce-scatter output) + gathered (later its input) + owned results
-        n, w = b.size, b.fsdp_size
-        return n * _padded(b) * (1 + w) + self._owned(b, r) * b.matrix_bytes
-
-    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
-        return (b.num_blocks if self._owned(b, r) else 0) * ns_block_bytes(b, ns_itemsize)
-
-
-#: the cost of each path of `muon.plan.PATHS`, counted from what its `muon.comm` exchange does
-PATH_COSTS = {
-    "local": _LocalCost(),
-    "subgroup": _OwnerAllToAllCost(),
-    "full": _OwnerAllToAllCost(),
-    "ragged_all_to_all": _OwnerAllToAllCost(),
-    "pad_all2all": _PadAllToAllCost(),
-    "agrs": _AgrsCost(),
-}
-
-
-def blocks_on(b, r: int) -> int:
-    """Blocks FSDP rank `r` orthogonalizes for batch `b`."""
-    return PATH_COSTS[b.path].blocks_on(b, r)
-
-
-def bytes_sent(b, r: int) -> int:
-    """Bytes FSDP rank `r` sends for batch `b`, both directions, counted from the plan."""
-    return PATH_COSTS[b.path].bytes_sent(b, r)
-
-
-def collective_buffer_bytes(b, r: int) -> int:
-    """Bytes of the largest receive buffer one collective of batch `b` allocates on rank `r`."""
-    return PATH_COSTS[b.path].collective_buffer_bytes(b, r)
-
-
-def exchange_buffer_bytes(b, r: int) -> int:
-    """Peak bytes of batch `b`'s exchange buffers alive at once on rank `r` (NS inputs
-    included)."""
-    return PATH_COSTS[b.path].exchange_buffer_bytes(b, r)
-
-
-def ns_workspace_bytes(b, r: int, ns_itemsize: int) -> int:
-    """Rough peak Newton-Schulz temporaries for what rank `r` orthogonalizes at once."""
-    return PATH_COSTS[b.path].ns_workspace_bytes(b, r, ns_itemsize)
-
-
-def nesterov_input_bytes(b, r: int, nesterov: bool) -> int:
-    """NS input the step allocates outside the exchange buffers: on the local path, Nesterov's
-    `grad.lerp(buf)` of the one parameter being stepped, in the parameter's dtype (exchanges
-    write their inputs straight into the send buffer, which `exchange_buffer_bytes` counts)."""
-    if b.path != "local" or not nesterov:
-        return 0
-    rows = b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
-    return rows * b.other_numel * b.itemsize
-
-
-def peak_bytes(b, r: int, ns_itemsize: int, *, nesterov: bool = False) -> int:
-    """Planned peak bytes of batch `b` on FSDP rank `r`: the local path's Nesterov input (with
-    `nesterov`) + exchange buffers + Newton-Schulz workspace."""
-    return (
-        nesterov_input_bytes(b, r, nesterov)
-        + exchange_buffer_bytes(b, r)
-        + ns_workspace_bytes(b, r, ns_itemsize)
-    )
-
-
-def window_peak_bytes(plans, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
-    """The largest sum of per-batch `peak_bytes` over `max_inflight` consecutive batches of
-    `plans` (`[(mesh plan, batches)]`, seen from each mesh plan's `fsdp_rank`): the runtime keeps
-    that many batches alive. 0 without batches."""
-    peaks = [
-        peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
-        for mp, batches in plans
-        for b in batches
-    ]
-    k = max(1, max_inflight)
-    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
 
 
 # ------------------------------------------------------------------------------- the link
@@ -419,11 +218,3 @@ def measure_link(group, device: torch.device, *, repeats: int = 3) -> LinkModel:
     # an all-reduce moves about 2x its bytes per rank (ring: reduce-scatter + all-gather)
     bandwidth = 2 * (_SMALL_BYTES - _TINY_BYTES) / max(t_small - t_tiny, 1e-9)
     return LinkModel(latency_s=t_tiny, bytes_per_s=bandwidth, flops_per_s=default.flops_per_s)
-
-
-def modelled_s(b, link: LinkModel, ranks=None) -> float:
-    """Modelled time of batch `b`'s collectives, from the busiest rank's bytes (of `ranks`,
-    default all)."""
-    ranks = range(b.fsdp_size) if ranks is None else ranks
-    per_collective = max(bytes_sent(b, r) for r in ranks) / 2
-    return PATH_COSTS[b.path].collectives * link.collective_s(int(per_collective))

@@ -1,10 +1,17 @@
-"""The row layout exchanged matrices travel in: the sharded dim first, the rest flattened."""
+"""The row layout exchanged matrices travel in: the sharded dim first, the rest flattened; and
+a DTensor's local tensor, which every step reads."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a DTensor (a plain tensor is its own)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:

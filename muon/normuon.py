@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from muon.blocks import local as _local
+from muon.layout import local as _local
 
 #: added to sqrt(v) before dividing (the paper's and dion's value)
 EPS = 1e-8
@@ -130,31 +130,50 @@ def sync(opt) -> None:
         sync_owned(tensors, owned, opt.plan.groups[(mp, 0)])
 
 
-def post_for(opt, params: list, b):
-    """NorMuon for the blocks of batch `b` this rank orthogonalizes, or None when no
-    parameter of the batch has it on: `post(O_BRC, blocks)`, `blocks[i]` = (parameter j,
-    block index) of `O_BRC[i]`, normalizes them (`muon.normuon.normalize`) and updates their
-    moments in this rank's copy."""
-    if not any(g.get("normuon") for _, g in params):
-        return None
+def normalize_blocks(o_BRC: torch.Tensor, blocks, moments) -> torch.Tensor:
+    """NorMuon of the orthogonalized blocks `o_BRC` of several parameters: `blocks[i]` is the
+    (parameter j, block index) of `o_BRC[i]`, `moments[j]` parameter j's (local second moments
+    `[num_blocks, L]`, beta2), or None to leave its blocks as they are (NorMuon off, or no
+    gradient). Normalizes in place and updates the moments of those blocks; returns `o_BRC`.
+    Parameters of one beta2 whose blocks are one run of `o_BRC` are normalized in one call
+    (their moments stacked, then copied back); runs of positions and block indices are slices,
+    so no index tensor is made."""
+    by_param: dict[int, tuple[list, list]] = {}
+    for pos, (j, i) in enumerate(blocks):
+        by_param.setdefault(j, ([], []))[0].append(pos)
+        by_param[j][1].append(i)
+    by_beta2: dict[float, list] = {}
+    for j, (pos, idx) in by_param.items():
+        if moments[j] is not None:
+            v_all, beta2 = moments[j]
+            by_beta2.setdefault(beta2, []).append((pos, v_all, _selector(idx, v_all.device)))
+    for beta2, members in by_beta2.items():
+        at = _selector([q for pos, _, _ in members for q in pos], o_BRC.device)
+        if len(members) > 1 and not isinstance(at, slice):  # not one run: one at a time
+            for member in members:
+                _normalize_members(o_BRC, [member], _selector(member[0], o_BRC.device), beta2)
+        else:
+            _normalize_members(o_BRC, members, at, beta2)
+    return o_BRC
 
-    def post(o_BRC: torch.Tensor, blocks) -> torch.Tensor:
-        rows, cols = o_BRC.shape[1:]
-        by_param: dict[int, tuple[list, list]] = {}
-        for pos, (j, i) in enumerate(blocks):
-            by_param.setdefault(j, ([], []))[0].append(pos)
-            by_param[j][1].append(i)
-        for j, (pos, idx) in by_param.items():
-            p, g = params[j]
-            if not g.get("normuon") or id(p) in opt._gradless:
-                continue
-            v_all = _local(opt.state[p]["normuon_v"])
-            length = state_len(rows, cols)  # blocks of unequal heights: a prefix of the row
-            pos_t = torch.tensor(pos, device=o_BRC.device)
-            idx_t = torch.tensor(idx, device=v_all.device)
-            v = v_all[idx_t, :length]
-            o_BRC[pos_t] = normalize(o_BRC[pos_t], v, g["normuon_beta2"])
-            v_all[idx_t, :length] = v
-        return o_BRC
 
-    return post
+def _normalize_members(o_BRC, members, at, beta2: float) -> None:
+    """`normalize` of the blocks `o_BRC[at]`, whose moments are the members' rows, in order."""
+    length = state_len(*o_BRC.shape[1:])  # blocks of unequal heights: a prefix of the row
+    views = [v_all[rows_of, :length] for _, v_all, rows_of in members]
+    v = views[0] if len(views) == 1 else torch.cat(views)
+    o_BRC[at] = normalize(o_BRC[at], v, beta2)
+    if len(views) > 1:  # the stacked moments back into each parameter's state
+        torch._foreach_copy_(views, list(v.split([w.size(0) for w in views])))
+    for (_, v_all, rows_of), w in zip(members, views, strict=True):
+        if not isinstance(rows_of, slice):  # an index copy, not a view: write it back
+            v_all[rows_of, :length] = w
+
+
+def _selector(seq: list[int], device) -> slice | torch.Tensor:
+    """`seq` as a slice when it is an arithmetic run (always, for the layouts the plan builds:
+    a unit's blocks, or every k-th one), else as an index tensor."""
+    step = seq[1] - seq[0] if len(seq) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(seq, seq[1:], strict=False)):
+        return slice(seq[0], seq[-1] + 1, step)
+    return torch.tensor(seq, device=device)

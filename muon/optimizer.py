@@ -1,11 +1,13 @@
 """Muon with AdamW groups in one optimizer, for plain tensors and FSDP2 / EP DTensors.
 
 The path of one Muon batch through a step: at construction `planner.py` decided which
-matrices travel together (`plan.py`) and who assembles them (`owners.py`); here each batch
-becomes an AsyncTask (`_task`) that (1) updates the momentum of its local shards straight into
-the send buffer of its path, (2) runs the path's exchange from `comm.py`, in which the owners
-orthogonalize with `newton_schulz.py`, and (3) applies the returned shards. `runtime.py` keeps
-a sliding window of batches in flight.
+matrices travel together (`plan.py`) and who assembles them (`owners.py`), and `_prepare` made
+once what the step needs on the device (row indices and lr factors of blocks of unequal
+heights). A step is the gradient census (`census.py`, one host read), then
+`update`: the AdamW groups, then each batch as an AsyncTask (`_task`) that runs the same phases
+for every path (`paths.py`): momentum -> launch -> wait -> orthogonalize -> return -> wait ->
+apply, the math being the foreach functions of `update.py`. `runtime.py` keeps a sliding
+window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
@@ -35,21 +37,20 @@ call it on every rank in the same order, as the constructor is.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
 
-from muon import normuon
-from muon.blocks import local as _local
+from muon import normuon, update
 from muon.blocks import orthogonalize as _orthogonalize
-from muon.comm import PATHS
+from muon.census import GradCensus
+from muon.chunks import Chunk, adjusted_lr, prepare_chunks, row_scales
 from muon.cost import LinkModel
-from muon.grads import grad_census
 from muon.guard import fit, guard_update, updates_finite
-from muon.layout import from_rows, moved_shape, to_rows
+from muon.layout import from_rows, local, moved_shape
+from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.runtime import AsyncRuntime
@@ -69,15 +70,6 @@ from muon.validate import (
 )
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
-
-
-def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
-    """The Muon learning rate for one `[rows, cols]` block."""
-    if adjust_lr == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
 
 
 class Muon(torch.optim.Optimizer):
@@ -222,6 +214,7 @@ class Muon(torch.optim.Optimizer):
         )
         self._planned_params = [tuple(map(id, g["params"])) for g in self.param_groups]
         normuon.init_state(self)
+        self._prepare()
 
     def state_dict(self) -> dict:
         """The state dict, with NorMuon's moments made equal on every rank first (collective
@@ -301,14 +294,33 @@ class Muon(torch.optim.Optimizer):
                 st = self.state[p]
                 if g["algorithm"] == "muon":
                     st.setdefault("momentum_buffer", torch.zeros_like(p))
-                else:
-                    st.setdefault("step", torch.tensor(0.0))
+                else:  # on the parameter's device, as torch.optim's fused AdamW keeps it
+                    st.setdefault("step", torch.zeros((), device=local(p).device))
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))
 
     # ---------------------------------------------------------------------------------- step
+    @property
+    def step_stats(self) -> dict[str, float]:
+        """This rank's counters of the last step (`muon.stats`), read when first asked for: on
+        CUDA that waits for the step's timing events, so the step itself never does."""
+        if self._stats is not None:
+            self._step_stats, self._stats = self._stats.as_dict(), None
+        return self._step_stats
+
+    @step_stats.setter
+    def step_stats(self, value: dict[str, float]) -> None:
+        self._step_stats, self._stats = value, None
+
+    def _prepare(self) -> None:
+        """What every step reuses, made once per plan (`muon.chunks`)."""
+        self._census = GradCensus()
+        self._chunks = prepare_chunks(self.plan, self.param_groups)
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        """One step: the gradient census (one host read), then `update` unless it skips, then
+        the update guard's verdict (`muon.guard`, one host read)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -317,59 +329,116 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:  # a scheduler's cycled momentum is an AdamW group's beta1
             if g["algorithm"] == "adamw":
                 fold_adamw_momentum(g)
-        finite, self._gradless = grad_census(self.param_groups)
+        finite, self._gradless = self._census(self.param_groups)
         if not finite:
             self.skipped_steps += 1
             self.last_step_skipped = True
             return loss
         self.last_step_skipped = False
-        self._updates_ok = []
-        for g in self.param_groups:
-            if g["algorithm"] == "adamw":
-                self._adamw_group(g)
-        stats = StepStats(self.plan.params[0][0].device if self.plan.params else None)
-        runtime = AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight)
-        runtime.run()
-        self.step_stats = stats.as_dict()
+        self.update()
         if not updates_finite(self._updates_ok):  # an update that did not fit was not written
             self.skipped_steps += 1
             self.last_step_skipped = True
         return loss
 
+    @torch.no_grad()
+    def update(self, *, timed: bool = True) -> None:
+        """The step after the census, on the gradients as they are: AdamW groups, then every
+        Muon batch. No host reads on the local path and the AdamW groups (the exchanges read
+        their plan, never a device value), so a CUDA graph can capture it (`timed=False`: no
+        timing events, which a graph cannot record: `step_stats` then times on the host). The
+        verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
+        self._updates_ok: list[torch.Tensor] = []
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                self._adamw_group(g)
+        device = self.plan.params[0][0].device if self.plan.params and timed else None
+        stats = StepStats(device)
+        AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight).run()
+        self._stats = stats
+
     def _adamw_group(self, g: dict) -> None:
-        b1, b2 = g["betas"]
-        for p in g["params"]:
-            if p.grad is None:
-                continue
-            st = self.state[p]
-            st["step"] += 1
-            t = st["step"].item()
-            x, grad = _local(p), _local(p.grad)
-            m, v = _local(st["exp_avg"]), _local(st["exp_avg_sq"])
-            m.lerp_(grad, 1 - b1)
-            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(g["eps"])
-            if g["lr"] / (1 - b1**t) > torch.finfo(x.dtype).max:  # cannot be written (guard)
-                self._updates_ok.append(torch.tensor(False))
-                continue
-            x.mul_(1 - g["lr"] * g["weight_decay"])
-            x.addcdiv_(m, denom, value=-g["lr"] / (1 - b1**t))
+        """torch's fused AdamW over the group's parameters with a grad (`muon.update`)."""
+        params = [p for p in g["params"] if p.grad is not None]
+        beta1 = g["betas"][0]
+        # the bias-corrected scale lr / (1 - beta1^t) is largest at t = 1: a dtype it passes
+        # there cannot be written at all (`muon.guard`), decided on the host without t
+        big = {p.dtype for p in params if g["lr"] / (1 - beta1) > torch.finfo(p.dtype).max}
+        if big:
+            self._updates_ok.append(torch.tensor(False))
+            params = [p for p in params if p.dtype not in big]
+        update.adamw_group_(
+            params,
+            self.state,
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+        )
 
     def _tasks(self, stats: StepStats):
-        """One AsyncTask per batch, created lazily in plan order."""
-        for mp, batches in self.plan.plans:
-            for b in batches:
-                yield self._task(mp, b, stats)
+        """One AsyncTask per batch (per chunk on the local path), created lazily in plan order."""
+        for mi, (mp, batches) in enumerate(self.plan.plans):
+            for bi, b in enumerate(batches):
+                for chunk in self._chunks[(mi, bi)]:
+                    yield self._task(mp, b, chunk, stats)
 
-    def _task(self, mp: MeshCommPlan, b: BatchPlan, stats: StepStats):
-        """One batch, top to bottom: momentum -> exchange + Newton-Schulz -> apply."""
+    def _task(self, mp: MeshCommPlan, b: BatchPlan, chunk: Chunk, stats: StepStats):
+        """One batch through its path's phases: momentum -> launch -> wait -> orthogonalize ->
+        return -> wait -> apply (the local path has nothing to wait for)."""
+        r, path = mp.fsdp_rank, PATHS[b.path]
         params = [
-            (p, self.param_groups[gi]) for p, gi in (self.plan.params[i] for i in b.param_indices)
+            (p, self.param_groups[gi])
+            for p, gi in (self.plan.params[b.param_indices[j]] for j in chunk.positions)
         ]
+        device = local(params[0][0]).device
+        group = self.plan.groups.get((mp, b.subgroup_size if b.path == "subgroup" else 0))
+        wire = getattr(torch, b.wire_dtype)
+        if chunk.positions[0] == 0:  # a batch counts once, however many chunks it has
+            stats.batches[b.path] += 1
+        # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
+        send, slots = path.send_buffer(b, r, dtype=wire, device=device, count=len(params))
+        self._momentum(params, slots, b.shard_tensor_dim)
+        # 2. launch the exchange; wait
+        ex = path.launch(b, send, fsdp_rank=r, group=group, stats=stats)
+        del send
+        if path.collectives:
+            yield
+            stats.wait(ex.work)
+            ex.work = None  # a finished Work still references its buffers
+        # 3. orthogonalize what this rank assembled
+        units = path.received(b, ex, r)
+        result = None
+        if units is not None:
+            blocks = sum(count for _, _, count in chunk.units)
+            ortho = self._orthogonalizer(b, chunk, params)
+            result = stats.orthogonalize(ortho, units, b.path, blocks, units=chunk.units)
+        del units
+        # 4. return the orthogonalized units; wait
+        path.give_back(b, ex, result, fsdp_rank=r, group=group, stats=stats)
+        del result
+        if path.collectives:
+            yield
+            stats.wait(ex.work)
+            ex.work = None
+        # 5. apply the returned shards
+        self._apply(params, path.returned(b, ex, slots), b, chunk, r)
+
+    def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
+        """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
+        parameters that have it (`muon.normuon.normalize_blocks`, given their moments)."""
         g0 = params[0][1]
+        offset = chunk.positions[0] if b.path == "local" else 0
+        moments: list = [None] * b.size
+        for k, (p, g) in enumerate(params):
+            if g.get("normuon") and id(p) not in self._gradless:
+                moments[offset + k] = (local(self.state[p]["normuon_v"]), g["normuon_beta2"])
+        post = None
+        if any(m is not None for m in moments):
+            post = partial(normuon.normalize_blocks, moments=moments)
         # blocks are runs of dim 0; a matrix sharded on another dim is exchanged with that dim
-        # first and orthogonalized in its own layout (see _orthogonalize)
-        ortho = partial(
+        # first and orthogonalized in its own layout (see muon.blocks.orthogonalize)
+        return partial(
             _orthogonalize,
             block_rows=b.block_rows,
             block_shape=b.block_shape,
@@ -380,88 +449,62 @@ class Muon(torch.optim.Optimizer):
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
             algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
-            post=normuon.post_for(self, params, b),
-            heights=b.split_sizes,
+            post=post,
+            split=chunk.split,
         )
-        stats.batches[b.path] += 1
-        if b.path == "local":  # no exchange: one parameter at a time, nothing held across
-            first, count = b.unit_blocks(mp.fsdp_rank)
-            for j, (p, g) in enumerate(params):
-                if id(p) in self._gradless:
-                    continue
-                shard = self._momentum_step(p, g, mp.shard_tensor_dim)
-                if shard.numel():
-                    units = [(j, first, count)]
-                    shard = stats.orthogonalize(ortho, shard, "local", count, units=units)
-                self._apply(p, g, shard, b, mp.fsdp_rank)
-            return
-        path = PATHS[b.path]
-        like = _local(self.state[params[0][0]]["momentum_buffer"])
-        # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
-        send, slots = path.send_buffer(
-            b, mp.fsdp_rank, dtype=getattr(torch, b.wire_dtype), device=like.device
-        )
-        for (p, g), slot in zip(params, slots, strict=True):
-            self._momentum_step(p, g, mp.shard_tensor_dim, out=slot)
-        # 2. exchange: owners assemble, orthogonalize and return their units
-        group = self.plan.groups[(mp, b.subgroup_size if b.path == "subgroup" else 0)]
-        results = yield from path.run(
-            b, send, fsdp_rank=mp.fsdp_rank, group=group, ortho=ortho, stats=stats
-        )
-        # 3. apply the orthogonalized shards
-        for (p, g), o in zip(params, results, strict=True):
-            if id(p) not in self._gradless:  # a parameter without any grad stays untouched
-                self._apply(p, g, o, b, mp.fsdp_rank)
 
-    def _apply(self, p, g: dict, o: torch.Tensor, b: BatchPlan, fsdp_rank: int) -> None:
-        """Decoupled weight decay, then the orthogonalized update at the per-block lr; neither
-        when the update does not fit the parameter's dtype (`muon.guard`)."""
+    def _momentum(self, params: list, slots: list, shard_dim: int) -> None:
+        """The momentum phase (`muon.update.muon_momentum_`) into the send-buffer slots, per
+        (momentum, nesterov) of the batch's groups; a parameter without a grad on any rank
+        keeps its momentum and sends zeros."""
+        lists: dict[tuple, tuple[list, list, list]] = {}
+        zero = []
+        for (p, g), slot in zip(params, slots, strict=True):
+            if id(p) in self._gradless:
+                zero.append(slot)
+                continue
+            buf = local(self.state[p]["momentum_buffer"])
+            out = lists.setdefault((g["momentum"], g["nesterov"]), ([], [], []))
+            out[0].append(buf)
+            out[1].append(local(p.grad))
+            same = shard_dim == 0 and slot.shape == buf.shape  # from_rows would be a no-op view
+            out[2].append(slot if same else from_rows(slot, buf, shard_dim))
+        if zero:
+            torch._foreach_zero_(zero)
+        for (mu, nesterov), (M, G, target) in lists.items():
+            update.muon_momentum_(M, G, target, momentum=mu, nesterov=nesterov)
+
+    def _apply(self, params: list, shards: list, b: BatchPlan, chunk: Chunk, r: int) -> None:
+        """The apply phase (`muon.update.muon_apply_`): decoupled weight decay, then the
+        orthogonalized update at the per-block lr, per (lr, adjust_lr) group; neither for a
+        parameter whose update does not fit its dtype (`muon.guard`, which applies the decay)."""
         if len(b.global_shape) > 2:  # each dim-0 slice is a block
             rows, cols = b.block_shape
-        else:
-            rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
-        x = _local(p)
-        update = from_rows(o, x, b.shard_tensor_dim)
-        lrs = {h: adjusted_lr(g["lr"], g["adjust_lr"], h, cols) for h in b.split_sizes or (rows,)}
-        update = guard_update(x, update, max(lrs.values()), g, self._updates_ok)
-        if not b.split_sizes:
-            x.add_(update, alpha=-fit(lrs[rows], x.dtype))
-            return
-        # blocks of unequal heights: each height its own lr, on this rank's rows of dim 0
-        heights = torch.tensor(b.split_sizes)
-        row_height = heights.repeat_interleave(heights)
-        if b.shard_tensor_dim == 0 and b.fsdp_size > 1:
-            start = sum(b.shard_sizes[:fsdp_rank])
-            row_height = row_height[start : start + x.shape[0]]
-        for h in sorted(set(b.split_sizes)):
-            rows = (row_height == h).nonzero().view(-1).to(x.device)
-            if rows.numel():
-                # the update may arrive in a narrower wire dtype; add_ would promote it too
-                x.index_add_(
-                    0, rows, update.index_select(0, rows).to(x.dtype), alpha=-fit(lrs[h], x.dtype)
-                )
-
-    def _momentum_step(
-        self, p: torch.Tensor, g: dict, shard_dim: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """M <- lerp(M, G, 1 - mu); the NS input (lerp(G, M, mu) with Nesterov, else M) as
-        `[rows, C]`, sharded dim first: written into `out` (a send-buffer slot, possibly of a
-        narrower wire dtype) when given, else returned. A parameter without a grad on any rank
-        keeps its momentum and sends zeros."""
-        if id(p) in self._gradless:
-            return out.zero_()
-        buf = _local(self.state[p]["momentum_buffer"])
-        grad = _local(p.grad) if p.grad is not None else torch.zeros_like(buf)
-        mu = g["momentum"]
-        buf.lerp_(grad, 1 - mu)
-        if out is None:
-            update = grad.lerp(buf, mu) if g["nesterov"] else buf  # read-only from here on
-            return to_rows(update, shard_dim)
-        target = from_rows(out, buf, shard_dim)
-        if not g["nesterov"]:
-            target.copy_(buf)
-        elif target.dtype == buf.dtype:
-            torch.lerp(grad, buf, mu, out=target)
-        else:  # a narrower wire dtype: round the way Newton-Schulz's own cast would
-            target.copy_(grad.lerp(buf, mu))
-        return out
+        lists: dict[tuple, tuple[list, list]] = {}
+        for (p, g), o in zip(params, shards, strict=True):
+            if id(p) in self._gradless:  # a parameter without any grad stays untouched
+                continue
+            if len(b.global_shape) <= 2:
+                rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
+            key = (g["lr"], g["adjust_lr"], rows, cols)
+            top = max(
+                adjusted_lr(g["lr"], g["adjust_lr"], h, cols) for h in b.split_sizes or (rows,)
+            )
+            x = local(p)
+            same = b.shard_tensor_dim == 0 and o.shape == x.shape
+            u = guard_update(
+                x, o if same else from_rows(o, x, b.shard_tensor_dim), top, g, self._updates_ok
+            )
+            out = lists.setdefault(key, ([], []))
+            out[0].append(x)
+            out[1].append(u)
+        for (lr, mode, rows, cols), (X, U) in lists.items():
+            dtype = X[0].dtype
+            if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
+                if mode not in chunk.row_scales:  # adjust_lr changed since planning: made once
+                    chunk.row_scales.update(row_scales(b, r, [mode], X[0].device))
+                scale = chunk.row_scales[mode]
+                update.muon_apply_(X, U, decay=1.0, lr=fit(lr, dtype), row_scale=scale)
+            else:
+                alpha = fit(adjusted_lr(lr, mode, rows, cols), dtype)
+                update.muon_apply_(X, U, decay=1.0, lr=alpha)

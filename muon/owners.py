@@ -9,8 +9,9 @@ initial load: its local expert blocks, and replicated matrices. Costs are intege
 rank computes the same assignment; its digest goes into the plan fingerprint.
 
 Constraints: a unit goes to a rank of its exchange group (the FSDP group; the sub-group for
-expert blocks that span k ranks). In full and remainder batches a rank owns at most one unit
-(`pad_all2all` has one slot per rank; it also bounds a batch's memory); in a sub-group batch a
+expert blocks that span k ranks). In a full batch of k * W matrices every rank owns k (its
+memory bound, `muon.plan`), in a remainder batch at most one unit (`pad_all2all` has one slot
+per rank); in a sub-group batch a
 rank may own up to the batch size (the batch is already bounded by memory, see `muon.plan`).
 
 Sub-groups can be widened. With the k ranks of a block as its sub-group, the blocks of a
@@ -29,7 +30,8 @@ import hashlib
 import heapq
 from dataclasses import dataclass, replace
 
-from muon.cost import batch_block_flops, batch_blocks_flops, bytes_sent, ns_flops_on
+from muon.cost import batch_block_flops, batch_blocks_flops, ns_flops_on
+from muon.paths import bytes_sent
 from muon.plan import BatchPlan, MeshCommPlan
 
 Plans = list[tuple[MeshCommPlan, list[BatchPlan]]]
@@ -121,8 +123,11 @@ class _Trial:
                     continue
                 if b.path != "subgroup":
                     cost = batch_blocks_flops(b)
+                    cap = b.size // b.fsdp_size if b.path == "full" else 1  # k per rank, or 1
                     for q in range(len(groups)):
-                        whole += [(-cost, mi, bi, q, u, 0, b.fsdp_size, 1) for u in range(b.units)]
+                        whole += [
+                            (-cost, mi, bi, q, u, 0, b.fsdp_size, cap) for u in range(b.units)
+                        ]
                     continue
                 cost, k, s = batch_block_flops(b), b.block_span, _subgroup(b, self.m)
                 for q in range(len(groups)):

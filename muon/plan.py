@@ -10,19 +10,19 @@ Resolved once at optimizer construction, identical on every rank:
   for exchanges, which FSDP rank assembles (owns) each unit. Owners are filled in afterwards by
   `muon.owners.assign_owners`, which balances Newton-Schulz cost over the whole step.
 
-Paths (each one object in `muon.comm` owning its exchange; what each moves, holds and costs is
-counted from the plan by `muon.cost`):
+Paths (each one object in `muon.paths` holding its name, its exchange and its cost):
   local       whole matrices or whole expert blocks already on the rank: no communication
   subgroup    each expert block spans k consecutive FSDP ranks: the ranks of a sub-group (the k,
               or m * k when `muon.owners` widens it to balance the step) exchange so that every
               block is assembled on exactly one of them, orthogonalized once, returned
-  full        W matrices on a W-rank group: all-to-all, one matrix assembled per rank
+  full        k * W matrices on a W-rank group (k as many as fit `BATCH_BYTES`): all-to-all,
+              k matrices assembled per rank and orthogonalized in one call
   agrs | pad_all2all | ragged_all_to_all   a remainder batch of R < W matrices
   (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
 
 Because plans are plain data, they can be printed, fingerprinted across ranks and built for 1024
-fake ranks by the dry-run planner with the optimizer's own code. This module imports neither
-`muon.comm` nor anything that does: the exchange reads the plan, never the other way round.
+fake ranks by the dry-run planner with the optimizer's own code. Planning asks the path objects
+what a batch would cost (`choose_remainder`) and never runs an exchange.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from muon.cost import DEFAULT_LINKS, LinkModel, modelled_s, peak_bytes
+from muon.cost import DEFAULT_LINKS, LinkModel
 from muon.mesh import LOCAL_MESH_PLAN, MeshCommPlan, resolve_mesh_comm_plan, shard_sizes
+from muon.paths import BATCH_BYTES, REMAINDER_STRATEGIES, modelled_s, peak_bytes
 
 __all__ = [  # the mesh plan's names are planning's too
     "BATCH_BYTES",
     "LOCAL_MESH_PLAN",
-    "PATHS",
     "REMAINDER_CHOICES",
     "REMAINDER_STRATEGIES",
     "BatchPlan",
@@ -53,12 +53,8 @@ __all__ = [  # the mesh plan's names are planning's too
     "shard_sizes",
 ]
 
-REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
 #: what `remainder_strategy` accepts: a strategy, or "auto" (the cheapest per batch)
 REMAINDER_CHOICES: tuple[str, ...] = (*REMAINDER_STRATEGIES, "auto")
-PATHS: tuple[str, ...] = ("local", "subgroup", "full", *REMAINDER_STRATEGIES)
-#: default bound on one batch's exchange buffers on one rank (sub-group batches are sized by it)
-BATCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -363,11 +359,21 @@ def _cut_bucket(
                 for i in range(0, len(indices), n)
             ]
     out = []
-    for i in range(0, len(indices), w):
-        batch = indices[i : i + w]
+    # a full batch holds k matrices per rank (k * W in all), so that one Newton-Schulz call
+    # orthogonalizes an owner's k: its k received matrices, their stacked copy and the output
+    # (~4 matrices per k with its send buffer) within `batch_bytes`
+    matrix = visible * (math.prod(common["global_shape"]) // common["global_shape"][d])
+    k = max(1, batch_bytes // (4 * matrix * getattr(torch, common["wire_dtype"]).itemsize))
+    cuts, i = [], 0
+    while a2a and len(indices) - i >= w:
+        n = w * min(k, (len(indices) - i) // w)
+        cuts.append(indices[i : i + n])
+        i += n
+    cuts += [indices[j : j + w] for j in range(i, len(indices), w)]
+    for batch in cuts:
         if not a2a:
             path = "agrs"
-        elif len(batch) == w:
+        elif len(batch) >= w:
             path = "full"
         elif strategy == "auto":
             path = choose_remainder(

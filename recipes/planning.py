@@ -4,7 +4,7 @@
 `world_size` ranks, parallelizes it with the real `models.glm.parallelize` (EP + FSDP2; both by
 `recipes.parallel.planning_model`, as the whole-step estimate does), and constructs the real
 `muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
-through the cost model's functions of a `muon.plan.BatchPlan` (`muon.cost`); nothing here
+through the path objects' figures of a `muon.plan.BatchPlan` (`muon.paths`); nothing here
 re-models the planning and no parameter memory is allocated. The report: per shape group (one
 bucket of same-shape matrices on one mesh) and strategy the figures of a busy, an idle and the
 viewed rank; per strategy the viewed rank's step totals and the Newton-Schulz balance; the
@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from models.glm import get_preset
 from models.glm.local import local_tensor
-from muon import cost
-from muon.plan import PATHS, REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
+from muon import paths
+from muon.paths import PATHS
+from muon.plan import REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
 from recipes.parallel import join_fake_world, planning_model
 from recipes.planning_report import GiB, over_budget
@@ -118,7 +119,7 @@ class ShapeGroup:
 
     def roles(self, batches: list[BatchPlan]) -> dict[str, int | None]:
         """FSDP ranks that orthogonalize something of `batches` (busy) and that do not (idle)."""
-        work = [sum(cost.blocks_on(b, r) for b in batches) for r in range(self.mesh.fsdp_size)]
+        work = [sum(paths.blocks_on(b, r) for b in batches) for r in range(self.mesh.fsdp_size)]
         busy = next((r for r, n in enumerate(work) if n), None)
         idle = next((r for r, n in enumerate(work) if not n), None)
         return {"busy": busy, "idle": idle}
@@ -149,13 +150,13 @@ def rank_figures(
     return {
         "fsdp_rank": r,
         "global_rank": g.mesh.group_ranks[r] if g.mesh.group_ranks else r,
-        "matrices": sum(cost.blocks_on(b, r) for b in batches),
-        "bytes_sent": sum(cost.bytes_sent(b, r) for b in batches),
-        "collective_buffer_bytes": max(cost.collective_buffer_bytes(b, r) for b in batches),
-        "exchange_buffer_bytes": max(cost.exchange_buffer_bytes(b, r) for b in batches),
-        "ns_workspace_bytes": max(cost.ns_workspace_bytes(b, r, ns_itemsize) for b in batches),
-        "input_bytes": max(cost.nesterov_input_bytes(b, r, nesterov) for b in batches),
-        "peak_bytes": max(cost.peak_bytes(b, r, ns_itemsize, nesterov=nesterov) for b in batches),
+        "matrices": sum(paths.blocks_on(b, r) for b in batches),
+        "bytes_sent": sum(paths.bytes_sent(b, r) for b in batches),
+        "collective_buffer_bytes": max(paths.collective_buffer_bytes(b, r) for b in batches),
+        "exchange_buffer_bytes": max(paths.exchange_buffer_bytes(b, r) for b in batches),
+        "ns_workspace_bytes": max(paths.ns_workspace_bytes(b, r, ns_itemsize) for b in batches),
+        "input_bytes": max(paths.nesterov_input_bytes(b, r, nesterov) for b in batches),
+        "peak_bytes": max(paths.peak_bytes(b, r, ns_itemsize, nesterov=nesterov) for b in batches),
     }
 
 
@@ -194,7 +195,7 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
                 }
 
             entry["strategies"][s] = {
-                "paths": sorted({b.path for b in g.batches}, key=PATHS.index),
+                "paths": sorted({b.path for b in g.batches}, key=list(PATHS).index),
                 # a sub-group batch as "subgroup(s)": s ranks per sub-group (widened when s
                 # exceeds the ranks one block spans, see muon.owners)
                 "batches": [[_path_label(b), b.size] for b in g.batches],
@@ -210,15 +211,15 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
     totals = {}
     for s, o in opts.items():
         peaks = [
-            cost.peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
+            paths.peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
             for mp, bs in o.plans
             for b in bs
         ]
-        sent = sum(cost.bytes_sent(b, mp.fsdp_rank) for mp, bs in o.plans for b in bs)
+        sent = sum(paths.bytes_sent(b, mp.fsdp_rank) for mp, bs in o.plans for b in bs)
         totals[s] = {
             "view_bytes_sent": sent,
             "view_max_batch_peak_bytes": max(peaks, default=0),
-            "view_step_bound_bytes": cost.window_peak_bytes(
+            "view_step_bound_bytes": paths.window_peak_bytes(
                 o.plans, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=o.max_inflight
             ),
             "busy_max_peak_bytes": max(

@@ -67,11 +67,15 @@ def _blocks_key() -> str:
 
 def _planned_bytes_sent(opt) -> int:
     """What `opt`'s plans say this rank sends in a step: a baseline from before `muon.cost`
-    asks its plans' own `bytes_sent` method, this version its cost model."""
+    asks its plans' own `bytes_sent` method, one from before `muon.paths` its cost model, this
+    version its path objects."""
     plans = [(mp.fsdp_rank, b) for mp, bs in opt.plans for b in bs]
     if plans and hasattr(plans[0][1], "bytes_sent"):
         return sum(b.bytes_sent(rank) for rank, b in plans)
-    from muon.cost import bytes_sent
+    try:
+        from muon.paths import bytes_sent
+    except ImportError:  # a baseline whose paths' costs live in muon.cost
+        from muon.cost import bytes_sent
 
     return sum(bytes_sent(b, rank) for rank, b in plans)
 

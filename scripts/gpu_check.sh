@@ -4,7 +4,9 @@
 #   scripts/gpu_check.sh OUT_DIR [--only PART[,PART...]] [--budget SECONDS] [--dry-run]
 #
 # Parts, in the order they run (each one a function below, runnable alone with --only):
-#   pytest  `pytest -m gpu` over tests/ (junit XML)
+#   pytest  `pytest -m gpu` over tests/ (junit XML), but for the graph part's test
+#   graph   tests/gpu/test_muon_graph.py: the Muon step (local path + AdamW groups) captured
+#           in a CUDA graph and replayed equals the eager step
 #   bench   scripts/bench_newton_schulz.py on GLM-4.5-Air, GLM-5.2 and 8192x6144 blocks, bf16:
 #           ms per block and TFLOP/s against the device's dense bf16 peak, standard vs Gram
 #   memory  scripts/check_memory_meter.py: the MemoryMeter against max_memory_allocated
@@ -30,7 +32,7 @@
 set -u
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PARTS=(pytest bench memory train moe)
+PARTS=(pytest graph bench memory train moe)
 PYTHON=${PYTHON:-python}
 BUDGET=450
 MIN_STEP_S=20 # a step with less time left than this is not started
@@ -175,10 +177,18 @@ prepare() {
 }
 
 # ---------------------------------------------------------------------------- the parts
+GRAPH_TEST=tests/gpu/test_muon_graph.py
+
 part_pytest() {
 	run_step pytest 180 "$OUT/pytest/pytest.log" \
 		"$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o "junit_family=xunit2" \
-		--junitxml "$OUT/pytest/junit.xml" tests
+		--junitxml "$OUT/pytest/junit.xml" --ignore "$GRAPH_TEST" tests
+}
+
+part_graph() {
+	run_step graph 90 "$OUT/graph/graph.log" \
+		"$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o "junit_family=xunit2" \
+		--junitxml "$OUT/graph/junit.xml" "$GRAPH_TEST"
 }
 
 part_bench() {

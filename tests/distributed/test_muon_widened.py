@@ -5,12 +5,12 @@ several blocks of Newton-Schulz work, lands on a rank of one pair: with pairs as
 that pair stays above the mean, so `muon.owners` widens the sub-groups to all four ranks and
 moves blocks to the other pair, whose owner then receives both shards of a block. Parameters,
 momentum and NorMuon moments must equal the single-process reference, and the bytes each rank
-sends must equal what `muon.cost` counts from the plan.
+sends must equal what `muon.paths` counts from the plan.
 """
 
 from __future__ import annotations
 
-from muon.cost import bytes_sent
+from muon.paths import bytes_sent
 from muon.plan import REMAINDER_STRATEGIES
 from tests.distributed.test_muon_distributed import NORMUON, _flat_shard, _run_case
 from tests.harness import init_mesh, run_world

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PARTS = ("pytest", "bench", "memory", "train", "moe")
+PARTS = ("pytest", "graph", "bench", "memory", "train", "moe")
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -56,10 +56,17 @@ def dry_run(tmp_path_factory):
 def test_dry_run_lists_every_part_with_its_command(dry_run):
     out, stdout = dry_run
     steps = _steps(stdout)
-    assert [s for s in steps if s.split()[0] in PARTS][:3] == ["pytest", "bench", "memory"]
+    assert [s for s in steps if s.split()[0] in PARTS][:4] == ["pytest", "graph", "bench", "memory"]
     pytest_cmd = steps["pytest"]
     assert pytest_cmd[1:5] == ["-m", "pytest", "-m", "gpu"]
     assert pytest_cmd[pytest_cmd.index("--junitxml") + 1] == str(out / "pytest" / "junit.xml")
+    # the CUDA-graph capture of the Muon step runs once, as its own part
+    graph = steps["graph"]
+    assert (
+        graph[1:5] == ["-m", "pytest", "-m", "gpu"] and graph[-1] == "tests/gpu/test_muon_graph.py"
+    )
+    assert pytest_cmd[pytest_cmd.index("--ignore") + 1] == graph[-1]
+    assert (ROOT / graph[-1]).is_file()
     # The bench and meter commands parse with the scripts' own argument parsers.
     bench = _module("bench_newton_schulz").parse_args(steps["bench"][2:])
     assert bench.device == "cuda" and bench.scale == 1 and bench.out == str(out / "bench")
@@ -118,7 +125,7 @@ def test_only_runs_the_named_parts_and_bad_arguments_are_usage_errors(tmp_path):
     assert set(_steps(proc.stdout)) == {"bench", "memory"}
     bad = _run(str(tmp_path), "--only", "benchmark")
     assert bad.returncode == 64 and "unknown part 'benchmark'" in bad.stderr
-    assert "pytest bench memory train" in bad.stderr
+    assert "pytest graph bench memory train" in bad.stderr
     assert _run("--dry-run").returncode == 64  # no OUT_DIR
     assert _run(str(tmp_path), "--budget", "soon").returncode == 64
 
@@ -191,7 +198,7 @@ def test_a_failed_step_does_not_stop_the_others_and_sets_the_exit_status(tmp_pat
     rows = [line.split() for line in (out / "summary.txt").read_text().splitlines()[1:-1]]
     status = {" ".join(r[:-3]): r[-3] for r in rows}
     presets = ["small", "mla_tiny"]  # the presets the script finds in conf/model/
-    expected = {"pytest": "FAIL", "bench": "PASS", "memory": "PASS", "moe": "PASS"}
+    expected = {"pytest": "FAIL", "graph": "FAIL", "bench": "PASS", "memory": "PASS", "moe": "PASS"}
     for p in presets:
         expected |= {
             f"train {p} eager": "PASS",
@@ -204,4 +211,5 @@ def test_a_failed_step_does_not_stop_the_others_and_sets_the_exit_status(tmp_pat
     for r in rows:
         assert Path(r[-1]).read_text().startswith(f"$ {fake} "), r
     assert "Stand-in GPU" in (out / "env.txt").read_text()
-    assert f"{len(expected) - 1} of {len(expected)} steps passed" in proc.stdout
+    failed = sum(v == "FAIL" for v in expected.values())
+    assert f"{len(expected) - failed} of {len(expected)} steps passed" in proc.stdout

@@ -1,0 +1,475 @@
+"""The paths a batch can take: one object per path, holding its name, its exchange and its cost.
+
+Every path is registered once, in `PATHS`. A path object has
+- `name` and `collectives` (collectives per direction pair: 0 for the local path, else 2);
+- its exchange, in the phases `muon.optimizer.Muon._task` runs for every path:
+  `send_buffer` (the buffer the momentum phase writes the Newton-Schulz inputs into, one slot
+  view per parameter) -> `launch` (the first collective, `async_op=True`) -> wait ->
+  `received` (what this rank orthogonalizes, or None) -> `give_back` (the orthogonalized units
+  written back, the return collective launched) -> wait -> `returned` (this rank's shards: on
+  the exchange paths the send buffer's slots, where the return lands);
+- its cost, counted from the plan alone (`blocks_on`, `bytes_sent`, `collective_buffer_bytes`,
+  `exchange_buffer_bytes`, `ns_workspace_bytes`), which the tests check against the exchange.
+Which units a rank holds and owns is the plan's (`BatchPlan.exchange_view`, `unit_blocks`,
+`units_on`). Whether a path waits depends only on the plan, never on the rank, so every rank
+issues the same collectives in the same order.
+
+Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved first) and C the
+product of the other dims; a unit is what one owner assembles, `[N, C]` with N its rows; W is
+the exchange group's size, n the batch size, p = ceil(N / W) * C * itemsize a padded shard.
+
+This module reads plans by their fields only, so `muon.plan` may ask it what a path costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from muon.cost import LinkModel, ns_block_bytes
+
+Shards = list[torch.Tensor]
+#: default bound on one batch's exchange buffers on one rank (sub-group batches are sized by
+#: it, and a local batch is orthogonalized in chunks of it)
+BATCH_BYTES = 256 << 20
+
+
+@dataclass
+class Exchange:
+    """One batch's exchange in flight on this rank: its buffers and the pending collective."""
+
+    send: torch.Tensor
+    work: object = None
+    recv: torch.Tensor | None = None
+    #: path-specific values between phases (split sizes, views of the received units)
+    extra: dict = field(default_factory=dict)
+
+
+def _a2a(out, inp, out_splits, in_splits, group):
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+def _padded(b) -> int:
+    return b.padded_shard_rows * b.other_numel * b.wire_itemsize
+
+
+def local_rows(b, r: int) -> int:
+    """Rows of one parameter's shard on FSDP rank `r` (the whole dim on an unsharded mesh)."""
+    return b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
+
+
+def local_chunks(b, r: int, batch_bytes: int = BATCH_BYTES) -> list[range]:
+    """The local path orthogonalizes its parameters stacked, in chunks whose NS input, output and
+    workspace stay within about `batch_bytes` (one parameter at least)."""
+    shard = local_rows(b, r) * b.other_numel * b.wire_itemsize
+    n = max(1, batch_bytes // max(1, 3 * shard))
+    return [range(i, min(i + n, b.size)) for i in range(0, b.size, n)]
+
+
+class Path:
+    """What every path shares; subclasses define the exchange and its cost."""
+
+    name = ""
+    collectives = 2
+
+    def chunks(self, b, r: int) -> list[range]:
+        """Parameter positions of `b` that go through the phases together: the whole batch."""
+        return [range(b.size)]
+
+    def returned(self, b, ex: Exchange, slots: Shards) -> Shards:
+        """This rank's orthogonalized shards: the return landed in the send buffer's slots."""
+        ex.recv = None
+        return slots
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)
+
+
+class Local(Path):
+    """Whole matrices or whole expert blocks already on the rank: no communication. The chunk's
+    parameters are stacked into one buffer and orthogonalized in one call."""
+
+    name = "local"
+    collectives = 0
+
+    def chunks(self, b, r: int) -> list[range]:
+        return local_chunks(b, r)
+
+    def send_buffer(self, b, r: int, *, dtype, device, count: int) -> tuple[torch.Tensor, Shards]:
+        send = torch.empty(count, local_rows(b, r), b.other_numel, dtype=dtype, device=device)
+        return send, list(send.unbind(0))
+
+    def launch(self, b, send, *, fsdp_rank, group, stats) -> Exchange:
+        return Exchange(send)
+
+    def received(self, b, ex: Exchange, fsdp_rank: int) -> torch.Tensor | None:
+        return ex.send.view(-1, b.other_numel) if ex.send.numel() else None
+
+    def give_back(self, b, ex: Exchange, result, *, fsdp_rank, group, stats) -> None:
+        if result is not None:
+            ex.send = result.view(ex.send.shape)
+
+    def returned(self, b, ex: Exchange, slots: Shards) -> Shards:
+        return list(ex.send.unbind(0))
+
+    # cost
+    def blocks_on(self, b, r: int) -> int:
+        return b.size * b.unit_blocks(r)[1]
+
+    def bytes_sent(self, b, r: int) -> int:
+        return 0
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        return 0
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # the largest chunk's stacked NS input and its output
+        n = max(len(c) for c in self.chunks(b, r))
+        return 2 * n * local_rows(b, r) * b.other_numel * b.wire_itemsize
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        n = max(len(c) for c in self.chunks(b, r))
+        return n * b.unit_blocks(r)[1] * ns_block_bytes(b, ns_itemsize)
+
+
+class OwnerAllToAll(Path):
+    """all_to_all_single with per-rank split sizes: unit u is assembled on its owner only.
+
+    Serves full batches (n = W), the ragged remainder (n < W: ranks that own nothing receive
+    nothing and allocate no unit buffer) and, on a sub-group, expert blocks that span k FSDP
+    ranks (`Subgroup`). Every rank sends its rows of the n units it holds (`ExchangeView.held`),
+    and an owner receives the rows of each unit it owns from that unit's holders. Split sizes
+    follow the shard sizes, so uneven and empty shards need no padding. An owner of several
+    units of the batch orthogonalizes them in one call.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def send_buffer(self, b, r: int, *, dtype, device, count: int) -> tuple[torch.Tensor, Shards]:
+        view = b.exchange_view(r)
+        send = torch.empty(view.n * view.sizes[view.me] * b.other_numel, dtype=dtype, device=device)
+        return send, self._slots(send, b, view)
+
+    def _slots(self, send: torch.Tensor, b, view) -> Shards:
+        """Parameter j's `[rows, C]` view of the send buffer, which is ordered by owner."""
+        held = view.held
+        order = sorted(range(view.n), key=lambda j: (held[j], j))
+        parts = send.view(view.n, view.sizes[view.me], b.other_numel).unbind(0)
+        slots: Shards = [send] * view.n
+        for pos, j in enumerate(order):
+            slots[j] = parts[pos]
+        return slots
+
+    def _splits(self, b, r: int):
+        view = b.exchange_view(r)
+        sizes, me, held = view.sizes, view.me, view.held
+        by_block: dict[int, int] = {}  # the units I own, per block
+        for u in view.owned():
+            by_block[u // view.n] = by_block.get(u // view.n, 0) + 1
+        C = b.other_numel
+        send_splits = [sizes[me] * C * held.count(q) for q in range(len(sizes))]
+        recv_splits = [sizes[q] * C * by_block.get(q // view.span, 0) for q in range(len(sizes))]
+        return view, by_block, send_splits, recv_splits
+
+    def launch(self, b, send, *, fsdp_rank, group, stats) -> Exchange:
+        view, by_block, send_splits, recv_splits = self._splits(b, fsdp_rank)
+        recv = send.new_empty(sum(recv_splits))
+        ex = Exchange(send, _a2a(recv, send, recv_splits, send_splits, group), recv)
+        me, item = view.me, send.element_size()
+        out_elems = sum(send_splits) - send_splits[me]
+        in_elems = sum(recv_splits) - recv_splits[me]
+        stats.moved(self.name, sent=out_elems * item, recv=in_elems * item)
+        ex.extra = dict(view=view, by_block=by_block, splits=(send_splits, recv_splits))
+        ex.extra["elems"] = (out_elems, in_elems)
+        return ex
+
+    def received(self, b, ex: Exchange, fsdp_rank: int) -> torch.Tensor | None:
+        view, by_block = ex.extra["view"], ex.extra["by_block"]
+        if not by_block:
+            return None
+        C, sizes, recv_splits = b.other_numel, view.sizes, ex.extra["splits"][1]
+        if sum(by_block.values()) == 1:  # one owned unit arrives contiguous (holders in order)
+            return ex.recv.view(-1, C)
+        pieces = ex.recv.split(recv_splits)
+        # per block: [units, rows of holder q, C] from each holder, in row order
+        parts = {
+            i: [pieces[q].view(m, sizes[q], C) for q in view.holders(i * view.n)]
+            for i, m in by_block.items()
+        }
+        ex.extra["parts"] = parts
+        return torch.cat([torch.cat(p, dim=1) for p in parts.values()]).view(-1, C)
+
+    def give_back(self, b, ex: Exchange, result, *, fsdp_rank, group, stats) -> None:
+        view, by_block = ex.extra["view"], ex.extra["by_block"]
+        back = ex.recv
+        if result is not None and "parts" not in ex.extra:
+            back = result.reshape(-1)
+        elif result is not None:  # several units: scatter each back into its holders' pieces
+            owned = view.owned()
+            result = result.view(len(owned), view.unit_rows(owned[0]), b.other_numel)
+            first = 0
+            for m, ps in ((by_block[i], ps) for i, ps in ex.extra.pop("parts").items()):
+                offset = 0
+                for piece in ps:
+                    piece.copy_(result[first : first + m, offset : offset + piece.size(1)])
+                    offset += piece.size(1)
+                first += m
+        send_splits, recv_splits = ex.extra["splits"]
+        ex.work = _a2a(ex.send, back, send_splits, recv_splits, group)
+        out_elems, in_elems = ex.extra["elems"]
+        item = ex.send.element_size()
+        stats.moved(self.name, sent=in_elems * item, recv=out_elems * item)
+
+    # cost
+    def _figures(self, b, r: int) -> tuple[int, int, int, int, int]:
+        """Bytes on the wire dtype: (my rows of one unit, units held here that others own,
+        units I own, bytes of the units I own, of those the bytes other ranks hold)."""
+        view = b.exchange_view(r)
+        row = b.other_numel * b.wire_itemsize
+        mine = view.sizes[view.me] * row
+        owned = view.owned()
+        owned_bytes = sum(view.unit_rows(u) for u in owned) * row
+        own_rows = sum(view.me in view.holders(u) for u in owned) * mine
+        away = sum(o != view.me for o in view.held)
+        return mine, away, len(owned), owned_bytes, owned_bytes - own_rows
+
+    def blocks_on(self, b, r: int) -> int:
+        return self._figures(b, r)[2] * b.blocks_per_unit
+
+    def bytes_sent(self, b, r: int) -> int:
+        # my rows of each unit owned elsewhere; each owned unit's other rows back
+        mine, away, _, _, others = self._figures(b, r)
+        return mine * away + others
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        # the owned units arrive whole; the return lands in the send buffer
+        mine, _, _, owned_bytes, _ = self._figures(b, r)
+        return max(owned_bytes, b.size * mine)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # send (later the return) + received units + NS output; several units are also
+        # gathered into one contiguous input
+        mine, _, owned, owned_bytes, _ = self._figures(b, r)
+        return b.size * mine + (2 if owned == 1 else 3) * owned_bytes
+
+
+class Subgroup(OwnerAllToAll):
+    """Each expert block spans k consecutive FSDP ranks; a sub-group (those k ranks, or m * k
+    when the owners widen it) exchanges with split sizes inside it so that every block is
+    assembled on exactly one of its ranks, orthogonalized once and returned. For k = 2 and an
+    owner among the block's own ranks this moves the bytes of an all-gather; for k = 4, half;
+    an owner outside them (a widened sub-group) receives all k shards."""
+
+    def __init__(self) -> None:
+        super().__init__("subgroup")
+
+
+class PadAllToAll(Path):
+    """Pad the batch with zero matrices to W and every shard to c rows: a uniform all-to-all.
+
+    Memory is flat in R and the same on busy and idle ranks; the W - R padding slots run no
+    Newton-Schulz (their zeros travel and come back untouched).
+    """
+
+    name = "pad_all2all"
+
+    def send_buffer(self, b, r: int, *, dtype, device, count: int) -> tuple[torch.Tensor, Shards]:
+        send = torch.zeros(
+            b.fsdp_size, b.padded_shard_rows, b.other_numel, dtype=dtype, device=device
+        )
+        return send, [send[o, : b.shard_sizes[r]] for o in b.owners]  # slot s goes to rank s
+
+    def launch(self, b, send, *, fsdp_rank, group, stats) -> Exchange:
+        full = torch.empty_like(send)
+        ex = Exchange(send, _a2a(full, send, None, None, group), full)
+        moved = send.numel() // b.fsdp_size * (b.fsdp_size - 1) * send.element_size()
+        stats.moved(self.name, sent=moved, recv=moved)
+        return ex
+
+    def received(self, b, ex: Exchange, fsdp_rank: int) -> torch.Tensor | None:
+        if fsdp_rank not in b.owners:  # a padding slot holds zeros: nothing to orthogonalize
+            return None
+        return ex.recv.view(-1, b.other_numel)[: b.fsdp_visible_rows]  # past N: padding
+
+    def give_back(self, b, ex: Exchange, result, *, fsdp_rank, group, stats) -> None:
+        if result is not None:
+            ex.recv.view(-1, b.other_numel)[: b.fsdp_visible_rows].copy_(result)
+        ex.work = _a2a(ex.send, ex.recv, None, None, group)
+        moved = ex.send.numel() // b.fsdp_size * (b.fsdp_size - 1) * ex.send.element_size()
+        stats.moved(self.name, sent=moved, recv=moved)
+
+    # cost
+    def blocks_on(self, b, r: int) -> int:
+        return b.num_blocks if r in b.owners else 0
+
+    def bytes_sent(self, b, r: int) -> int:
+        return 2 * _padded(b) * (b.fsdp_size - 1)
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        return b.fsdp_size * _padded(b)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # send (later the return) + received slab + an owner's NS output copied back into it
+        return 2 * b.fsdp_size * _padded(b) + (b.matrix_bytes if r in b.owners else 0)
+
+
+class Agrs(Path):
+    """All-gather the batch onto every rank, orthogonalize the owned share, reduce-scatter back.
+
+    Buffers are sized from the FSDP-visible rows, never the global ones. The gathered batch,
+    zeroed, becomes the reduce-scatter input and the send buffer its output, but the gathered
+    buffer alone holds all n matrices, so memory and time grow with n. A rank owns at most one
+    matrix of a batch (`muon.owners`).
+    """
+
+    name = "agrs"
+
+    def send_buffer(self, b, r: int, *, dtype, device, count: int) -> tuple[torch.Tensor, Shards]:
+        send = torch.zeros(b.size, b.padded_shard_rows, b.other_numel, dtype=dtype, device=device)
+        return send, [send[j, : b.shard_sizes[r]] for j in range(b.size)]
+
+    def launch(self, b, send, *, fsdp_rank, group, stats) -> Exchange:
+        W, n, c, C = b.fsdp_size, b.size, b.padded_shard_rows, b.other_numel
+        gathered = send.new_empty(W * n, c, C)  # gloo wants the ranks' inputs stacked on dim 0
+        ex = Exchange(send, dist.all_gather_into_tensor(gathered, send, group=group, async_op=True))
+        ex.recv = gathered
+        moved = send.numel() * (W - 1) * send.element_size()
+        stats.moved(self.name, sent=moved, recv=moved)
+        return ex
+
+    def received(self, b, ex: Exchange, fsdp_rank: int) -> torch.Tensor | None:
+        owned = [j for j in range(b.size) if b.owners[j] == fsdp_rank]
+        if not owned:
+            return None
+        W, n, c, C = b.fsdp_size, b.size, b.padded_shard_rows, b.other_numel
+        ex.extra["owned"] = owned[0]
+        slab = ex.recv.view(W, n, c, C)
+        return slab[:, owned[0]].reshape(W * c, C)[: b.fsdp_visible_rows]
+
+    def give_back(self, b, ex: Exchange, result, *, fsdp_rank, group, stats) -> None:
+        W, n, c, C = b.fsdp_size, b.size, b.padded_shard_rows, b.other_numel
+        slab = ex.recv.view(W, n, c, C)
+        ex.recv.zero_()
+        if result is not None:  # matrix j's rows into the slab, rank q's shard at q
+            j = ex.extra["owned"]
+            for q, piece in enumerate(result.split(list(b.shard_sizes))):
+                slab[q, j, : piece.size(0)] = piece
+        ex.work = dist.reduce_scatter_tensor(
+            ex.send, ex.recv, op=dist.ReduceOp.SUM, group=group, async_op=True
+        )
+        moved = ex.send.numel() * (W - 1) * ex.send.element_size()
+        stats.moved(self.name, sent=moved, recv=moved)
+
+    # cost
+    def _owned(self, b, r: int) -> int:
+        return sum(o == r for o in b.owners)
+
+    def blocks_on(self, b, r: int) -> int:
+        return self._owned(b, r) * b.num_blocks
+
+    def bytes_sent(self, b, r: int) -> int:
+        # all-gather my padded shards to W-1 peers; reduce-scatter W-1 padded shards back
+        return 2 * b.size * _padded(b) * (b.fsdp_size - 1)
+
+    def collective_buffer_bytes(self, b, r: int) -> int:
+        return b.fsdp_size * b.size * _padded(b)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        # send (later the reduce-scatter output) + gathered (later its input) + owned results
+        n, w = b.size, b.fsdp_size
+        return n * _padded(b) * (1 + w) + self._owned(b, r) * b.matrix_bytes
+
+    def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
+        return (b.num_blocks if self._owned(b, r) else 0) * ns_block_bytes(b, ns_itemsize)
+
+
+def _register(*paths: Path) -> dict[str, Path]:
+    return {p.name: p for p in paths}
+
+
+#: every path, once: name -> the object that exchanges and costs it
+PATHS: dict[str, Path] = _register(
+    Local(),
+    Subgroup(),
+    OwnerAllToAll("full"),
+    Agrs(),
+    PadAllToAll(),
+    OwnerAllToAll("ragged_all_to_all"),
+)
+#: the remainder strategies, in the order `remainder_strategy` lists them
+REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
+
+
+# ------------------------------------------------------------------ a batch's figures, by path
+def blocks_on(b, r: int) -> int:
+    """Blocks FSDP rank `r` orthogonalizes for batch `b`."""
+    return PATHS[b.path].blocks_on(b, r)
+
+
+def bytes_sent(b, r: int) -> int:
+    """Bytes FSDP rank `r` sends for batch `b`, both directions, counted from the plan."""
+    return PATHS[b.path].bytes_sent(b, r)
+
+
+def collective_buffer_bytes(b, r: int) -> int:
+    """Bytes of the largest receive buffer one collective of batch `b` allocates on rank `r`."""
+    return PATHS[b.path].collective_buffer_bytes(b, r)
+
+
+def exchange_buffer_bytes(b, r: int) -> int:
+    """Peak bytes of batch `b`'s exchange buffers alive at once on rank `r` (NS inputs
+    included)."""
+    return PATHS[b.path].exchange_buffer_bytes(b, r)
+
+
+def ns_workspace_bytes(b, r: int, ns_itemsize: int) -> int:
+    """Rough peak Newton-Schulz temporaries for what rank `r` orthogonalizes at once."""
+    return PATHS[b.path].ns_workspace_bytes(b, r, ns_itemsize)
+
+
+def nesterov_input_bytes(b, r: int, nesterov: bool) -> int:
+    """NS inputs the step allocates outside the exchange buffers: Nesterov's `lerp(G, M)` of
+    the batch's (the local path: the chunk's) parameters at once, in the parameter's dtype,
+    when the wire dtype is narrower (`muon.update.muon_momentum_`; otherwise it is written
+    straight into the send buffer)."""
+    if not nesterov or b.wire_itemsize >= b.itemsize:
+        return 0
+    if b.path == "local":
+        n, rows = max(len(c) for c in local_chunks(b, r)), local_rows(b, r)
+    else:
+        n, rows = b.size, b.shard_sizes[r]
+    return n * rows * b.other_numel * b.itemsize
+
+
+def peak_bytes(b, r: int, ns_itemsize: int, *, nesterov: bool = False) -> int:
+    """Planned peak bytes of batch `b` on FSDP rank `r`: exchange buffers + Newton-Schulz
+    workspace (+ `nesterov_input_bytes`)."""
+    return (
+        nesterov_input_bytes(b, r, nesterov)
+        + exchange_buffer_bytes(b, r)
+        + ns_workspace_bytes(b, r, ns_itemsize)
+    )
+
+
+def window_peak_bytes(plans, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
+    """The largest sum of per-batch `peak_bytes` over `max_inflight` consecutive batches of
+    `plans` (`[(mesh plan, batches)]`, seen from each mesh plan's `fsdp_rank`): the runtime keeps
+    that many batches alive. 0 without batches."""
+    peaks = [
+        peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
+        for mp, batches in plans
+        for b in batches
+    ]
+    k = max(1, max_inflight)
+    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
+
+
+def modelled_s(b, link: LinkModel, ranks=None) -> float:
+    """Modelled time of batch `b`'s collectives, from the busiest rank's bytes (of `ranks`,
+    default all)."""
+    ranks = range(b.fsdp_size) if ranks is None else ranks
+    per_collective = max(bytes_sent(b, r) for r in ranks) / 2
+    return PATHS[b.path].collectives * link.collective_s(int(per_collective))
