@@ -81,7 +81,7 @@ def _measure_layer(cfg: dict, num_experts: int) -> list[dict]:
     base = statistics.median(times["loop"])
     rows = []
     for kernel in cfg["kernels"]:
-        ref = results["loop"]
+        count, ref = counts[kernel], results["loop"]
         errors = [
             float((t - ref[name]).abs().max()) / float(ref[name].abs().max())
             for name, t in results[kernel].items()
@@ -93,9 +93,9 @@ def _measure_layer(cfg: dict, num_experts: int) -> list[dict]:
                 kernel=kernel,
                 ms=1e3 * statistics.median(times[kernel]),
                 vs_loop=statistics.median(times[kernel]) / base,
-                ops=counts[kernel].n_ops,
-                host_reads=counts[kernel].n_syncs,
-                reads=", ".join(f"{k} {n}" for k, n in sorted(counts[kernel].syncs_by_kind().items())),
+                ops=count.n_ops,
+                host_reads=count.n_syncs,
+                reads=", ".join(f"{k} {n}" for k, n in sorted(count.syncs_by_kind().items())),
                 max_rel_diff=max(errors),
             )
         )
