@@ -5,7 +5,7 @@ pads with later positions, which are masked out here). Forward gathers the kept 
 of a chunk of queries at a time and saves only its inputs, the output and the log-sum-exp;
 backward gathers them again chunk by chunk and scatter-adds the key/value gradients (the
 recomputation flash attention does, over gathered keys). Memory: O(T x K) for the indices and
-O(chunk x K x width) per chunk, never a [T, S] tensor. Scores and softmax run in float32.
+O(chunk x K x width) per chunk, never a [T, S] tensor. Scores and softmax run in float32 (float64 for a float64 model).
 
 Two layouts of the keys (`k_BSHE`, H = 1 or N):
 - H = 1, one key head for every query head (MQA): MLA's absorbed ("latent") form, as
@@ -42,6 +42,12 @@ def gather_rows(x_BSF: torch.Tensor, flat_BCK: torch.Tensor) -> torch.Tensor:
     return rows.view(*flat_BCK.shape, x_BSF.shape[-1])
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores, softmax and gradients run in float32, or in the inputs' dtype when it is wider
+    (a float64 model stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _subscripts(shared: bool) -> str:
     """The gathered-key subscripts: one key head ([B, C, K, E]) or one per head."""
     return "bck" if shared else "bckn"
@@ -55,18 +61,19 @@ class _SparseAttention(torch.autograd.Function):
         B, T, N, E = q_BTNE.shape
         S, H = k_BSHE.shape[1], k_BSHE.shape[2]
         K = idx_BTK.shape[-1]
+        w = work_dtype(q_BTNE.dtype)
         g = _subscripts(H == 1)
         keys_BSF = k_BSHE.reshape(B, S, H * E)
         vals_BSF = None if v_BSHV is None else v_BSHV.reshape(B, S, -1)
         base_B11 = (torch.arange(B, device=idx_BTK.device) * S)[:, None, None]
         o_BTNV = q_BTNE.new_empty(B, T, N, value_dim)
-        lse_BTN = torch.empty(B, T, N, dtype=torch.float32, device=q_BTNE.device)
-        probs_BTK = torch.empty(B, T, K if want_probs else 0, device=q_BTNE.device)
-        max_N = torch.full((N,), -torch.inf, device=q_BTNE.device)
+        lse_BTN = torch.empty(B, T, N, dtype=w, device=q_BTNE.device)
+        probs_BTK = torch.empty(B, T, K if want_probs else 0, dtype=w, device=q_BTNE.device)
+        max_N = torch.full((N,), -torch.inf, dtype=w, device=q_BTNE.device)
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
-            q_s = q_BTNE[:, t0:t1].float() * scale  # the scale on [C, N, E], not [C, N, K]
+            q_s = q_BTNE[:, t0:t1].to(w) * scale  # the scale on [C, N, E], not [C, N, K]
             s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
             s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
             max_N = torch.maximum(max_N, s_BCNK.amax(dim=(0, 1, 3)))
@@ -88,20 +95,21 @@ class _SparseAttention(torch.autograd.Function):
         scale, value_dim, chunk = ctx.scale, ctx.value_dim, ctx.chunk
         B, T, N, E = q_BTNE.shape
         S, H = k_BSHE.shape[1], k_BSHE.shape[2]
+        w = work_dtype(q_BTNE.dtype)
         g = _subscripts(H == 1)
         keys_BSF = k_BSHE.reshape(B, S, H * E)
         vals_BSF = None if v_BSHV is None else v_BSHV.reshape(B, S, -1)
         base_B11 = (torch.arange(B, device=idx_BTK.device) * S)[:, None, None]
-        dq_BTNE = torch.empty(B, T, N, E, dtype=torch.float32, device=q_BTNE.device)
-        dk_F = torch.zeros(B * S, H * E, dtype=torch.float32, device=q_BTNE.device)
-        dv_F = None if v_BSHV is None else torch.zeros(B * S, H * value_dim, device=dk_F.device)
+        dq_BTNE = torch.empty(B, T, N, E, dtype=w, device=q_BTNE.device)
+        dk_F = torch.zeros(B * S, H * E, dtype=w, device=q_BTNE.device)
+        dv_F = None if v_BSHV is None else torch.zeros_like(dk_F[:, : H * value_dim])
         # D = rowsum(dO * O): the softmax backward's per-row term
-        delta_BTN = (do_BTNV.float() * o_BTNV.float()).sum(-1)
+        delta_BTN = (do_BTNV.to(w) * o_BTNV.to(w)).sum(-1)
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
             kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
-            q_s = q_BTNE[:, t0:t1].float() * scale
-            do = do_BTNV[:, t0:t1].float()
+            q_s = q_BTNE[:, t0:t1].to(w) * scale
+            do = do_BTNV[:, t0:t1].to(w)
             s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
             s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
             p_BCNK = s_BCNK.sub_(lse_BTN[:, t0:t1, :, None]).exp_()
@@ -127,13 +135,13 @@ def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
     else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K])."""
     idx_BCK = idx_BTK[:, t0:t1]
     flat_BCK = idx_BCK + base_B11
-    kg = gather_rows(keys_BSF, flat_BCK).float()
+    kg = gather_rows(keys_BSF, flat_BCK).to(work_dtype(keys_BSF.dtype))
     if H > 1:
         kg = kg.unflatten(-1, (H, -1))
     if vals_BSF is None:
         vg = kg[..., :value_dim]
     else:
-        vg = gather_rows(vals_BSF, flat_BCK).float()
+        vg = gather_rows(vals_BSF, flat_BCK).to(work_dtype(vals_BSF.dtype))
         vg = vg.unflatten(-1, (H, -1)) if H > 1 else vg
     rows_C = torch.arange(t0, t1, device=idx_BTK.device)
     return kg, vg, idx_BCK <= rows_C[None, :, None]

@@ -140,6 +140,16 @@ def _same(stated: str, actual) -> bool:
     return stated == str(actual)
 
 
+def _glm_config_defaults() -> dict:
+    from models.glm.config import GLMConfig
+
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(GLMConfig)
+        if f.default is not dataclasses.MISSING
+    }
+
+
 def test_every_stated_default_equals_the_code():
     wrong = []
     defaults_list = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "train.yaml").defaults)
@@ -158,9 +168,9 @@ def test_every_stated_default_equals_the_code():
                     f"{doc.name}: {group}= default {stated}; conf/train.yaml: "
                     f"{group_defaults.get(group)}"
                 )
-        # `name` (default N): a Muon argument
+        # `name` (default N): a Muon argument or a GLMConfig field
         for name, stated in re.findall(r"`(\w+)` \(default ([\w.]+)\)", text):
-            actual = _muon_defaults().get(name, "__unknown__")
+            actual = {**_glm_config_defaults(), **_muon_defaults()}.get(name, "__unknown__")
             if actual == "__unknown__" or not _same(stated, actual):
                 wrong.append(f"{doc.name}: {name} (default {stated}); Muon: {actual}")
         for call, args in re.findall(r"\b(Muon|param_groups)\((.*?)\)(?:`|\s*#|\n)", text, re.S):
