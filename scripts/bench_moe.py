@@ -6,7 +6,7 @@ grouped matmul (torch._grouped_mm) and the padded batched matmul.
         --tokens 8192 --out /tmp/moe
 
 Per number of routed experts and kernel: ms per forward + backward (median of interleaved
-rounds), dispatched ops and host reads (counted, recipes.bench.op_count), and the largest
+rounds), dispatched ops and host reads (counted, recipes.bench.probe.all_on_device), and the largest
 difference from the loop's output and input gradient. Writes results.json, results.csv and
 tables.md into --out and prints the table with the command that made it.
 """

@@ -3,10 +3,10 @@ host reads, and how far each kernel's output and input gradient are from the loo
 
 The layer is a preset's MoE block (router, routed experts, shared expert) with
 `n_routed_experts` set to each of `experts`, on `tokens` random rows; all kernels run on the
-same layer and rows. Ops and host reads come from one counted call (`recipes.bench.op_count`);
-the time is the median over `rounds` interleaved, rotated rounds (`recipes.bench.timing`), the
-device synchronized around each call on CUDA; on CPU one thread (the figures of a shared
-machine are then comparable from run to run).
+same layer and rows. Ops and host reads come from one counted call, every tensor a device
+tensor (`recipes.bench.probe.all_on_device`); the time is the median over `rounds` interleaved,
+rotated rounds (`recipes.bench.timing`), the device synchronized around each call on CUDA; on
+CPU one thread (the figures of a shared machine are then comparable from run to run).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from recipes.bench.fixtures import DTYPES
-from recipes.bench.op_count import counting
+from recipes.bench.probe import all_on_device
 from recipes.bench.timing import interleaved
 
 #: the kernels compared, the reference (the per-expert loop) first
@@ -73,7 +73,7 @@ def _measure_layer(cfg: dict, num_experts: int) -> list[dict]:
         for _ in range(cfg["warmup"]):
             run(kernel)
         results[kernel] = run(kernel)
-        with counting() as count:
+        with all_on_device() as count:
             run(kernel)
         counts[kernel] = count
     sync = torch.cuda.synchronize if device == "cuda" else None
@@ -81,7 +81,7 @@ def _measure_layer(cfg: dict, num_experts: int) -> list[dict]:
     base = statistics.median(times["loop"])
     rows = []
     for kernel in cfg["kernels"]:
-        ref = results["loop"]
+        count, ref = counts[kernel], results["loop"]
         errors = [
             float((t - ref[name]).abs().max()) / float(ref[name].abs().max())
             for name, t in results[kernel].items()
@@ -93,9 +93,9 @@ def _measure_layer(cfg: dict, num_experts: int) -> list[dict]:
                 kernel=kernel,
                 ms=1e3 * statistics.median(times[kernel]),
                 vs_loop=statistics.median(times[kernel]) / base,
-                ops=counts[kernel].n_ops,
-                host_reads=counts[kernel].n_reads,
-                reads=", ".join(f"{k} {n}" for k, n in sorted(counts[kernel].reads.items())),
+                ops=count.n_ops,
+                host_reads=count.n_syncs,
+                reads=", ".join(f"{k} {n}" for k, n in sorted(count.syncs_by_kind().items())),
                 max_rel_diff=max(errors),
             )
         )

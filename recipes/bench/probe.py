@@ -32,6 +32,10 @@ Counted per region (`region(name)`, or `wrap(obj, "method", name)` around every 
 - `ops` by name: every op dispatched on plain tensors; on a GPU each is at least one launch.
 - `collectives` by kind: the c10d and functional-collective ops (their waits left out).
 
+`all_on_device()` counts a region in which every tensor is a device tensor, whatever made it:
+for code that computes only on device data (a model layer on its activations and parameters),
+where nothing needs seeding and every read listed above would block the host on a GPU.
+
 The Tensor entries that do not dispatch (`tolist`, `numpy`, `cpu`, `to`, and the Python side of
 `item`/`bool`/`float`/`int`) and torch's factories are wrapped while `tracking()` is on. Counts
 are deterministic for a given model, mesh and data: tests may assert them.
@@ -160,9 +164,14 @@ class DeviceProbe:
         with probe.region("step") as count:
             step()
     count.n_syncs, count.syncs_by_site(), count.n_ops, count.collectives
+
+    `every_tensor=True`: every tensor with storage is on the device (`mark`, `seed` and the
+    growth through ops change nothing); `all_on_device()` counts a region so.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, every_tensor: bool = False) -> None:
+        #: every tensor counts as a device tensor
+        self.every_tensor = every_tensor
         # by storage: a view, its base and FSDP's padded shard behind a DTensor are one
         self._device: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         #: every region's count by name, accumulated over its calls until `reset`
@@ -175,11 +184,13 @@ class DeviceProbe:
     def is_device(self, t: torch.Tensor) -> bool:
         """Would `t` (a DTensor: its local shard) live on the device?"""
         storage = _storage(t)
-        return storage is not None and storage in self._device
+        return storage is not None and (self.every_tensor or storage in self._device)
 
     def mark(self, *objs: Any) -> None:
         """Put tensors on the device: tensors, DTensors (their local shard too), modules
         (parameters and buffers), and containers of them."""
+        if self.every_tensor:
+            return  # on the device already
         for obj in objs:
             if isinstance(obj, torch.nn.Module):
                 self.mark(list(obj.parameters()), list(obj.buffers()))
@@ -290,3 +301,13 @@ class DeviceProbe:
             out = t.clone()
         self.unmark(out)
         return out
+
+
+@contextlib.contextmanager
+def all_on_device(name: str = "region") -> Iterator[Count]:
+    """Count the code run inside as region `name` of a probe on which every tensor lives on
+    the device (`DeviceProbe(every_tensor=True)`): its ops, collectives and host reads by
+    kind (`Count.syncs_by_kind()`), for code that computes only on device data."""
+    probe = DeviceProbe(every_tensor=True)
+    with probe.tracking(), probe.region(name) as count:
+        yield count

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from models.glm.moe import MoE
-from recipes.bench.op_count import counting
+from recipes.bench.probe import all_on_device
 from tests.harness import run_world
 from tests.models import tiny_glm
 
@@ -46,9 +46,9 @@ def _case(num_experts: int, skew: bool, kernel: str) -> dict:
     x_ref = x_all.clone().requires_grad_()
     ref(x_ref).backward(g_all)
     x = x_all[mine].clone().requires_grad_()
-    with counting() as forward:
+    with all_on_device() as forward:
         y = moe(x)
-    with counting() as backward:
+    with all_on_device() as backward:
         y.backward(g_all[mine])
     with torch.no_grad():
         y_ref = ref(x_all)[mine]
@@ -59,8 +59,8 @@ def _case(num_experts: int, skew: bool, kernel: str) -> dict:
         got = getattr(moe.experts, name).grad
         errors[name] = (got - want[rank * n : (rank + 1) * n]).abs().max() / want.abs().max()
     return dict(
-        forward_reads=dict(forward.reads),
-        backward_reads=dict(backward.reads),
+        forward_reads=dict(forward.syncs_by_kind()),
+        backward_reads=dict(backward.syncs_by_kind()),
         forward_collectives=dict(forward.collectives),
         backward_collectives=dict(backward.collectives),
         ops=forward.n_ops + backward.n_ops,
@@ -84,7 +84,7 @@ CASES = [
 
 def test_ep_dispatch_reads_the_host_once_per_layer_and_matches_one_process():
     per_rank = run_world(_world, 2, CASES, timeout_s=240)
-    extra_reads = {"auto": {}, "padded_bmm": {"item": 1}, "loop": {"tolist": 1}}
+    extra_reads = {"auto": {}, "padded_bmm": {"int": 1}, "loop": {"tolist": 1}}
     for i, (E, skew, kernel) in enumerate(CASES):
         for rank, res in enumerate(r[i] for r in per_rank):
             label = (E, skew, kernel, rank)

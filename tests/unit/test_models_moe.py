@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from models.glm.expert_parallel import expert_counts
 from models.glm.moe import EXPERT_KERNELS, FusedExperts, MoE, expert_kernel
-from recipes.bench.op_count import counting
+from recipes.bench.probe import all_on_device
 from tests.models import tiny_glm
 
 U32 = 2.0**-24  # float32 unit roundoff
@@ -154,22 +154,23 @@ def _layer_counts(num_experts: int, kernel: str) -> tuple[int, dict, dict]:
         torch.nn.init.normal_(p, std=0.1)
     moe.experts.kernel = kernel
     x = torch.randn(4, 16, 32, requires_grad=True)
-    with counting() as forward:
+    with all_on_device() as forward:
         y = moe(x)
-    with counting() as backward:
+    with all_on_device() as backward:
         y.backward(torch.randn_like(y))
-    return forward.n_ops + backward.n_ops, dict(forward.reads), dict(backward.reads)
+    return forward.n_ops + backward.n_ops, forward.syncs_by_kind(), backward.syncs_by_kind()
 
 
 def test_moe_layer_ops_do_not_grow_with_experts_and_read_nothing_on_the_host():
-    """Counted by dispatched op (recipes.bench.op_count): deterministic for a given input."""
+    """Counted by dispatched op, every tensor a device tensor (recipes.bench.probe.all_on_device):
+    deterministic for a given input."""
     grouped = {E: _layer_counts(E, "grouped_mm") for E in (8, 32)}
     assert grouped[8][0] == grouped[32][0]
     assert all(c[1:] == ({}, {}) for c in grouped.values())
-    # The padded bmm reads its slot size once per forward; the loop reads the counts.
+    # The padded bmm reads its slot size once per forward (`int(...)`); the loop reads the counts.
     padded = {E: _layer_counts(E, "padded_bmm") for E in (8, 32)}
     assert padded[8][0] == padded[32][0]
-    assert all(c[1:] == ({"item": 1}, {}) for c in padded.values())
+    assert all(c[1:] == ({"int": 1}, {}) for c in padded.values())
     loop = {E: _layer_counts(E, "loop") for E in (8, 32)}
     assert loop[32][0] > loop[8][0] + 24 * 10  # >= ~11 ops per expert forward + backward
     assert all(c[1:] == ({"tolist": 1}, {}) for c in loop.values())

@@ -2,7 +2,7 @@
 
 import torch
 
-from recipes.bench.probe import DeviceProbe
+from recipes.bench.probe import DeviceProbe, all_on_device
 
 
 def _counted(fn, *device_tensors):
@@ -105,3 +105,28 @@ def test_wrap_counts_every_call_and_restores_the_method():
         box.run(w)
     assert count.calls == 2 and count.n_syncs == 2
     assert "run" not in box.__dict__
+
+
+def test_all_on_device_counts_every_tensor_as_a_device_tensor():
+    def step():
+        heights = torch.tensor([1, 2, 1])  # host-made, yet on the device here
+        heights.sum().item()
+        int(heights.max())
+        heights.tolist()
+        heights.repeat_interleave(heights)
+        torch.bincount(heights, minlength=4)
+
+    with all_on_device() as count:
+        step()
+    assert count.syncs_by_kind() == {
+        "item": 1,
+        "int": 1,
+        "tolist": 1,
+        "repeat_interleave": 1,
+        "bincount": 2,
+    }
+    assert count.ops["aten::sum"] == 1 and count.ops["aten::max"] == 1
+    assert count.calls == 1
+    with all_on_device() as empty:
+        pass
+    assert empty.n_ops == 0 and empty.n_syncs == 0
