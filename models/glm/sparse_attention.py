@@ -5,7 +5,8 @@ pads with later positions, which are masked out here). Forward gathers the kept 
 of a chunk of queries at a time and saves only its inputs, the output and the log-sum-exp;
 backward gathers them again chunk by chunk and scatter-adds the key/value gradients (the
 recomputation flash attention does, over gathered keys). Memory: O(T x K) for the indices and
-O(chunk x K x width) per chunk, never a [T, S] tensor. Scores and softmax run in float32 (float64 for a float64 model).
+O(chunk x K x width) per chunk, never a [T, S] tensor. Scores and softmax run in float32
+(float64 for a float64 model).
 
 Two layouts of the keys (`k_BSHE`, H = 1 or N):
 - H = 1, one key head for every query head (MQA): MLA's absorbed ("latent") form, as
