@@ -35,18 +35,18 @@ def guard_batch(X: list, U: list, lr: float, decay: float, verdicts: list) -> li
     to add at learning rate `lr` (at most): zeros where `lr * U` does not fit the parameters'
     dtype (its largest magnitude, in float32, above the dtype's largest value; NaN fails too).
     `X` (one dtype) and `U` are a batch's non-empty local tensors; appends the batch's bool
-    verdicts `[len(X)]` to `verdicts`. A fixed number of ops per batch on equal shapes."""
+    verdicts `[len(X)]` to `verdicts`. Overwrites the unfit updates in `U`."""
     peaks = torch.stack(torch._foreach_norm(U, ord=math.inf, dtype=torch.float32))
     ok = peaks * abs(lr) <= torch.finfo(X[0].dtype).max  # False for NaN and inf
     verdicts.append(ok)
     if decay != 1.0:  # a float64 factor: rounded to the parameter's math as a Python scalar is
         scale = torch.where(ok, torch.full_like(peaks, decay, dtype=torch.float64), 1.0)
         torch._foreach_mul_(X, list(scale.unbind()))
-    if len({u.shape for u in U}) == 1:  # one where over the stacked batch, in place: one copy
-        stacked = torch.stack(U)
-        unfit = (~ok).reshape(-1, *[1] * (stacked.ndim - 1))
-        return list(stacked.masked_fill_(unfit, 0).unbind())
-    return [torch.where(o, u, 0) for o, u in zip(ok.unbind(), U, strict=True)]
+    # In place on the returned updates (fresh buffers the apply consumes): no copy of the
+    # batch, which a stacked `where` would hold beside the exchange's buffers.
+    for unfit, u in zip((~ok).unbind(), U, strict=True):
+        u.masked_fill_(unfit, 0)
+    return U
 
 
 class SkipFlag:
