@@ -120,7 +120,7 @@ def test_sweep_over_a_layout_key_trains_every_job(cache, tmp_path):
     out = _finish(_train_py([*args, *_small(cache)], tmp_path))
     assert out.count("[summary]") == 2
     runs = sorted((tmp_path / "default").glob("*mesh.ep-*"))
-    assert [r.name.split("mesh.ep=")[1][0] for r in runs] == ["1", "2"], runs
+    assert [r.name.split("mesh.ep-")[1][0] for r in runs] == ["1", "2"], runs
     assert "mesh.world_size" not in runs[0].name  # not swept: still left out
     wandb_ids = set()
     for ep, run_dir in enumerate(runs, start=1):
@@ -348,7 +348,7 @@ def test_mla_dsa_mtp_run_logs_each_loss(cache, tmp_path):
     out = _finish(_train_py([*args, *_small(cache)], tmp_path))
     assert out.count("[summary]") == 2
     runs = sorted((tmp_path / "default").glob("*mtp_loss_weight-*"))
-    weights = [r.name.split("mtp_loss_weight=")[1].split(",")[0] for r in runs]
+    weights = [r.name.split("mtp_loss_weight-")[1].split("+")[0] for r in runs]
     assert weights == ["0", "0.3"], runs
     off, on = (_metrics(r) for r in runs)
     assert all("mtp_loss" not in m and m["indexer_kl"] > 0 for m in off)
