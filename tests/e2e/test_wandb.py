@@ -61,7 +61,7 @@ def sweep(tmp_path_factory) -> dict[str, Path]:
     proc = train_py(args, root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     dirs = {d.name: d for d in (root / "default").iterdir()}
-    return {o: next(d for n, d in dirs.items() if f"optim={o}" in n) for o in ("muon", "adamw")}
+    return {o: next(d for n, d in dirs.items() if f"optim-{o}" in n) for o in ("muon", "adamw")}
 
 
 def test_offline_run_holds_system_metrics_commit_and_peak_summaries(sweep):
