@@ -128,6 +128,7 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/bench_step\.py --baseline /tmp/before --steps [58] --out bench_step_out --ns-variant fixed,standard$", "--steps 1 --warmup 0 --strategies pad_all2all", "bench_step_out/results.json bench_step_out/tables.md", needs="tmp/before"),
     Run(r"^python scripts/probe_step\.py mesh\.ep=2 --case model=small --case .* --baseline-tree /tmp/probe-before --out probe_out$", "model=tiny --no-double --baseline-tree .", "probe_out/results.json probe_out/tables.md"),
     Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/probe_time2 mesh\.ep=2$", "model=tiny --baseline-tree . --time-steps 1 --time-rounds 1", "tmp/probe_time2/results.json"),
+    Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/ptime2 mesh\.ep=2$", "model=tiny --baseline-tree . --time-steps 1 --time-rounds 1", "tmp/ptime2/results.json"),
     Run(r"^python scripts/bench_attention\.py --per-head-max-t 2048 --plot docs/img/attention_dsa\.png$", "--lengths 256 --paths masked,latent --modes frozen --repeats 1 --plot bench_out/attention/plot.png", "bench_out/attention/tables.md bench_out/attention/plot.png"),
     Run(r"^python scripts/bench_newton_schulz\.py --scale 8 --out bench_ns$", NS, "bench_ns/results.json"),
     Run(r"^python scripts/bench_newton_schulz\.py --scale 8 --repeats 5 --variants .* --skip train,step --out bench_ns_after$", NS, "bench_ns_after/results.json"),
