@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
+from models.glm.precision import work_dtype
 from models.glm.qk_clip import MaxLogitRecorder
 
 
@@ -87,8 +88,8 @@ def rope_cos_sin(
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
-    """x in float32, or in its own dtype when wider (a float64 model is not cut to float32)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    """x in its work dtype (`work_dtype`)."""
+    return x.to(work_dtype(x.dtype))
 
 
 def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):

@@ -37,6 +37,7 @@ import numbers
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from models.glm.precision import work_dtype
 from models.glm.recompute import is_recomputing
 
 #: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
@@ -55,7 +56,7 @@ def head_max_logits(
     """The largest pre-softmax logit of each head, `[N]` float32, over the keys each query may
     attend: `keep_B1TS` (True = attended, DSA's sparse mask) or, when None, the causal ones."""
     T = q_BNTK.size(2)
-    work = torch.promote_types(q_BNTK.dtype, torch.float32)  # float64 models record in float64
+    work = work_dtype(q_BNTK.dtype)  # float64 models record in float64
     k = k_BNTK.to(work)
     best = torch.full((q_BNTK.size(1),), -torch.inf, device=q_BNTK.device, dtype=work)
     keys = torch.arange(T, device=q_BNTK.device)

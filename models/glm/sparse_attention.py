@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from models.glm.precision import work_dtype
+
 
 def query_chunk(budget_bytes: int, row_bytes: int) -> int:
     """Queries per chunk so that one chunk's temporaries (`row_bytes` per query) stay within
@@ -41,12 +43,6 @@ def gather_rows(x_BSF: torch.Tensor, flat_BCK: torch.Tensor) -> torch.Tensor:
     (index_select: on CPU several times faster than advanced indexing)."""
     rows = torch.index_select(x_BSF.reshape(-1, x_BSF.shape[-1]), 0, flat_BCK.reshape(-1))
     return rows.view(*flat_BCK.shape, x_BSF.shape[-1])
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores, softmax and gradients run in float32, or in the inputs' dtype when it is wider
-    (a float64 model stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _subscripts(shared: bool) -> str:
