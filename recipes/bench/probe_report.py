@@ -58,6 +58,23 @@ def sites_table(rank: dict[str, Any], region: str = REGIONS[2]) -> str:
     return markdown_table(rows, columns)
 
 
+def ops_sites_table(rank: dict[str, Any], region: str = REGIONS[0], top: int = 25) -> str:
+    """Where one region's dispatched ops come from: per file, then the `top` lines (most
+    first; the rest summed in one row)."""
+    by_site = rank.get(region, {}).get("ops_by_site", {})
+    by_file: dict[str, int] = {}
+    for site, n in by_site.items():
+        path = site.rsplit(":", 1)[0]
+        by_file[path] = by_file.get(path, 0) + n
+    files = [{"site": f, "count": n} for f, n in sorted(by_file.items(), key=lambda kv: -kv[1])]
+    lines = [{"site": s, "count": n} for s, n in list(by_site.items())[:top]]
+    rest = sum(list(by_site.values())[top:])
+    if rest:
+        lines.append({"site": f"{len(by_site) - top} other lines", "count": rest})
+    columns = [("site", "site", ""), ("ops", "count", "")]
+    return markdown_table(files, columns) + "\n\n" + markdown_table(lines, columns)
+
+
 def timing_summary(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Per tree, the median slowest-rank seconds of the train step and the optimizer step."""
     return {
