@@ -20,6 +20,8 @@ def count_row(label: str, tree: str, layers: dict[str, int], rank: dict[str, Any
         "layers": _layers(layers),
         "optimizer": rank["optimizer"],
     }
+    planned = rank.get("batches")
+    row["muon params / batches"] = f"{planned['params']} / {planned['batches']}" if planned else ""
     for short, region in _REGION_HEADERS:
         c = rank.get(region, {})
         row[f"{short} syncs"] = c.get("syncs")
@@ -41,6 +43,7 @@ def _layers(layers: dict[str, int]) -> str:
 def counts_table(rows: list[dict]) -> str:
     """Syncs, dispatched ops and profiler kernels of every region, one row per case."""
     columns = [("case", "case", ""), ("code", "code", ""), ("layers", "layers", "")]
+    columns.append(("Muon params / batches", "muon params / batches", ""))
     for short, _ in _REGION_HEADERS:
         columns += [
             (f"{short} syncs", f"{short} syncs", ""),
