@@ -57,8 +57,9 @@ def guard_stacked(
     (`[S]`), decay and zeros, in a fixed number of ops however many parameters the batch has.
     Zeroes the unfit slots of `U_S` in place."""
     dims = tuple(range(1, U_S.dim()))
-    # the largest magnitude of a slot is that of its update: the rest of the slot is zeros
-    peaks = torch.linalg.vector_norm(U_S, ord=math.inf, dim=dims, dtype=torch.float32)
+    # the largest magnitude of a slot is that of its update: the rest of the slot is zeros;
+    # found in U_S's dtype (exact) and widened after, so no float32 copy of the batch is made
+    peaks = torch.linalg.vector_norm(U_S, ord=math.inf, dim=dims).float()
     ok = _fits(peaks, lr, X[0].dtype, verdicts)
     _decay_fit_(X, ok, decay, slots)
     U_S.masked_fill_(~ok.view(-1, *(1 for _ in dims)), 0)
