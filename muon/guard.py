@@ -5,8 +5,8 @@ Finite gradients and validated hyperparameters can still give an update that is 
 a float16 parameter overflows at 65504, so an lr large enough for `lr * O` to pass it (or a
 coefficient schedule whose outputs leave the band) would write infinities. The updates of a
 batch are checked together on the device: when they are the slots of one stacked tensor, as
-the exchange returns them (`guard_stacked`, the usual case), in one max-norm over it, one
-compare, one `torch.where` for the decay and one `masked_fill_` of the unfit slots, however
+the exchange returns them (`guard_stacked`, the usual case), in one max and one min over it,
+one compare, one `torch.where` for the decay and one `masked_fill_` of the unfit slots, however
 many parameters the batch has; otherwise (parameters of several groups, or some without a
 grad, in one batch: `guard_batch`) with a foreach max-norm and a `masked_fill_` per parameter.
 A parameter whose update fails keeps its value and its weight decay is not applied. The step's
@@ -57,9 +57,11 @@ def guard_stacked(
     (`[S]`), decay and zeros, in a fixed number of ops however many parameters the batch has.
     Zeroes the unfit slots of `U_S` in place."""
     dims = tuple(range(1, U_S.dim()))
-    # the largest magnitude of a slot is that of its update: the rest of the slot is zeros;
-    # found in U_S's dtype (exact) and widened after, so no float32 copy of the batch is made
-    peaks = torch.linalg.vector_norm(U_S, ord=math.inf, dim=dims).float()
+    # The largest magnitude of a slot is that of its update (the rest of the slot is zeros):
+    # max(max, -min), exact in U_S's dtype and widened after (no float32 copy of the batch);
+    # NaN propagates. Two plain reductions rather than an inf-norm, which finds the same value
+    # but is an order of magnitude slower on CPU.
+    peaks = torch.maximum(U_S.amax(dim=dims), U_S.amin(dim=dims).neg()).float()
     ok = _fits(peaks, lr, X[0].dtype, verdicts)
     _decay_fit_(X, ok, decay, slots)
     U_S.masked_fill_(~ok.view(-1, *(1 for _ in dims)), 0)
