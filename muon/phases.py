@@ -3,7 +3,8 @@ parameters grouped by what their foreach ops share, the math being `muon.update`
 check `muon.guard`'s. A batch costs a fixed number of dispatched ops per group of equal
 hyperparameters, not per parameter: the send buffer's slots and the returned shards are views
 the path made once per batch (`muon.paths`), and the update guard works on the stacked
-returned tensor when the whole batch is one group (`muon.guard.guard_stacked`).
+returned tensor when the whole batch is one group (`muon.guard.guard_stacked`), which the
+apply then adds as one tensor of the parameters' dtype.
 
 `params` is the batch's (or local chunk's) `[(parameter, its group)]`; `gradless` the ids of
 parameters without a grad on any rank this step (`muon.census`): they keep their momentum,
@@ -12,6 +13,7 @@ send zeros and are not written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -78,7 +80,9 @@ def apply_(
     for (lr, mode, rows, cols, wd, dtype), (X, U) in lists.items():
         top = max(adjusted_lr(lr, mode, h, cols) for h in b.split_sizes or (rows,))
         if whole:
-            guard_stacked(X, stacked(), chunk.slots, top, 1 - lr * wd, verdicts)
+            U_S = stacked()
+            guard_stacked(X, U_S, chunk.slots, top, 1 - lr * wd, verdicts)
+            U = _widened(U_S, X, chunk.slots, b.shard_tensor_dim) or U
         else:
             U = guard_batch(X, U, top, 1 - lr * wd, verdicts)
         if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
@@ -89,3 +93,16 @@ def apply_(
         else:
             alpha = fit(adjusted_lr(lr, mode, rows, cols), dtype)
             update.muon_apply_(X, U, decay=1.0, lr=alpha)
+
+
+def _widened(U_S: torch.Tensor, X: list, slots: list, shard_dim: int) -> list | None:
+    """The updates of `X` as views of `U_S` cast once to the parameters' dtype, when `U_S` is
+    narrower (the wire dtype) and each of its slots is exactly its parameter's rows: the apply's
+    foreach add is then one kernel over the batch on a GPU (its fast path wants one dtype), not
+    one per parameter. The same values: the cast is exact, and an add of a narrower tensor
+    widens it first. None otherwise (the add then widens each update itself)."""
+    x = X[0]  # a batch's parameters have one local shape on a rank
+    if U_S.dtype == x.dtype or shard_dim != 0 or math.prod(U_S.shape[1:]) != x.numel():
+        return None
+    wide = U_S.to(x.dtype).view(U_S.shape[0], *x.shape).unbind()
+    return [wide[s] for s in slots]
