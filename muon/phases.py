@@ -104,5 +104,8 @@ def _widened(U_S: torch.Tensor, X: list, slots: list, shard_dim: int) -> list | 
     x = X[0]  # a batch's parameters have one local shape on a rank
     if U_S.dtype == x.dtype or shard_dim != 0 or math.prod(U_S.shape[1:]) != x.numel():
         return None
-    wide = U_S.to(x.dtype).view(U_S.shape[0], *x.shape).unbind()
-    return [wide[s] for s in slots]
+    wide = U_S.to(x.dtype)
+    if wide.shape[1:] != x.shape:  # e.g. `[E, out, in]` experts travel as `[E, out * in]`
+        wide = wide.view(U_S.shape[0], *x.shape)
+    parts = wide.unbind()
+    return [parts[s] for s in slots]
