@@ -276,7 +276,9 @@ def test_shrinking_replaces_values_and_flags():
     )
     assert shrunk("DRY_RUN=1 bash s.sh mesh.ep=2", "mesh.ep=1") == "DRY_RUN=1 bash s.sh mesh.ep=1"
     # every occurrence of a flag becomes one; a flag of overrides takes them all; drop removes
-    cmd = "python p.py mesh.ep=2 --case model=small --case model=small a=1 --base /tmp/b --out o x=1"
+    cmd = (
+        "python p.py mesh.ep=2 --case model=small --case model=small a=1 --base /tmp/b --out o x=1"
+    )
     assert shrunk(cmd, "--case model=tiny", drop="--base") == (
         "python p.py mesh.ep=2 --case model=tiny --out o x=1"
     )
