@@ -278,26 +278,34 @@ def _top_singular_value(O: torch.Tensor) -> torch.Tensor:
     Krylov spaces find an isolated top eigenvalue far faster than power iteration: a direction
     at 1.25 among 256 at <= 1.13 is found to 1e-3 within 6 steps (the Chebyshev bound: its
     angle shrinks by T_5(1 + 2 gap)^2 ~ 1e5), where 8 power iterations read 1.14. Cost:
-    2 * CHECK_STEPS matrix-vector products with O, ~0.1 of the iteration's time for a batch of
-    256x768 bf16 blocks on a CPU (bf16 matrix-vector products are slow there) and a shrinking
-    share for larger blocks (O(mn) against O(m^2 n)). The output is checked, not the Gram-side
-    factors: in bf16 the products Q R Q^T and Q X round differently, and a Gram-side estimate
-    read 1.08 where the output's largest singular value was 1.47."""
-    m = O.size(-2)
-    v = _start_vector(m, O.device).expand(*O.shape[:-2], m, 1)
-    basis, images = [], []
-    for _ in range(min(CHECK_STEPS, m)):
-        basis.append(v)
-        images.append((O @ (O.mT @ v.to(O.dtype))).float())  # O O^T v
-        w = images[-1]
-        V = torch.cat(basis, dim=-1)
+    2 * CHECK_STEPS matrix-vector products with O in O's dtype (a float32 copy of a bf16 O
+    would double the bytes each product reads, and on a CPU batched float32 products with one
+    vector were measured slower than bf16 ones), a shrinking share of the iteration for larger
+    blocks (O(mn) against O(m^2 n)); every product one bmm or baddbmm call on 3-D views, so
+    that a call dispatches few ops (matmul's broadcasting would add views around each). The
+    output is checked, not the Gram-side factors: in bf16 the products Q R Q^T and Q X round
+    differently, and a Gram-side estimate read 1.08 where the output's largest singular value
+    was 1.47."""
+    O_BRC = O.reshape(-1, *O.shape[-2:])  # a view: the products below are plain bmm calls
+    Ot_BCR, m = O_BRC.mT, O.size(-2)
+    v = _start_vector(m, O.device).expand(O_BRC.size(0), m, 1)
+    basis, images = [v], []
+    for i in range(min(CHECK_STEPS, m)):
+        w = torch.bmm(O_BRC, torch.bmm(Ot_BCR, v.to(O.dtype))).float()  # O O^T v
+        images.append(w)
+        if i + 1 == min(CHECK_STEPS, m):  # the space is complete: no next basis vector
+            break
+        V = torch.cat(basis, dim=-1) if len(basis) > 1 else v
+        Vt = V.mT
         for _ in range(2):  # classical Gram-Schmidt, twice ("twice is enough")
-            w = w - V @ (V.mT @ w)
+            w = torch.baddbmm(w, V, torch.bmm(Vt, w), alpha=-1)
         v = w / torch.linalg.vector_norm(w, dim=-2, keepdim=True).clamp(min=1e-30)
+        basis.append(v)
     V, W = torch.cat(basis, dim=-1), torch.cat(images, dim=-1)
-    T = V.mT @ W
+    T = torch.bmm(V.mT, W)
     T = ((T + T.mT) / 2).double().nan_to_num(nan=1e30, posinf=1e30, neginf=-1e30)
-    return _top_eigenvalue(T).clamp(min=0).sqrt().to(torch.float32)
+    top = _top_eigenvalue(T).clamp(min=0).sqrt().to(torch.float32)
+    return top.reshape(O.shape[:-2])
 
 
 #: (rows, device) -> the check's unit start vector `[rows, 1]`, float32
@@ -324,10 +332,14 @@ def _top_eigenvalue(T: torch.Tensor, squarings: int = 10) -> torch.Tensor:
     eigenvalues are within ~1e-3 relative of each other (then either is the answer), and the
     largest Rayleigh quotient of those columns."""
     P = T
-    for _ in range(squarings):
-        P = P / torch.linalg.matrix_norm(P, keepdim=True).clamp(min=1e-300)
-        P = P @ P
-    quotients = (P * (T @ P)).sum(-2) / (P * P).sum(-2).clamp(min=1e-300)
+    for i in range(squarings):
+        # scaled to Frobenius norm 1 before every other squaring: the largest eigenvalue of
+        # the scaled P is at least 1/sqrt(k) of it (k <= CHECK_STEPS), so two squarings keep
+        # it above 1/k^2 and below 1 (no overflow, no underflow of the direction sought)
+        if i % 2 == 0:
+            P = P / torch.linalg.matrix_norm(P, keepdim=True).clamp(min=1e-300)
+        P = torch.bmm(P, P)
+    quotients = (P * torch.bmm(T, P)).sum(-2) / (P * P).sum(-2).clamp(min=1e-300)
     return quotients.amax(-1)
 
 
