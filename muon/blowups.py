@@ -9,8 +9,11 @@ the step marked skipped), and the count joins a per-batch counter on the device.
 step's gradient census carries the counters in its one all-reduce and read (`muon.census`);
 a batch whose Gram output blew up on any rank then runs the standard iteration from that step
 on, on every rank, with one warning naming its parameters. A new plan (`add_param_group`, a
-load that changes planning keys) forgets the demotions. So a blow-up costs the parameter one
-step's update, once, and never a read in the step.
+load that changes planning keys) forgets the demotions, and so does a run resumed from a
+checkpoint (they are not state: a batch that blows up again is demoted again). So a blow-up
+costs the parameter one step's update, once, and never a read in the step. Every rank has the
+same counters (the plan, `ns_algorithm` and `ns_steps` included, is fingerprinted across ranks
+at construction, `muon.plan.fingerprint`), so the census's all-reduce has one length.
 """
 
 from __future__ import annotations
