@@ -13,7 +13,9 @@ load that changes planning keys) forgets the demotions, and so does a run resume
 checkpoint (they are not state: a batch that blows up again is demoted again). So a blow-up
 costs the parameter one step's update, once, and never a read in the step. Every rank has the
 same counters (the plan, `ns_algorithm` and `ns_steps` included, is fingerprinted across ranks
-at construction, `muon.plan.fingerprint`), so the census's all-reduce has one length.
+at construction, `muon.plan.fingerprint`), so the census's all-reduce has one length. A loop
+that runs `Muon.update` alone (a captured CUDA graph) still refuses such updates; learning
+from the counts, the demotion, is the census's, i.e. `Muon.step`'s.
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps i
 momentum has moved), the others are updated, and the step is marked skipped on every rank
 (`last_step_skipped`, `skipped_steps`).
 
-Gram Newton-Schulz blow-ups: a block whose bf16 Gram output leaves the band is refused as an
-update that does not fit is (NaN reaches the guard), counted on the device and learnt by the
-next census, which demotes its batch to the standard iteration (`muon.blowups`).
+Gram Newton-Schulz blow-ups: the parameter holding a block whose bf16 Gram output leaves the
+band is not updated, as one whose update does not fit (the block reaches the guard as NaN); the
+blow-up is counted on the device and learnt by the next census, which demotes its batch to the
+standard iteration (`muon.blowups`).
 
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
