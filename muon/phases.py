@@ -4,7 +4,7 @@ check `muon.guard`'s. A batch costs a fixed number of dispatched ops per group o
 hyperparameters, not per parameter: the send buffer's slots and the returned shards are views
 the path made once per batch (`muon.paths`), and the update guard works on the stacked
 returned tensor when the whole batch is one group (`muon.guard.guard_stacked`), which the
-apply then adds as one tensor of the parameters' dtype.
+apply then adds in the parameters' dtype (widened once when it travelled narrower).
 
 `params` is the batch's (or local chunk's) `[(parameter, its group)]`; `gradless` the ids of
 parameters without a grad on any rank this step (`muon.census`): they keep their momentum,
