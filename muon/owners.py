@@ -30,8 +30,8 @@ import hashlib
 import heapq
 from dataclasses import dataclass, replace
 
+from muon.batch_cost import bytes_sent
 from muon.cost import batch_block_flops, batch_blocks_flops, ns_flops_on
-from muon.paths import bytes_sent
 from muon.plan import BatchPlan, MeshCommPlan
 
 Plans = list[tuple[MeshCommPlan, list[BatchPlan]]]

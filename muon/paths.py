@@ -11,7 +11,8 @@ Every path is registered once, in `PATHS`. A path object has
   stacked tensor (`stacked`, `[S, rows, C]`, parameter position j in slot `slot_of(...)[j]`),
   so that the apply checks and zeroes a batch's updates in a few ops (`muon.guard`);
 - its cost, counted from the plan alone (`blocks_on`, `bytes_sent`, `collective_buffer_bytes`,
-  `exchange_buffer_bytes`, `ns_workspace_bytes`), which the tests check against the exchange.
+  `exchange_buffer_bytes`, `ns_workspace_bytes`), which the tests check against the exchange
+  (`muon.batch_cost` asks a batch's path for them and builds the planned peaks on them).
 Which units a rank holds and owns is the plan's (`BatchPlan.exchange_view`, `unit_blocks`,
 `units_on`). Whether a path waits depends only on the plan, never on the rank, so every rank
 issues the same collectives in the same order.
@@ -20,7 +21,7 @@ Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved fi
 product of the other dims; a unit is what one owner assembles, `[N, C]` with N its rows; W is
 the exchange group's size, n the batch size, p = ceil(N / W) * C * itemsize a padded shard.
 
-This module reads plans by their fields only, so `muon.plan` may ask it what a path costs.
+This module reads plans by their fields only, so `muon.plan` may ask what a path costs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from muon.cost import LinkModel, ns_block_bytes
+from muon.cost import ns_block_bytes
 
 Shards = list[torch.Tensor]
 #: default bound on one batch's exchange buffers on one rank (sub-group batches are sized by
@@ -434,72 +435,3 @@ REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_a
 
 
 # ------------------------------------------------------------------ a batch's figures, by path
-def blocks_on(b, r: int) -> int:
-    """Blocks FSDP rank `r` orthogonalizes for batch `b`."""
-    return PATHS[b.path].blocks_on(b, r)
-
-
-def bytes_sent(b, r: int) -> int:
-    """Bytes FSDP rank `r` sends for batch `b`, both directions, counted from the plan."""
-    return PATHS[b.path].bytes_sent(b, r)
-
-
-def collective_buffer_bytes(b, r: int) -> int:
-    """Bytes of the largest receive buffer one collective of batch `b` allocates on rank `r`."""
-    return PATHS[b.path].collective_buffer_bytes(b, r)
-
-
-def exchange_buffer_bytes(b, r: int) -> int:
-    """Peak bytes of batch `b`'s exchange buffers alive at once on rank `r` (NS inputs
-    included)."""
-    return PATHS[b.path].exchange_buffer_bytes(b, r)
-
-
-def ns_workspace_bytes(b, r: int, ns_itemsize: int) -> int:
-    """Rough peak Newton-Schulz temporaries for what rank `r` orthogonalizes at once."""
-    return PATHS[b.path].ns_workspace_bytes(b, r, ns_itemsize)
-
-
-def nesterov_input_bytes(b, r: int, nesterov: bool) -> int:
-    """NS inputs the step allocates outside the exchange buffers: Nesterov's `lerp(G, M)` of
-    the batch's (the local path: the chunk's) parameters at once, in the parameter's dtype,
-    when the wire dtype is narrower (`muon.update.muon_momentum_`; otherwise it is written
-    straight into the send buffer)."""
-    if not nesterov or b.wire_itemsize >= b.itemsize:
-        return 0
-    if b.path == "local":
-        n, rows = max(len(c) for c in local_chunks(b, r)), local_rows(b, r)
-    else:
-        n, rows = b.size, b.shard_sizes[r]
-    return n * rows * b.other_numel * b.itemsize
-
-
-def peak_bytes(b, r: int, ns_itemsize: int, *, nesterov: bool = False) -> int:
-    """Planned peak bytes of batch `b` on FSDP rank `r`: exchange buffers + Newton-Schulz
-    workspace (+ `nesterov_input_bytes`)."""
-    return (
-        nesterov_input_bytes(b, r, nesterov)
-        + exchange_buffer_bytes(b, r)
-        + ns_workspace_bytes(b, r, ns_itemsize)
-    )
-
-
-def window_peak_bytes(plans, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
-    """The largest sum of per-batch `peak_bytes` over `max_inflight` consecutive batches of
-    `plans` (`[(mesh plan, batches)]`, seen from each mesh plan's `fsdp_rank`): the runtime keeps
-    that many batches alive. 0 without batches."""
-    peaks = [
-        peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
-        for mp, batches in plans
-        for b in batches
-    ]
-    k = max(1, max_inflight)
-    return max((sum(peaks[i : i + k]) for i in range(max(1, len(peaks) - k + 1))), default=0)
-
-
-def modelled_s(b, link: LinkModel, ranks=None) -> float:
-    """Modelled time of batch `b`'s collectives, from the busiest rank's bytes (of `ranks`,
-    default all)."""
-    ranks = range(b.fsdp_size) if ranks is None else ranks
-    per_collective = max(bytes_sent(b, r) for r in ranks) / 2
-    return PATHS[b.path].collectives * link.collective_s(int(per_collective))

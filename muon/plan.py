@@ -33,9 +33,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from muon.batch_cost import modelled_s, peak_bytes
 from muon.cost import DEFAULT_LINKS, LinkModel
 from muon.mesh import LOCAL_MESH_PLAN, MeshCommPlan, resolve_mesh_comm_plan, shard_sizes
-from muon.paths import BATCH_BYTES, REMAINDER_STRATEGIES, modelled_s, peak_bytes
+from muon.paths import BATCH_BYTES, REMAINDER_STRATEGIES
 
 __all__ = [  # the mesh plan's names are planning's too
     "BATCH_BYTES",

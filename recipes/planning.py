@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from models.glm import get_preset
 from models.glm.local import local_tensor
-from muon import paths
+from muon import batch_cost
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
@@ -119,7 +119,9 @@ class ShapeGroup:
 
     def roles(self, batches: list[BatchPlan]) -> dict[str, int | None]:
         """FSDP ranks that orthogonalize something of `batches` (busy) and that do not (idle)."""
-        work = [sum(paths.blocks_on(b, r) for b in batches) for r in range(self.mesh.fsdp_size)]
+        work = [
+            sum(batch_cost.blocks_on(b, r) for b in batches) for r in range(self.mesh.fsdp_size)
+        ]
         busy = next((r for r, n in enumerate(work) if n), None)
         idle = next((r for r, n in enumerate(work) if not n), None)
         return {"busy": busy, "idle": idle}
@@ -150,13 +152,17 @@ def rank_figures(
     return {
         "fsdp_rank": r,
         "global_rank": g.mesh.group_ranks[r] if g.mesh.group_ranks else r,
-        "matrices": sum(paths.blocks_on(b, r) for b in batches),
-        "bytes_sent": sum(paths.bytes_sent(b, r) for b in batches),
-        "collective_buffer_bytes": max(paths.collective_buffer_bytes(b, r) for b in batches),
-        "exchange_buffer_bytes": max(paths.exchange_buffer_bytes(b, r) for b in batches),
-        "ns_workspace_bytes": max(paths.ns_workspace_bytes(b, r, ns_itemsize) for b in batches),
-        "input_bytes": max(paths.nesterov_input_bytes(b, r, nesterov) for b in batches),
-        "peak_bytes": max(paths.peak_bytes(b, r, ns_itemsize, nesterov=nesterov) for b in batches),
+        "matrices": sum(batch_cost.blocks_on(b, r) for b in batches),
+        "bytes_sent": sum(batch_cost.bytes_sent(b, r) for b in batches),
+        "collective_buffer_bytes": max(batch_cost.collective_buffer_bytes(b, r) for b in batches),
+        "exchange_buffer_bytes": max(batch_cost.exchange_buffer_bytes(b, r) for b in batches),
+        "ns_workspace_bytes": max(
+            batch_cost.ns_workspace_bytes(b, r, ns_itemsize) for b in batches
+        ),
+        "input_bytes": max(batch_cost.nesterov_input_bytes(b, r, nesterov) for b in batches),
+        "peak_bytes": max(
+            batch_cost.peak_bytes(b, r, ns_itemsize, nesterov=nesterov) for b in batches
+        ),
     }
 
 
@@ -211,15 +217,15 @@ def summarize(opts: dict[str, object], ns_itemsize: int, nesterov: bool, fwd_bwd
     totals = {}
     for s, o in opts.items():
         peaks = [
-            paths.peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
+            batch_cost.peak_bytes(b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov)
             for mp, bs in o.plans
             for b in bs
         ]
-        sent = sum(paths.bytes_sent(b, mp.fsdp_rank) for mp, bs in o.plans for b in bs)
+        sent = sum(batch_cost.bytes_sent(b, mp.fsdp_rank) for mp, bs in o.plans for b in bs)
         totals[s] = {
             "view_bytes_sent": sent,
             "view_max_batch_peak_bytes": max(peaks, default=0),
-            "view_step_bound_bytes": paths.window_peak_bytes(
+            "view_step_bound_bytes": batch_cost.window_peak_bytes(
                 o.plans, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=o.max_inflight
             ),
             "busy_max_peak_bytes": max(

@@ -34,7 +34,7 @@ import torch
 
 from models.glm import GLMConfig
 from models.glm.local import local_tensor
-from muon.paths import window_peak_bytes
+from muon.batch_cost import window_peak_bytes
 
 GiB = 1 << 30
 
@@ -261,7 +261,7 @@ def _unsharded_bytes(module: torch.nn.Module, itemsize: int, ep: int) -> int:
 def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
     """The largest sum of per-batch peaks (exchange buffers + Newton-Schulz workspace + the
     local path's Nesterov input) over `max_inflight` consecutive batches of the optimizer's
-    plans on this rank (`muon.paths.window_peak_bytes`); 0 for optimizers without plans
+    plans on this rank (`muon.batch_cost.window_peak_bytes`); 0 for optimizers without plans
     (AdamW)."""
     return window_peak_bytes(
         getattr(opt, "plans", []),

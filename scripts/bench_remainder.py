@@ -18,7 +18,7 @@ shards them with FSDP2 `fully_shard` over a 1-D mesh of W ranks and steps a `muo
   the step's); the busiest rank's mean is the overlap reference (`step / NS-only <= 1.2`).
 - memory: `--mem-steps` further steps inside `recipes.memory.MemoryMeter`, the peak of
   `peak_delta_bytes` of the optimizer-step region on each rank (measured, never computed). A
-  "busy" rank assembles at least one real matrix (`muon.paths.blocks_on`), an "idle" one none.
+  "busy" rank assembles at least one real matrix (`muon.batch_cost.blocks_on`), an "idle" one none.
 - bytes: `opt.step_stats["muon/bytes_sent"]` per rank next to the plan's `bytes_sent(rank)`, and
   the plan's `collective_buffer_bytes`, `exchange_buffer_bytes`, `ns_workspace_bytes`.
 

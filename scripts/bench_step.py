@@ -73,7 +73,7 @@ def _planned_bytes_sent(opt) -> int:
     if plans and hasattr(plans[0][1], "bytes_sent"):
         return sum(b.bytes_sent(rank) for rank, b in plans)
     try:
-        from muon.paths import bytes_sent
+        from muon.batch_cost import bytes_sent
     except ImportError:  # a baseline whose paths' costs live in muon.cost
         from muon.cost import bytes_sent
 

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from muon import paths
+from muon import batch_cost
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
 from recipes.bench.timing import peak_bytes, rotations, timed
@@ -124,12 +124,12 @@ def sweep(cfg: dict) -> list[dict]:
                     bytes_sent=stats["muon/bytes_sent"],
                     bytes_recv=stats["muon/bytes_recv"],
                     ns_matrices=stats["muon/matrices"],
-                    owned=paths.blocks_on(b, me),
+                    owned=batch_cost.blocks_on(b, me),
                     matrix_bytes=b.matrix_bytes,
-                    plan_bytes_sent=paths.bytes_sent(b, me),
-                    plan_collective_buffer_bytes=paths.collective_buffer_bytes(b, me),
-                    plan_exchange_buffer_bytes=paths.exchange_buffer_bytes(b, me),
-                    plan_ns_workspace_bytes=paths.ns_workspace_bytes(
+                    plan_bytes_sent=batch_cost.bytes_sent(b, me),
+                    plan_collective_buffer_bytes=batch_cost.collective_buffer_bytes(b, me),
+                    plan_exchange_buffer_bytes=batch_cost.exchange_buffer_bytes(b, me),
+                    plan_ns_workspace_bytes=batch_cost.ns_workspace_bytes(
                         b, me, torch.empty(0, dtype=ns_dtype).element_size()
                     ),
                 )

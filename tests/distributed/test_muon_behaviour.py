@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import muon.blocks as muon_blocks
 import muon.optimizer as muon_optimizer
-from muon import Muon, paths
+from muon import Muon, batch_cost
 from muon.runtime import AsyncRuntime
 from recipes.bench.fixtures import sharded_matrices
 from recipes.memory import MemoryMeter
@@ -59,7 +59,7 @@ def _behaviour_world():
     for strategy in ("agrs", "ragged_all_to_all", "pad_all2all"):
         opt = Muon(_sharded(shapes, mesh), remainder_strategy=strategy)
         opt.step()
-        planned = sum(paths.blocks_on(b, mp.fsdp_rank) for mp, bs in opt.plans for b in bs)
+        planned = sum(batch_cost.blocks_on(b, mp.fsdp_rank) for mp, bs in opt.plans for b in bs)
         out[f"balance/{strategy}"] = (
             opt.step_stats["muon/matrices"],
             planned,
@@ -191,7 +191,7 @@ def _ns_shapes_world(expert_aware: bool, strategy: str):
     finally:
         muon_blocks.orthogonalize_blocks = real
     batch = opt.plans[0][1][-1]
-    return seen, batch.path, batch.fsdp_visible_rows, paths.collective_buffer_bytes(batch, 0)
+    return seen, batch.path, batch.fsdp_visible_rows, batch_cost.collective_buffer_bytes(batch, 0)
 
 
 def test_ns_sees_ep_local_blocks_and_agrs_buffer_from_fsdp_visible_dim():

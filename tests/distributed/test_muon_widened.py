@@ -10,7 +10,7 @@ sends must equal what `muon.paths` counts from the plan.
 
 from __future__ import annotations
 
-from muon.paths import bytes_sent
+from muon.batch_cost import bytes_sent
 from muon.plan import REMAINDER_STRATEGIES
 from tests.distributed.test_muon_distributed import NORMUON, _flat_shard, _run_case
 from tests.harness import init_mesh, run_world

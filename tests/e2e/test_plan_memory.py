@@ -13,13 +13,13 @@ dtype casts). Each rank measures the optimizer step's `peak_delta_bytes` with
 barrier) on the ranks that own a remainder matrix (busy) and those that own none (idle):
 
 - exchange only: Newton-Schulz replaced by a same-size copy (the plan's exchange accounting
-  includes the NS output), compared with `muon.paths.exchange_buffer_bytes`. Tolerance: 5% + 64
+  includes the NS output), compared with `muon.batch_cost.exchange_buffer_bytes`. Tolerance: 5% + 64
   KiB, plus, for AGRS only, a gloo slack of twice its slab (W*n padded shards) + send buffer
   (n padded shards): gloo stages a flat copy of the all-gather output and of the
   reduce-scatter input (4 MiB here, measured on bare collectives; NCCL does not), a gloo
   worker thread can free the all-gather's send buffer and slab only after the reduce-scatter
   buffers exist.
-- the real step, compared with the planner's per-batch peak (`muon.paths.peak_bytes`:
+- the real step, compared with the planner's per-batch peak (`muon.batch_cost.peak_bytes`:
   `exchange_buffer_bytes + ns_workspace_bytes`): the plan must be an upper bound within 10%
   (+ the AGRS gloo slack) and not more than 1.6x the measured peak (the NS workspace is a
   rough, conservative estimate).
@@ -195,7 +195,7 @@ def _measured_world() -> dict:
     import torch.distributed as dist
 
     import muon.optimizer as muon_optimizer
-    from muon import Muon, paths
+    from muon import Muon, batch_cost
     from recipes.bench.fixtures import sharded_matrices
     from recipes.memory import MemoryMeter
     from tests.harness import init_mesh
@@ -212,18 +212,18 @@ def _measured_world() -> dict:
         send_bytes = batch.size * batch.padded_shard_rows * batch.other_numel * batch.wire_itemsize
         row = {
             "path": batch.path,
-            "matrices": paths.blocks_on(batch, r),
-            "planned_exchange": paths.exchange_buffer_bytes(batch, r),
-            "planned_peak": paths.peak_bytes(batch, r, 4),
+            "matrices": batch_cost.blocks_on(batch, r),
+            "planned_exchange": batch_cost.exchange_buffer_bytes(batch, r),
+            "planned_peak": batch_cost.peak_bytes(batch, r, 4),
             # gloo-only AGRS slack (seen: +4, +5 and +10 MiB over the plan): gloo's flat staging
             # copy of the slab; the all-gather's send + slab, which a gloo worker thread can
             # release after the reduce-scatter buffers exist; and the output-shard gap (below)
             "staging": (
-                2 * (paths.collective_buffer_bytes(batch, r) + send_bytes)
+                2 * (batch_cost.collective_buffer_bytes(batch, r) + send_bytes)
                 if strategy == "agrs"
                 else 0
             ),
-            "planned_sent": paths.bytes_sent(batch, r),
+            "planned_sent": batch_cost.bytes_sent(batch, r),
         }
         for mode in ("exchange", "step"):
             # exchange only: NS becomes a same-size copy (its output is in the exchange count)

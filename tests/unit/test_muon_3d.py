@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from muon import Muon, cost, paths
+from muon import Muon, batch_cost, cost
 
 E, OUT, IN = 4, 12, 20
 
@@ -47,7 +47,7 @@ def test_3d_expert_weight_equals_separate_matrices(num_blocks, adjust_lr):
     )
     (b,) = opt.plans[0][1]
     assert b.num_blocks == E and b.block_shape == (OUT, IN)  # the planner counts E blocks
-    assert cost.batch_block_flops(b) > 0 and paths.blocks_on(b, 0) == E
+    assert cost.batch_block_flops(b) > 0 and batch_cost.blocks_on(b, 0) == E
 
 
 def test_3d_update_is_orthogonal_per_slice_not_per_row():

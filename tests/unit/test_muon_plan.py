@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from muon import cost, paths
+from muon import batch_cost, cost
 from muon.cost import block_flops as ns_flops
 from muon.owners import _Trial, assign_owners
 from muon.plan import (
@@ -100,7 +100,7 @@ def test_glm52_expert_aware_paths():
     assert {b.subgroup_size for b in down} == {2}
     assert down[0].fsdp_visible_rows == 196608 and down[0].shard_sizes[0] == 3072
     (mp, owned), *_ = assign_owners([(_glm52_mesh(), down)], world_size=512)[0]
-    assert max(paths.peak_bytes(b, r, 2) for b in owned for r in range(64)) < 0.5 * GiB
+    assert max(batch_cost.peak_bytes(b, r, 2) for b in owned for r in range(64)) < 0.5 * GiB
 
 
 def test_glm52_without_expert_paths_agrs_buffer_is_ep_local():
@@ -108,7 +108,7 @@ def test_glm52_without_expert_paths_agrs_buffer_is_ep_local():
     assert [(b.path, b.size) for b in down] == [("full", 64), ("agrs", 12)]
     rem = down[1]
     assert rem.fsdp_visible_rows == 1572864 // 8  # FSDP-visible, not global
-    buf = paths.collective_buffer_bytes(rem, 0)
+    buf = batch_cost.collective_buffer_bytes(rem, 0)
     assert buf == 12 * 196608 * 2048 * 2
     assert 8.9 * GiB < buf < 9.1 * GiB  # FSDP-visible rows: 9 GiB, not 72 GiB
 
@@ -185,7 +185,8 @@ def test_gram_plans_count_gram_flops_and_workspace():
         extra = 2 * m * m * 2 if gram_runs else 0  # two bf16 m x m matrices
         owner = b_gram.owners[0]
         assert (
-            paths.ns_workspace_bytes(b_gram, owner, 2) - paths.ns_workspace_bytes(b_std, owner, 2)
+            batch_cost.ns_workspace_bytes(b_gram, owner, 2)
+            - batch_cost.ns_workspace_bytes(b_std, owner, 2)
             == extra
         )
 
@@ -210,7 +211,7 @@ def test_existing_work_counts_as_load():
             g = u // b.size
             assert g * k <= o < (g + 1) * k  # a rank of the block's own sub-group
     big_owner = plans[1][1][0].owners[0]
-    blocks = [sum(paths.blocks_on(b, r) for b in sub) for r in range(w)]
+    blocks = [sum(batch_cost.blocks_on(b, r) for b in sub) for r in range(w)]
     partner = big_owner ^ 1
     assert blocks[big_owner] < blocks[partner], (big_owner, blocks)
     assert sum(blocks) == 6 * 2  # every block orthogonalized exactly once
@@ -244,7 +245,7 @@ def test_subgroups_widen_only_when_that_lowers_the_busiest_rank():
         mine = 4 * row  # a rank's 4 rows of each of its 12 units
         away = sum(o != v.me for o in v.held)
         recv = sum((8 - 4 * (v.me in v.holders(u))) * row for u in owned)
-        assert paths.bytes_sent(sub[0], r) == mine * away + recv
+        assert batch_cost.bytes_sent(sub[0], r) == mine * away + recv
     assert sum(len(b.exchange_view(r).owned()) for b in sub for r in range(w)) == 24
 
 
@@ -276,13 +277,13 @@ def test_auto_picks_the_fastest_remainder_that_fits_the_budget():
     assert (full.path, full.size, rem.size) == ("full", 8, 3)
     # the ragged exchange sends the fewest bytes from its busiest rank and holds the least
     assert rem.path == "ragged_all_to_all"
-    times = {s: paths.modelled_s(_plan(metas, mp, s)[1], link) for s in REMAINDER_STRATEGIES}
+    times = {s: batch_cost.modelled_s(_plan(metas, mp, s)[1], link) for s in REMAINDER_STRATEGIES}
     assert min(times, key=times.get) == "ragged_all_to_all", times
     # a budget only agrs-sized batches would exceed leaves the choice alone; one nothing fits
     # picks the smallest planned peak
     probe = replace(rem, owners=(0, 1, 2))
     peaks = {
-        s: max(paths.peak_bytes(replace(probe, path=s), r, 4) for r in range(8))
+        s: max(batch_cost.peak_bytes(replace(probe, path=s), r, 4) for r in range(8))
         for s in REMAINDER_STRATEGIES
     }
     assert choose_remainder(probe, link=link, memory_budget=max(peaks.values())) == rem.path
