@@ -91,7 +91,8 @@ def routed_experts_forward(
         run_S = torch.searchsorted(torch.cumsum(recv_counts_E, 0), row_S, right=True)
         perm_S = torch.argsort(run_S % L, stable=True)
         y_grouped_SD = experts(x_SD.index_select(0, perm_S), recv_counts_PL.sum(0))
-        y_SD = y_grouped_SD.index_select(0, torch.argsort(perm_S))
+        unperm_S = torch.empty_like(perm_S).scatter_(0, perm_S, row_S)  # perm's inverse, no sort
+        y_SD = y_grouped_SD.index_select(0, unperm_S)
         y_AD = all_to_all(y_SD, recv_splits, send_splits, group)
 
     w_A = w_NK.reshape(-1).index_select(0, order_A)
