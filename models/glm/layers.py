@@ -106,14 +106,40 @@ def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: t
 
 def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):
     """Rotate the first R channels of each head (half-split "rotate_half" pairing i with i+R/2);
-    channels R..K-1 pass through unchanged."""
-    R = cos_TR.shape[-1]
-    rot, rest = x_BTNK[..., :R], x_BTNK[..., R:]
-    x1, x2 = rot[..., : R // 2], rot[..., R // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_TR[None, :, None, :], sin_TR[None, :, None, :]
-    out = (_wide(rot) * cos + _wide(rotated) * sin).to(x_BTNK.dtype)
-    return torch.cat([out, rest], dim=-1)
+    channels R..K-1 pass through unchanged. The tables are constants (no gradient)."""
+    return _PartialRope.apply(x_BTNK, cos_TR, sin_TR)
+
+
+class _PartialRope(torch.autograd.Function):
+    """`apply_partial_rope` with its backward written out: y = x cos + rotate_half(x) sin on the
+    first R channels has grad_x = g cos + rotate_half^T(g sin), rotate_half^T(v) = (v2, -v1).
+    Autograd through the slices and concatenations would form the same sums (two terms per
+    element, so in any order the same bits, up to the sign of a zero) from zero-filled
+    full-size gradients, one per slice."""
+
+    @staticmethod
+    def forward(ctx, x_BTNK, cos_TR, sin_TR):
+        R = cos_TR.shape[-1]
+        rot, rest = x_BTNK[..., :R], x_BTNK[..., R:]
+        x1, x2 = rot[..., : R // 2], rot[..., R // 2 :]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        cos, sin = cos_TR[None, :, None, :], sin_TR[None, :, None, :]
+        out = (_wide(rot) * cos + _wide(rotated) * sin).to(x_BTNK.dtype)
+        ctx.save_for_backward(cos_TR, sin_TR)
+        return torch.cat([out, rest], dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_BTNK):
+        cos_TR, sin_TR = ctx.saved_tensors
+        R, dtype = cos_TR.shape[-1], g_BTNK.dtype
+        g_wide = _wide(g_BTNK[..., :R])
+        g_cos = (g_wide * cos_TR[None, :, None, :]).to(dtype)
+        g_sin = (g_wide * sin_TR[None, :, None, :]).to(dtype)
+        h = R // 2
+        grad_x1 = g_cos[..., :h] + g_sin[..., h:]
+        grad_x2 = g_cos[..., h:] + -g_sin[..., :h]
+        return torch.cat([grad_x1, grad_x2, g_BTNK[..., R:]], dim=-1), None, None
 
 
 class Attention(MaxLogitRecorder, nn.Module):
