@@ -6,7 +6,8 @@ grad raise on every rank, before anything is written. Both checks share one all-
 the census reads the device once: the non-finite flag is found on the device
 (`torch._amp_foreach_non_finite_check_and_unscale_` with a scale of 1, one kernel per dtype),
 the has-grad flags are a device tensor made once per pattern of present grads, and the
-all-reduced flags come back to the host in one read.
+all-reduced flags come back to the host in one read. The optimizer's Gram blow-up counts of
+the previous step (`muon.blowups`) travel in the same all-reduce and read.
 """
 
 from __future__ import annotations
@@ -42,11 +43,16 @@ class GradCensus:
                 found = found.maximum(flag.to(device))
         return found
 
-    def __call__(self, param_groups: list[dict]) -> tuple[bool, set[int]]:
-        """(all gradients finite on every rank, ids of parameters without a grad on any rank).
+    def __call__(
+        self, param_groups: list[dict], extra: torch.Tensor | None = None
+    ) -> tuple[bool, set[int], list[int]]:
+        """(all gradients finite on every rank, ids of parameters without a grad on any rank,
+        `extra` summed over ranks).
 
-        One all-reduce (SUM) of [non-finite flag, has-grad flag per parameter] as int32: a count
-        of 0 or W per parameter is agreement, anything between is an error on every rank.
+        One all-reduce (SUM) of [non-finite flag, has-grad flag per parameter, `extra`] as
+        int32: a count of 0 or W per parameter is agreement, anything between is an error on
+        every rank. `extra`, int32 counts on the device (the same length on every rank), rides
+        along so that it costs no read of its own; [] without it.
         """
         params = [p for g in param_groups for p in g["params"]]
         grads = [local(p.grad) for p in params if p.grad is not None]
@@ -55,21 +61,30 @@ class GradCensus:
         )
         if not distributed:
             device = grads[0].device if grads else torch.device("cpu")
-            finite = not bool(self.nonfinite(grads, device))  # the one host read
-            return finite, {id(p) for p in params if p.grad is None}
+            found = self.nonfinite(grads, device)
+            gradless = {id(p) for p in params if p.grad is None}
+            if extra is None:
+                return not bool(found), gradless, []  # the one host read
+            counts = torch.cat([found.to(torch.int32), extra.to(device)]).tolist()  # the read
+            return not counts[0], gradless, counts[1:]
         device, world = comm_device(), dist.get_world_size()
         pattern = tuple(p.grad is not None for p in params)
         has = self._patterns.get((device, pattern))
         if has is None:  # a new pattern of present grads: one copy, then reused
             has = torch.tensor(pattern, dtype=torch.int32, device=device)
             self._patterns[(device, pattern)] = has
-        flags = torch.cat([self.nonfinite(grads, device).to(torch.int32), has])
+        parts = [self.nonfinite(grads, device).to(torch.int32), has]
+        if extra is not None:
+            parts.append(extra.to(device))
+        flags = torch.cat(parts)
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         counts = flags.tolist()  # the one host read
-        split = [i for i, c in enumerate(counts[1:]) if 0 < c < world]
+        present = counts[1 : 1 + len(params)]
+        split = [i for i, c in enumerate(present) if 0 < c < world]
         if split:
-            raise RuntimeError(_disagreement(param_groups, split[0], counts[1 + split[0]], world))
-        return not counts[0], {id(p) for p, c in zip(params, counts[1:], strict=True) if not c}
+            raise RuntimeError(_disagreement(param_groups, split[0], present[split[0]], world))
+        gradless = {id(p) for p, c in zip(params, present, strict=True) if not c}
+        return not counts[0], gradless, counts[1 + len(params) :]
 
 
 def _disagreement(param_groups: list[dict], index: int, count: int, world: int) -> str:

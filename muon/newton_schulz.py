@@ -17,8 +17,10 @@ products are arranged:
   R from compounding. When the FLOP count (`muon.cost.ns_flops`) says Gram is not cheaper for
   a shape, the standard iteration runs instead, so "gram" is safe to ask for everywhere. In
   bf16 the updates of R can still lose the result when singular values span a wide range: a
-  block whose output's largest singular value (a power-iteration estimate on the output) leaves
-  the method's band by more than `GRAM_SLACK` is recomputed with the standard iteration.
+  block whose output's largest singular value (a Krylov estimate on the output, from below)
+  leaves the method's band by more than `GRAM_SLACK` is recomputed with the standard iteration
+  (one host read per call, to learn which blocks), or, with `blowups=` (the optimizer's form),
+  returned as zeros with its flag left on the device.
 - algorithm "auto": "gram" on blocks of at least `GRAM_MIN_ROWS` x `GRAM_MIN_ROWS` where it needs
   fewer FLOPs, "standard" elsewhere (the optimizer's default).
 - symmetric products: X X^T, R^2, H Q and H R H are symmetric; `symmetric=True` computes the
@@ -272,32 +274,55 @@ def _top_singular_value(O: torch.Tensor) -> torch.Tensor:
     one seeded Gaussian vector: the basis V is orthonormalized in float32 (twice, so the
     projection T = V^T O O^T V is exact up to the matrix-vector products' rounding), and the
     largest eigenvalue of T never exceeds sigma_max^2, so a flagged block is truly out of band.
-    No host sync: the caller decides once per call (`_checked_gram`).
+    No host sync: `_checked_gram` decides what to do with the flags.
     Krylov spaces find an isolated top eigenvalue far faster than power iteration: a direction
     at 1.25 among 256 at <= 1.13 is found to 1e-3 within 6 steps (the Chebyshev bound: its
     angle shrinks by T_5(1 + 2 gap)^2 ~ 1e5), where 8 power iterations read 1.14. Cost:
-    2 * CHECK_STEPS matrix-vector products with O, ~0.1 of the iteration's time for a batch of
-    256x768 bf16 blocks on a CPU (bf16 matrix-vector products are slow there) and a shrinking
-    share for larger blocks (O(mn) against O(m^2 n)). The output is checked, not the Gram-side
-    factors: in bf16 the products Q R Q^T and Q X round differently, and a Gram-side estimate
-    read 1.08 where the output's largest singular value was 1.47."""
-    gen = torch.Generator(device=O.device).manual_seed(0)
-    m = O.size(-2)
-    v = torch.randn(m, 1, generator=gen, device=O.device, dtype=torch.float32)
-    v = (v / v.norm()).expand(*O.shape[:-2], m, 1)
-    basis, images = [], []
-    for _ in range(min(CHECK_STEPS, m)):
-        basis.append(v)
-        images.append((O @ (O.mT @ v.to(O.dtype))).float())  # O O^T v
-        w = images[-1]
-        V = torch.cat(basis, dim=-1)
+    2 * CHECK_STEPS matrix-vector products with O in O's dtype (a float32 copy of a bf16 O
+    would double the bytes each product reads, and on a CPU batched float32 products with one
+    vector were measured slower than bf16 ones), a shrinking share of the iteration for larger
+    blocks (O(mn) against O(m^2 n)); every product one bmm or baddbmm call on 3-D views, so
+    that a call dispatches few ops (matmul's broadcasting would add views around each). The
+    output is checked, not the Gram-side factors: in bf16 the products Q R Q^T and Q X round
+    differently, and a Gram-side estimate read 1.08 where the output's largest singular value
+    was 1.47."""
+    O_BRC = O.reshape(-1, *O.shape[-2:])  # a view: the products below are plain bmm calls
+    Ot_BCR, m = O_BRC.mT, O.size(-2)
+    v = _start_vector(m, O.device).expand(O_BRC.size(0), m, 1)
+    basis, images = [v], []
+    for i in range(min(CHECK_STEPS, m)):
+        w = torch.bmm(O_BRC, torch.bmm(Ot_BCR, v.to(O.dtype))).float()  # O O^T v
+        images.append(w)
+        if i + 1 == min(CHECK_STEPS, m):  # the space is complete: no next basis vector
+            break
+        V = torch.cat(basis, dim=-1) if len(basis) > 1 else v
+        Vt = V.mT
         for _ in range(2):  # classical Gram-Schmidt, twice ("twice is enough")
-            w = w - V @ (V.mT @ w)
+            w = torch.baddbmm(w, V, torch.bmm(Vt, w), alpha=-1)
         v = w / torch.linalg.vector_norm(w, dim=-2, keepdim=True).clamp(min=1e-30)
+        basis.append(v)
     V, W = torch.cat(basis, dim=-1), torch.cat(images, dim=-1)
-    T = V.mT @ W
+    T = torch.bmm(V.mT, W)
     T = ((T + T.mT) / 2).double().nan_to_num(nan=1e30, posinf=1e30, neginf=-1e30)
-    return _top_eigenvalue(T).clamp(min=0).sqrt().to(torch.float32)
+    top = _top_eigenvalue(T).clamp(min=0).sqrt().to(torch.float32)
+    return top.reshape(O.shape[:-2])
+
+
+#: (rows, device) -> the check's unit start vector `[rows, 1]`, float32
+_START_VECTORS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _start_vector(m: int, device: torch.device) -> torch.Tensor:
+    """The Krylov check's start vector: a seeded Gaussian direction, drawn on `device` once per
+    row count and reused, so that a step neither draws it again nor needs a generator (which a
+    CUDA graph would have to register) nor copies it from the host."""
+    key = (m, torch.device(device))
+    v = _START_VECTORS.get(key)
+    if v is None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        v = torch.randn(m, 1, generator=gen, device=device, dtype=torch.float32)
+        v = _START_VECTORS.setdefault(key, v / v.norm())
+    return v
 
 
 def _top_eigenvalue(T: torch.Tensor, squarings: int = 10) -> torch.Tensor:
@@ -307,18 +332,26 @@ def _top_eigenvalue(T: torch.Tensor, squarings: int = 10) -> torch.Tensor:
     eigenvalues are within ~1e-3 relative of each other (then either is the answer), and the
     largest Rayleigh quotient of those columns."""
     P = T
-    for _ in range(squarings):
-        P = P / torch.linalg.matrix_norm(P, keepdim=True).clamp(min=1e-300)
-        P = P @ P
-    quotients = (P * (T @ P)).sum(-2) / (P * P).sum(-2).clamp(min=1e-300)
+    for i in range(squarings):
+        # scaled to Frobenius norm 1 before every other squaring: the largest eigenvalue of
+        # the scaled P is at least 1/sqrt(k) of it (k <= CHECK_STEPS), so two squarings keep
+        # it above 1/k^2 and below 1 (no overflow, no underflow of the direction sought)
+        if i % 2 == 0:
+            P = P / torch.linalg.matrix_norm(P, keepdim=True).clamp(min=1e-300)
+        P = torch.bmm(P, P)
+    quotients = (P * torch.bmm(T, P)).sum(-2) / (P * P).sum(-2).clamp(min=1e-300)
     return quotients.amax(-1)
 
 
-def _checked_gram(X, schedule, steps, symmetric, restarts) -> torch.Tensor:
-    """Gram Newton-Schulz, with each block whose output leaves the band recomputed by the
-    standard iteration."""
+def _checked_gram(X, schedule, steps, symmetric, restarts, blowups=None) -> torch.Tensor:
+    """Gram Newton-Schulz with the output check: a block whose output leaves the band is
+    recomputed by the standard iteration (one host read, to learn whether any did), or, when a
+    `blowups` list is given, set to zeros with its flag appended to the list (no read)."""
     out = _gram(X, schedule, steps, symmetric, restarts)
     bad = _top_singular_value(out) > band_top(tuple(schedule), steps) + GRAM_SLACK
+    if blowups is not None:
+        blowups.append(bad.reshape(-1))
+        return out.masked_fill_(bad[..., None, None], 0)
     if bad.any():
         if out.ndim == 2:
             return _standard(X, schedule, steps, symmetric)
@@ -352,6 +385,7 @@ def newton_schulz(
     algorithm: str = "standard",
     symmetric: bool = False,
     restarts: Sequence[int] = GRAM_RESTARTS,
+    blowups: list | None = None,
 ) -> torch.Tensor:
     """Approximately orthogonalize each `[rows, cols]` block of `G` (shape `[..., rows, cols]`).
 
@@ -362,6 +396,14 @@ def newton_schulz(
     before each step in `restarts`) and runs the standard iteration elsewhere; "auto" does so
     only on blocks of at least `GRAM_MIN_ROWS` rows and columns; `symmetric`
     computes symmetric products by halves (see the module docstring).
+
+    A Gram block whose output leaves the band (`GRAM_SLACK`) is recomputed with the standard
+    iteration, which needs one host read per call. `blowups`, a list, asks for the form without
+    it: such a block is returned as zeros and one bool device tensor of the call's blocks
+    (`[B]`, B the product of `G`'s leading dims, 1 for a matrix; True where a block blew up) is
+    appended to the list when the Gram iteration ran (nothing when the standard one did). The
+    caller must then act on the flags; `muon.Muon` refuses that step's update of the parameter
+    and runs the standard iteration on the batch from the next step on.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: expected [..., rows, cols], got shape {tuple(G.shape)}")
@@ -380,7 +422,7 @@ def newton_schulz(
         effective_algorithm(rows, cols, steps, algorithm, symmetric=symmetric, restarts=restarts)
         == "gram"
     ):
-        X = _checked_gram(X, schedule, steps, symmetric, restarts)
+        X = _checked_gram(X, schedule, steps, symmetric, restarts, blowups)
     else:
         X = _standard(X, schedule, steps, symmetric)
     if tall:
@@ -400,7 +442,8 @@ def orthogonalize_blocks(
 ) -> torch.Tensor:
     """Orthogonalize a fused `[num_blocks * out, in]` matrix as `num_blocks` separate blocks.
 
-    `variant` holds `newton_schulz`'s keyword-only options (algorithm, symmetric, restarts)."""
+    `variant` holds `newton_schulz`'s keyword-only options (algorithm, symmetric, restarts,
+    blowups: its flags are then `[num_blocks]`)."""
     rows, cols = G.shape
     if num_blocks < 1 or rows % num_blocks:
         raise ValueError(f"num_blocks={num_blocks} must divide the {rows} rows of {tuple(G.shape)}")

@@ -25,6 +25,11 @@ the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps i
 momentum has moved), the others are updated, and the step is marked skipped on every rank
 (`last_step_skipped`, `skipped_steps`).
 
+Gram Newton-Schulz blow-ups: the parameter holding a block whose bf16 Gram output leaves the
+band is not updated, as one whose update does not fit (the block reaches the guard as NaN); the
+blow-up is counted on the device and learnt by the next census, which demotes its batch to the
+standard iteration (`muon.blowups`).
+
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
 zeros and its result is dropped, so the batch keeps its plan). Ranks that disagree about a
@@ -45,6 +50,7 @@ import torch
 
 from muon import normuon, update
 from muon.blocks import orthogonalize as _orthogonalize
+from muon.blowups import GramBlowups
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks, row_scales
 from muon.cost import LinkModel
@@ -340,13 +346,16 @@ class Muon(torch.optim.Optimizer):
         self._step_stats, self._stats = value, None
 
     def _prepare(self) -> None:
-        """What every step reuses, made once per plan (`muon.chunks`)."""
+        """What every step reuses, made once per plan (`muon.chunks`), and the Gram blow-up
+        counters (`muon.blowups`), whose demotions a new plan forgets."""
         self._census = GradCensus()
         self._chunks = prepare_chunks(self.plan, self.param_groups)
+        self._blowups = GramBlowups(self.plan)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        """One step: the gradient census (one host read), then `update` unless it skips, then
+        """One step: the gradient census (one host read, which also brings the previous
+        update's Gram blow-up counts, `muon.blowups`), then `update` unless it skips, then
         the update guard's verdict left on the device (`muon.guard.SkipFlag`, read lazily by
         `last_step_skipped` / `skipped_steps`)."""
         loss = None
@@ -365,7 +374,10 @@ class Muon(torch.optim.Optimizer):
                 prior = self._unfit_earlier
                 self._unfit_earlier = flag if prior is None else prior + flag
             self._unfit = None
-        finite, self._gradless = self._census(self.param_groups)
+        # the census also carries the previous step's Gram blow-up counts (`muon.blowups`)
+        counters = self._blowups.counts
+        finite, self._gradless, blown = self._census(self.param_groups, counters)
+        self._blowups.demote(blown, self.param_groups, self.plan.params)
         self._census_skipped = not finite
         if not finite:
             self._skipped_on_host += 1
@@ -384,6 +396,7 @@ class Muon(torch.optim.Optimizer):
         verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
         self._updates_ok: list[torch.Tensor] = []
         self._adamw_unfit = False
+        self._blowups.reset()
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw_group(g)
@@ -483,9 +496,11 @@ class Muon(torch.optim.Optimizer):
             coefficients=g0["ns_coefficients"],
             dtype=getattr(torch, g0["ns_dtype"]),
             eps=g0["eps"],
-            algorithm=g0.get("ns_algorithm", "standard"),  # absent in older state dicts
+            # absent in older state dicts; "standard" once the batch's Gram output blew up
+            algorithm=self._blowups.algorithm(b, g0.get("ns_algorithm", "standard")),
             post=post,
             split=chunk.split,
+            blowups=self._blowups.counter(b),
         )
 
     def _momentum(self, params: list, slots: list, shard_dim: int) -> None:

@@ -433,4 +433,6 @@ def fingerprint(
             h.update(repr((b.path, b.param_indices, b.global_shape, b.dtype)).encode())
             h.update(repr((b.subgroup_size, b.block_span)).encode())
             h.update(repr(b.split_sizes).encode())
+            # which batches may run Gram Newton-Schulz: the census carries a count for each
+            h.update(repr((b.ns_algorithm, b.ns_steps)).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1

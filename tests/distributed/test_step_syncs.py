@@ -20,8 +20,6 @@ CASES = {
     "small_3_layers": ["model=small", "++model.overrides.num_hidden_layers=3"],
     "small_standard": ["model=small", "optim.ns_algorithm=standard"],
 }
-#: Gram Newton-Schulz's blow-up check, the one read kept besides the census (docs/optimizer.md)
-GRAM_CHECK = "muon/newton_schulz.py"
 
 
 def _count_cases(cases: dict[str, list[str]]) -> dict[str, dict]:
@@ -55,14 +53,14 @@ def test_the_trainer_reads_the_device_once_per_logged_step(counts):
 
 
 def test_muon_step_syncs_at_most_once(counts):
-    """The gradient census is Muon.step's one device-to-host read besides Gram Newton-Schulz's
-    check (one per Gram call); with the standard iteration it is the only one."""
+    """The gradient census is Muon.step's one device-to-host read, with the default
+    `ns_algorithm="auto"` (Gram Newton-Schulz on the dense MLP's 256 x 768 blocks, whose
+    blow-up counts ride in the census, `muon.blowups`) as with the standard iteration."""
     for name in ("small", "small_normuon", "mla_tiny", "small_standard"):
         opt = counts[name][OPT]
         assert counts[name]["optimizer"] == "Muon.step"
-        assert opt["syncs"] - _sites(opt, GRAM_CHECK) <= 1, (name, opt["syncs_by_site"])
-    standard = counts["small_standard"][OPT]
-    assert standard["syncs"] == 1 and _sites(standard, GRAM_CHECK) == 0, standard["syncs_by_site"]
+        assert opt["syncs"] <= 1, (name, opt["syncs_by_site"])
+        assert _sites(opt, "muon/newton_schulz.py") == 0, (name, opt["syncs_by_site"])
 
 
 def test_muon_step_syncs_do_not_grow_with_layers(counts):
@@ -73,11 +71,7 @@ def test_muon_step_syncs_do_not_grow_with_layers(counts):
 
 def test_train_step_syncs_at_most_one_per_moe_layer_and_two(counts):
     """At most one read per MoE layer (the all-to-all split sizes), the census, the logged
-    figures, and the batch's copy; besides Gram Newton-Schulz's check (none with the standard
-    iteration)."""
+    figures, and the batch's copy."""
     for name, c in counts.items():
         bound = c["layers"]["moe_layers"] + 2 + 1
-        syncs = c[STEP]["syncs"] - _sites(c[STEP], GRAM_CHECK)
-        assert syncs <= bound, (name, c[STEP]["syncs_by_site"])
-    standard = counts["small_standard"]
-    assert standard[STEP]["syncs"] <= standard["layers"]["moe_layers"] + 2 + 1
+        assert c[STEP]["syncs"] <= bound, (name, c[STEP]["syncs_by_site"])

@@ -4,11 +4,12 @@ A command is a line (continuations joined, a trailing `# comment` dropped, `a &&
 a ```bash / sh / shell / console block, or a line starting with `python ` in a block without a
 language (output shown under its command). Each matches exactly one entry of `COMMANDS`:
 
-- `Run(pattern, shrink, writes, needs="", rc=0)`: run from the repository root (a copy of it
-  made of links: outputs stay out of the checkout) at its smallest size, `shrink` applied (a
-  `key=value` replaces the command's own value of that key or is added; `--flag [values]`
-  replaces the flag and its values or is added); it must exit `rc` and write every glob of
-  `writes`; `needs` names paths other entries write (it runs after them).
+- `Run(pattern, shrink, writes, needs="", rc=0, drop="")`: run from the repository root (a copy
+  of it made of links: outputs stay out of the checkout) at its smallest size, `shrink` applied
+  (a `key=value` replaces the command's own value of that key or is added; `--flag [values]`
+  replaces every occurrence of the flag, with its values, by one, or is added; each flag of
+  `drop` is removed with its values); it must exit `rc` and write every glob of `writes`;
+  `needs` names paths other entries write (it runs after them).
 - `NotRun(pattern, why)`: GPU-only, Slurm-only, W&B-only (an account and the network) or the
   test suite itself, with the reason.
 
@@ -57,6 +58,7 @@ class Run:
     writes: str
     needs: str = ""
     rc: int = 0
+    drop: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +128,8 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/bench_remainder\.py --ns-variant fixed,standard$", REMAINDER, "bench_out/results.json bench_out/tables.md bench_out/remainder.png"),
     Run(r"^python scripts/bench_remainder\.py --world-size 4 .* --out /tmp/b$", REMAINDER, "tmp/b/results.csv"),
     Run(r"^python scripts/bench_step\.py --baseline /tmp/before --steps [58] --out bench_step_out --ns-variant fixed,standard$", "--steps 1 --warmup 0 --strategies pad_all2all", "bench_step_out/results.json bench_step_out/tables.md", needs="tmp/before"),
-    Run(r"^python scripts/probe_step\.py mesh\.ep=2 --case model=small --case .* --baseline-tree /tmp/probe-before --out probe_out$", "model=tiny --no-double --baseline-tree .", "probe_out/results.json probe_out/tables.md"),
+    # one small case, no baseline: the time-only entries below run a baseline tree
+    Run(r"^python scripts/probe_step\.py mesh\.ep=2 --case model=small --case .* --baseline-tree /tmp/probe-before --out probe_out$", "--case model=tiny --no-double", "probe_out/results.json probe_out/tables.md", drop="--baseline-tree"),
     Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/probe_time2 mesh\.ep=2$", "model=tiny --baseline-tree . --time-steps 1 --time-rounds 1", "tmp/probe_time2/results.json"),
     Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/ptime2 mesh\.ep=2$", "model=tiny --baseline-tree . --time-steps 1 --time-rounds 1", "tmp/ptime2/results.json"),
     Run(r"^python scripts/bench_attention\.py --per-head-max-t 2048 --plot docs/img/attention_dsa\.png$", "--lengths 256 --paths masked,latent --modes frozen --repeats 1 --plot bench_out/attention/plot.png", "bench_out/attention/tables.md bench_out/attention/plot.png"),
@@ -194,13 +197,15 @@ def entry_for(command: str) -> list[Run | NotRun]:
     return [e for e in COMMANDS if re.search(e.pattern, command)]
 
 
-def shrunk(command: str, shrink: str) -> str:
+def shrunk(command: str, shrink: str, drop: str = "") -> str:
     """`command` with placeholders mapped and `shrink` applied (see the module docstring)."""
     for placeholder, path in PLACEHOLDERS.items():
         command = command.replace(placeholder, path)
     words = shlex.split(command)
     start = next(i for i, w in enumerate(words) if not re.match(r"^[A-Z_]+=", w))
     head, args = words[: start + 1], words[start + 1 :]
+    for flag in drop.split():
+        args = _replace_flag(args, flag, [])
     extra = shlex.split(shrink)
     i = 0
     while i < len(extra):
@@ -223,13 +228,24 @@ def shrunk(command: str, shrink: str) -> str:
 
 
 def _replace_flag(args: list[str], flag: str, new: list[str]) -> list[str]:
+    """`args` with every occurrence of `flag` and its values replaced by `new`, once (at the
+    first occurrence), or `new` appended when `flag` is absent."""
     if flag not in args:
         return args + new
-    k = args.index(flag)
-    end = k + 1
-    while end < len(args) and not args[end].startswith("-") and "=" not in args[end]:
-        end += 1
-    return args[:k] + new + args[end:]
+    out, placed, k = [], False, 0
+    while k < len(args):
+        if args[k] != flag:
+            out.append(args[k])
+            k += 1
+            continue
+        k += 1  # its values: up to the next flag, or the next key=value unless they are
+        overrides = k < len(args) and "=" in args[k]  # key=value overrides (`--case`)
+        while k < len(args) and not args[k].startswith("-") and (overrides or "=" not in args[k]):
+            k += 1
+        if not placed:
+            out += new
+            placed = True
+    return out
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -259,6 +275,13 @@ def test_shrinking_replaces_values_and_flags():
         "python scripts/m.py --meshes 1:1 --out tmp/x --variants 'a b,c' --rounds 1"
     )
     assert shrunk("DRY_RUN=1 bash s.sh mesh.ep=2", "mesh.ep=1") == "DRY_RUN=1 bash s.sh mesh.ep=1"
+    # every occurrence of a flag becomes one; a flag of overrides takes them all; drop removes
+    cmd = (
+        "python p.py mesh.ep=2 --case model=small --case model=small a=1 --base /tmp/b --out o x=1"
+    )
+    assert shrunk(cmd, "--case model=tiny", drop="--base") == (
+        "python p.py mesh.ep=2 --case model=tiny --out o x=1"
+    )
 
 
 @dataclasses.dataclass
@@ -419,7 +442,7 @@ def test_documented_commands_run_and_leave_only_ignored_files(tmp_path_factory):
     for _, command in documented_commands():
         (entry,) = entry_for(command)
         if isinstance(entry, Run) and only.search(command):
-            run = shrunk(command, entry.shrink)
+            run = shrunk(command, entry.shrink, entry.drop)
             if run not in jobs:  # the same command in two docs, or two that shrink alike
                 jobs[run] = _Job(command, run, entry, root / ".logs" / f"{len(jobs):02d}.log")
     planner = [j for j in jobs.values() if _PLANNER.match(j.run)]

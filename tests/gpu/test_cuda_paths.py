@@ -1,6 +1,7 @@
 """The CUDA paths the CPU suite cannot see: per-shard init on the device, the bf16/fp32 mixed
 precision defaults, torch.compile, the MemoryMeter on a real step (one NCCL rank), and the host
-syncs of Gram Newton-Schulz's blow-up check. Skipped where no CUDA device is present."""
+syncs of Gram Newton-Schulz's blow-up check (none in the optimizer's form). Skipped where no
+CUDA device is present."""
 
 import importlib
 import math
@@ -223,3 +224,17 @@ def test_gram_blow_up_check_syncs_once_per_call_not_per_block():
         counts[("nan", blocks)] = _syncs(run)
     assert counts[("finite", 2)] == counts[("finite", 8)] <= 1, counts
     assert counts[("nan", 2)] == counts[("nan", 8)], counts
+
+
+def test_gram_blow_up_flags_left_on_the_device_sync_never():
+    """The optimizer's form of the check (`blowups=`, `muon.blowups`): the flags stay on the
+    device and a blown-up block comes back as zeros, without a sync."""
+    from muon.newton_schulz import newton_schulz
+
+    G = torch.randn(4, 256, 768, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    G[0] = float("nan")
+    flags: list = []
+    run = lambda: newton_schulz(G, coefficients="polar_express", algorithm="gram", blowups=flags)  # noqa: E731
+    run()  # warm-up: cuBLAS handles, the check's start vector
+    assert _syncs(run) == 0
+    assert flags[-1].tolist() == [True, False, False, False]

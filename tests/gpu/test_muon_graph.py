@@ -15,10 +15,12 @@ from tests.unit.test_muon_graph_ready import _fill_grads, _optimizer
 pytestmark = pytest.mark.gpu
 
 
-def test_captured_update_replays_the_eager_step():
+@pytest.mark.parametrize("gram", [False, True])
+def test_captured_update_replays_the_eager_step(gram):
+    """With `gram`, a Gram Newton-Schulz block and its output check are captured too."""
     device = torch.device("cuda", 0)
-    graphed, gp = _optimizer(device)
-    eager, ep = _optimizer(device)
+    graphed, gp = _optimizer(device, gram=gram)
+    eager, ep = _optimizer(device, gram=gram)
     assert {b.path for _, batches in graphed.plans for b in batches} == {"local"}
     for step in range(2):  # warm up both (the census once, state moved in place)
         for opt, params in ((graphed, gp), (eager, ep)):

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from muon import Muon
+from recipes.bench.probe import all_on_device
 
 #: ops that read a device value on the host or size their output by data
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "masked_select"}
@@ -32,9 +33,13 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-def _optimizer(device="cpu", normuon: bool = True) -> tuple[Muon, list[torch.nn.Parameter]]:
+def _optimizer(
+    device="cpu", normuon: bool = True, gram: bool = False
+) -> tuple[Muon, list[torch.nn.Parameter]]:
     """Every kind of local batch: plain matrices (one bucket of 3), fused experts, blocks of
-    unequal heights (Muon Split) with NorMuon, a 3-D parameter, and an AdamW group."""
+    unequal heights (Muon Split) with NorMuon, a 3-D parameter, and an AdamW group; with
+    `gram`, a [256, 768] matrix too, which the default `ns_algorithm="auto"` orthogonalizes
+    with Gram Newton-Schulz and its output check (`muon.blowups`)."""
     gen = torch.Generator().manual_seed(0)
 
     def param(*shape):
@@ -43,15 +48,16 @@ def _optimizer(device="cpu", normuon: bool = True) -> tuple[Muon, list[torch.nn.
     dense = [param(32, 48) for _ in range(3)]
     experts, split, cube = [param(64, 16)], [param(24, 40)], [param(4, 8, 12)]
     adamw = [param(48), param(16, 8)]
+    wide = [param(256, 768)] if gram else []
     groups = [
-        {"params": dense},
+        {"params": dense + wide},
         {"params": experts, "num_blocks": 4},
         {"params": split, "split_sizes": (16, 8), "normuon": normuon},
         {"params": cube},
         {"params": adamw, "algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.1},
     ]
     opt = Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
-    return opt, dense + experts + split + cube + adamw
+    return opt, dense + wide + experts + split + cube + adamw
 
 
 def _fill_grads(params, step: int) -> None:
@@ -71,8 +77,12 @@ def _recorded(opt, params, step: int) -> list[tuple[str, tuple]]:
     return rec.ops
 
 
-def test_the_local_path_and_adamw_make_no_host_read_and_the_same_buffers_each_step(monkeypatch):
-    opt, params = _optimizer()
+@pytest.mark.parametrize("gram", [False, True])
+def test_the_local_path_and_adamw_make_no_host_read_and_the_same_buffers_each_step(
+    monkeypatch, gram
+):
+    opt, params = _optimizer(gram=gram)
+    assert (opt._blowups.counts is not None) == gram  # Gram batches get blow-up counters
     assert {b.path for _, batches in opt.plans for b in batches} == {"local"}
     _fill_grads(params, 0)
     opt.step()  # the census once: which parameters have grads
@@ -96,18 +106,19 @@ def test_the_local_path_and_adamw_make_no_host_read_and_the_same_buffers_each_st
     assert len(second) > 0
 
 
-def test_the_whole_step_reads_the_host_once():
-    """`step` = the census (its read of the device: was every gradient finite) + `update`; the
-    verdict of `muon.guard` (did every update fit its dtype) stays on the device until
+@pytest.mark.parametrize("gram", [False, True])
+def test_the_whole_step_reads_the_host_once(gram):
+    """`step` = the census (its read of the device: was every gradient finite, and with Gram
+    blocks the previous update's blow-up counts, in one `tolist`) + `update`; the verdict of
+    `muon.guard` (did every update fit its dtype) stays on the device until
     `last_step_skipped` is asked for, which reads it once."""
-    opt, params = _optimizer()
+    opt, params = _optimizer(gram=gram)
     _fill_grads(params, 0)
     opt.step()
     _fill_grads(params, 1)
-    with Recorder() as rec:
+    with all_on_device() as count:  # every tensor a device tensor: `tolist` is counted too
         opt.step()
-    reads = [name for name, _ in rec.ops if name in HOST_READS]
-    assert reads == ["_local_scalar_dense"], reads
+    assert count.syncs_by_kind() == {"tolist" if gram else "bool": 1}, count.syncs_by_kind()
     with Recorder() as rec:
         assert not opt.last_step_skipped and not opt.last_step_skipped
         assert opt.skipped_steps == 0
