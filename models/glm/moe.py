@@ -112,34 +112,10 @@ def _row_major(grad_SD: torch.Tensor) -> torch.Tensor:
     return grad_SD.clone(memory_format=torch.contiguous_format)
 
 
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up of a fused [S, 2I] gate+up output. Its backward writes the gate and up
-    gradients (silu_backward of g * up, and g * silu(gate): autograd's ops, bit for bit) straight
-    into the two halves of one [S, 2I] gradient instead of concatenating two [S, I] ones."""
-
-    @staticmethod
-    def forward(ctx, h_S2I):
-        gate_SI, up_SI = h_S2I.chunk(2, -1)
-        act_SI = F.silu(gate_SI)
-        ctx.save_for_backward(h_S2I, act_SI)
-        return act_SI * up_SI
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_SI):
-        h_S2I, act_SI = ctx.saved_tensors
-        gate_SI, up_SI = h_S2I.chunk(2, -1)
-        grad_S2I = torch.empty_like(h_S2I, memory_format=torch.contiguous_format)
-        grad_gate_SI, grad_up_SI = grad_S2I.chunk(2, -1)
-        torch.ops.aten.silu_backward.grad_input(g_SI * up_SI, gate_SI, grad_input=grad_gate_SI)
-        torch.mul(g_SI, act_SI, out=grad_up_SI)
-        return grad_S2I
-
-
 def _grouped_mm(x_SD, w_gu_L2ID, w_down_LDI, counts_L):
     ends_L = torch.cumsum(counts_L, 0, dtype=torch.int32)  # group j: rows ends[j-1]..ends[j]-1
-    h_S2I = torch._grouped_mm(x_SD, w_gu_L2ID.transpose(1, 2), offs=ends_L)
-    y_SD = torch._grouped_mm(_SwiGLU.apply(h_S2I), w_down_LDI.transpose(1, 2), offs=ends_L)
+    gate_SI, up_SI = torch._grouped_mm(x_SD, w_gu_L2ID.transpose(1, 2), offs=ends_L).chunk(2, -1)
+    y_SD = torch._grouped_mm(F.silu(gate_SI) * up_SI, w_down_LDI.transpose(1, 2), offs=ends_L)
     if y_SD.requires_grad:
         y_SD.register_hook(_row_major)
     return y_SD
