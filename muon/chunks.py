@@ -41,6 +41,8 @@ class Chunk:
     split: SplitGroups | None
     #: blocks of unequal heights: per `adjust_lr` mode, the lr factor of each local row
     row_scales: dict
+    #: per position, the slot of the path's stacked returned tensor (`Path.slot_of`)
+    slots: list
 
 
 def prepare_chunks(plan, param_groups: list[dict]) -> dict[tuple[int, int], list[Chunk]]:
@@ -64,7 +66,8 @@ def prepare_chunks(plan, param_groups: list[dict]) -> dict[tuple[int, int], list
                 if b.split_sizes and units:
                     heights = [b.block_heights[i] for _, f, c in units for i in range(f, f + c)]
                     split = split_groups(heights, device)
-                chunks.append(Chunk(positions, units, split, scales))
+                slots = PATHS[b.path].slot_of(b, r, positions)
+                chunks.append(Chunk(positions, units, split, scales, slots))
             out[(mi, bi)] = chunks
     return out
 

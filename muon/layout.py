@@ -10,8 +10,13 @@ from torch.distributed.tensor import DTensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of a DTensor (a plain tensor is its own)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's tensor of a DTensor (a plain tensor is its own). Outside autograd it is the
+    DTensor's own local tensor, which is what `to_local` returns there too, except that for a
+    parameter `to_local` returns a fresh view of it (to mark it a parameter): a dispatched op
+    per parameter and step, which the optimizer, writing in place, has no use for."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local() if torch.is_grad_enabled() else t._local_tensor
 
 
 def to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:

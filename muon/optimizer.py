@@ -6,8 +6,8 @@ once what the step needs on the device (row indices and lr factors of blocks of 
 heights). A step is the gradient census (`census.py`, one host read), then
 `update`: the AdamW groups, then each batch as an AsyncTask (`_task`) that runs the same phases
 for every path (`paths.py`): momentum -> launch -> wait -> orthogonalize -> return -> wait ->
-apply, the math being the foreach functions of `update.py`. `runtime.py` keeps a sliding
-window of batches in flight.
+apply (the momentum and apply phases in `phases.py`), the math being the foreach functions of
+`update.py`. `runtime.py` keeps a sliding window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
@@ -48,14 +48,14 @@ from functools import partial
 
 import torch
 
-from muon import normuon, update
+from muon import normuon, phases, update
 from muon.blocks import orthogonalize as _orthogonalize
 from muon.blowups import GramBlowups
 from muon.census import GradCensus
-from muon.chunks import Chunk, adjusted_lr, prepare_chunks, row_scales
+from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
-from muon.guard import SkipFlag, fit, guard_batch
-from muon.layout import from_rows, local, moved_shape
+from muon.guard import SkipFlag
+from muon.layout import local, moved_shape
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
@@ -446,7 +446,7 @@ class Muon(torch.optim.Optimizer):
             stats.batches[b.path] += 1
         # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
         send, slots = path.send_buffer(b, r, dtype=wire, device=device, count=len(params))
-        self._momentum(params, slots, b.shard_tensor_dim)
+        phases.momentum_(params, slots, b.shard_tensor_dim, self.state, self._gradless)
         # 2. launch the exchange; wait
         ex = path.launch(b, send, fsdp_rank=r, group=group, stats=stats)
         del send
@@ -470,7 +470,12 @@ class Muon(torch.optim.Optimizer):
             stats.wait(ex.work)
             ex.work = None
         # 5. apply the returned shards
-        self._apply(params, path.returned(b, ex, slots), b, chunk, r)
+        shards = path.returned(b, ex, slots)
+        stacked = partial(path.stacked, b, ex)
+        gradless, verdicts = self._gradless, self._updates_ok
+        phases.apply_(
+            params, shards, b, chunk, r, stacked=stacked, gradless=gradless, verdicts=verdicts
+        )
 
     def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
@@ -502,54 +507,3 @@ class Muon(torch.optim.Optimizer):
             split=chunk.split,
             blowups=self._blowups.counter(b),
         )
-
-    def _momentum(self, params: list, slots: list, shard_dim: int) -> None:
-        """The momentum phase (`muon.update.muon_momentum_`) into the send-buffer slots, per
-        (momentum, nesterov) of the batch's groups; a parameter without a grad on any rank
-        keeps its momentum and sends zeros."""
-        lists: dict[tuple, tuple[list, list, list]] = {}
-        zero = []
-        for (p, g), slot in zip(params, slots, strict=True):
-            if id(p) in self._gradless:
-                zero.append(slot)
-                continue
-            buf = local(self.state[p]["momentum_buffer"])
-            out = lists.setdefault((g["momentum"], g["nesterov"]), ([], [], []))
-            out[0].append(buf)
-            out[1].append(local(p.grad))
-            same = shard_dim == 0 and slot.shape == buf.shape  # from_rows would be a no-op view
-            out[2].append(slot if same else from_rows(slot, buf, shard_dim))
-        if zero:
-            torch._foreach_zero_(zero)
-        for (mu, nesterov), (M, G, target) in lists.items():
-            update.muon_momentum_(M, G, target, momentum=mu, nesterov=nesterov)
-
-    def _apply(self, params: list, shards: list, b: BatchPlan, chunk: Chunk, r: int) -> None:
-        """The apply phase (`muon.update.muon_apply_`): decoupled weight decay, then the
-        orthogonalized update at the per-block lr, per (lr, adjust_lr) group; neither for a
-        parameter whose update does not fit its dtype (`muon.guard`, which applies the decay)."""
-        if len(b.global_shape) > 2:  # each dim-0 slice is a block
-            rows, cols = b.block_shape
-        lists: dict[tuple, tuple[list, list]] = {}
-        for (p, g), o in zip(params, shards, strict=True):
-            x = local(p)
-            if id(p) in self._gradless or not x.numel():  # no grad anywhere, or nothing here
-                continue
-            if len(b.global_shape) <= 2:
-                rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
-            key = (g["lr"], g["adjust_lr"], rows, cols, g["weight_decay"], x.dtype)
-            same = b.shard_tensor_dim == 0 and o.shape == x.shape
-            out = lists.setdefault(key, ([], []))
-            out[0].append(x)
-            out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
-        for (lr, mode, rows, cols, wd, dtype), (X, U) in lists.items():
-            top = max(adjusted_lr(lr, mode, h, cols) for h in b.split_sizes or (rows,))
-            U = guard_batch(X, U, top, 1 - lr * wd, self._updates_ok)
-            if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
-                if mode not in chunk.row_scales:  # adjust_lr changed since planning: made once
-                    chunk.row_scales.update(row_scales(b, r, [mode], X[0].device))
-                scale = chunk.row_scales[mode]
-                update.muon_apply_(X, U, decay=1.0, lr=fit(lr, dtype), row_scale=scale)
-            else:
-                alpha = fit(adjusted_lr(lr, mode, rows, cols), dtype)
-                update.muon_apply_(X, U, decay=1.0, lr=alpha)

@@ -7,7 +7,9 @@ Every path is registered once, in `PATHS`. A path object has
   view per parameter) -> `launch` (the first collective, `async_op=True`) -> wait ->
   `received` (what this rank orthogonalizes, or None) -> `give_back` (the orthogonalized units
   written back, the return collective launched) -> wait -> `returned` (this rank's shards: on
-  the exchange paths the send buffer's slots, where the return lands);
+  the exchange paths the send buffer's slots, where the return lands), all views of one
+  stacked tensor (`stacked`, `[S, rows, C]`, parameter position j in slot `slot_of(...)[j]`),
+  so that the apply checks and zeroes a batch's updates in a few ops (`muon.guard`);
 - its cost, counted from the plan alone (`blocks_on`, `bytes_sent`, `collective_buffer_bytes`,
   `exchange_buffer_bytes`, `ns_workspace_bytes`), which the tests check against the exchange.
 Which units a rank holds and owns is the plan's (`BatchPlan.exchange_view`, `unit_blocks`,
@@ -83,6 +85,16 @@ class Path:
         ex.recv = None
         return slots
 
+    def stacked(self, b, ex: Exchange) -> torch.Tensor:
+        """After `returned`: the `[S, rows, C]` tensor whose slots hold the returned shards
+        (slot `slot_of(...)[j]` holds position j's rows first; the other slots and rows hold
+        no parameter's update, only zeros)."""
+        return ex.send
+
+    def slot_of(self, b, r: int, positions: range) -> list[int]:
+        """The slot of `stacked` each of `positions` returns in, on FSDP rank `r`."""
+        return list(positions)
+
     def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
         return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)
 
@@ -113,6 +125,9 @@ class Local(Path):
 
     def returned(self, b, ex: Exchange, slots: Shards) -> Shards:
         return list(ex.send.unbind(0))
+
+    def slot_of(self, b, r: int, positions: range) -> list[int]:
+        return list(range(len(positions)))  # the chunk's own buffer
 
     # cost
     def blocks_on(self, b, r: int) -> int:
@@ -155,13 +170,16 @@ class OwnerAllToAll(Path):
 
     def _slots(self, send: torch.Tensor, b, view) -> Shards:
         """Parameter j's `[rows, C]` view of the send buffer, which is ordered by owner."""
-        held = view.held
-        order = sorted(range(view.n), key=lambda j: (held[j], j))
         parts = send.view(view.n, view.sizes[view.me], b.other_numel).unbind(0)
-        slots: Shards = [send] * view.n
-        for pos, j in enumerate(order):
-            slots[j] = parts[pos]
-        return slots
+        return [parts[pos] for pos in _owner_order(view)]
+
+    def stacked(self, b, ex: Exchange) -> torch.Tensor:
+        view = ex.extra["view"]
+        return ex.send.view(view.n, view.sizes[view.me], b.other_numel)
+
+    def slot_of(self, b, r: int, positions: range) -> list[int]:
+        order = _owner_order(b.exchange_view(r))
+        return [order[j] for j in positions]
 
     def _splits(self, b, r: int):
         view = b.exchange_view(r)
@@ -256,6 +274,15 @@ class OwnerAllToAll(Path):
         return b.size * mine + (2 if owned == 1 else 3) * owned_bytes
 
 
+def _owner_order(view) -> list[int]:
+    """Per parameter position j, its slot in a send buffer ordered by owner (then by j)."""
+    held = view.held
+    slot = [0] * view.n
+    for pos, j in enumerate(sorted(range(view.n), key=lambda j: (held[j], j))):
+        slot[j] = pos
+    return slot
+
+
 class Subgroup(OwnerAllToAll):
     """Each expert block spans k consecutive FSDP ranks; a sub-group (those k ranks, or m * k
     when the owners widen it) exchanges with split sizes inside it so that every block is
@@ -281,6 +308,9 @@ class PadAllToAll(Path):
             b.fsdp_size, b.padded_shard_rows, b.other_numel, dtype=dtype, device=device
         )
         return send, [send[o, : b.shard_sizes[r]] for o in b.owners]  # slot s goes to rank s
+
+    def slot_of(self, b, r: int, positions: range) -> list[int]:
+        return [b.owners[j] for j in positions]
 
     def launch(self, b, send, *, fsdp_rank, group, stats) -> Exchange:
         full = torch.empty_like(send)

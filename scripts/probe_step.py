@@ -1,6 +1,7 @@
 """What one training step would cost the host on a GPU, counted on CPU: per rank, for the
 optimizer's `step`, the trainer's optimizer part and the whole train step, the host syncs by
-site, the dispatched ops, the profiler's aten kernels and the collectives by kind; and the same
+site, the dispatched ops (those of the optimizer's `step` also by the line that dispatched
+them), the profiler's aten kernels and the collectives by kind; and the same
 on the model with twice the layers, so what grows with the model shows.
 
     python scripts/probe_step.py mesh.ep=2 --case model=small \\
@@ -39,6 +40,7 @@ from recipes.bench.cli import command_line  # noqa: E402
 from recipes.bench.probe_report import (  # noqa: E402
     count_row,
     counts_table,
+    ops_sites_table,
     sites_table,
     timing_summary,
     timing_table,
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
                     + sites_table(ranks[args.rank])
                     + f"\n\nOf which in `{ranks[args.rank]['optimizer']}`:\n\n"
                     + sites_table(ranks[args.rank], REGIONS[0])
+                    + f"\n\nDispatched ops of `{ranks[args.rank]['optimizer']}` by file and"
+                    " by line:\n\n" + ops_sites_table(ranks[args.rank], REGIONS[0])
                 )
     times = []
     if args.time_steps:

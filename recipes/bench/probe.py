@@ -30,6 +30,7 @@ Counted per region (`region(name)`, or `wrap(obj, "method", name)` around every 
 - `async_copies` by site: host-to-device copies with `non_blocking=True` (not a sync once the
   host tensor is pinned, which a CPU-only build cannot do).
 - `ops` by name: every op dispatched on plain tensors; on a GPU each is at least one launch.
+  `ops_by_site`: the same ops by the project's line that dispatched them (as for syncs).
 - `collectives` by kind: the c10d and functional-collective ops (their waits left out).
 
 `all_on_device()` counts a region in which every tensor is a device tensor, whatever made it:
@@ -69,12 +70,13 @@ _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
 @dataclass
 class Count:
-    """What one region cost: syncs by (kind, site), async copies by site, ops by name,
-    collectives by kind."""
+    """What one region cost: syncs by (kind, site), async copies by site, ops by name and by
+    site, collectives by kind."""
 
     syncs: Counter = field(default_factory=Counter)
     async_copies: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)
+    ops_by_site: Counter = field(default_factory=Counter)
     collectives: Counter = field(default_factory=Counter)
     calls: int = 0
 
@@ -120,6 +122,7 @@ class Count:
             ],
             "async_copies": dict(self.async_copies),
             "ops_by_name": dict(self.ops.most_common()),
+            "ops_by_site": dict(self.ops_by_site.most_common()),
         }
 
 
@@ -292,8 +295,15 @@ class DeviceProbe:
         collective = func.namespace in ("c10d", "_c10d_functional")
         if collective and func._opname in _NOT_COLLECTIVES:
             return
+        if not self._active:
+            return
+        site = None if collective else _site()
         for c in self._active:
-            (c.collectives if collective else c.ops)[name] += 1
+            if collective:
+                c.collectives[name] += 1
+            else:
+                c.ops[name] += 1
+                c.ops_by_site[site] += 1
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A fresh host tensor equal to `t` (what `cpu()` of a device tensor returns)."""

@@ -20,6 +20,8 @@ def count_row(label: str, tree: str, layers: dict[str, int], rank: dict[str, Any
         "layers": _layers(layers),
         "optimizer": rank["optimizer"],
     }
+    planned = rank.get("batches")
+    row["muon params / batches"] = f"{planned['params']} / {planned['batches']}" if planned else ""
     for short, region in _REGION_HEADERS:
         c = rank.get(region, {})
         row[f"{short} syncs"] = c.get("syncs")
@@ -41,6 +43,7 @@ def _layers(layers: dict[str, int]) -> str:
 def counts_table(rows: list[dict]) -> str:
     """Syncs, dispatched ops and profiler kernels of every region, one row per case."""
     columns = [("case", "case", ""), ("code", "code", ""), ("layers", "layers", "")]
+    columns.append(("Muon params / batches", "muon params / batches", ""))
     for short, _ in _REGION_HEADERS:
         columns += [
             (f"{short} syncs", f"{short} syncs", ""),
@@ -56,6 +59,23 @@ def sites_table(rank: dict[str, Any], region: str = REGIONS[2]) -> str:
     rows = rank.get(region, {}).get("syncs_by_site", [])
     columns = [("site", "site", ""), ("kind", "kind", ""), ("count", "count", "")]
     return markdown_table(rows, columns)
+
+
+def ops_sites_table(rank: dict[str, Any], region: str = REGIONS[0], top: int = 25) -> str:
+    """Where one region's dispatched ops come from: per file, then the `top` lines (most
+    first; the rest summed in one row)."""
+    by_site = rank.get(region, {}).get("ops_by_site", {})
+    by_file: dict[str, int] = {}
+    for site, n in by_site.items():
+        path = site.rsplit(":", 1)[0]
+        by_file[path] = by_file.get(path, 0) + n
+    files = [{"site": f, "count": n} for f, n in sorted(by_file.items(), key=lambda kv: -kv[1])]
+    lines = [{"site": s, "count": n} for s, n in list(by_site.items())[:top]]
+    rest = sum(list(by_site.values())[top:])
+    if rest:
+        lines.append({"site": f"{len(by_site) - top} other lines", "count": rest})
+    columns = [("site", "site", ""), ("ops", "count", "")]
+    return markdown_table(files, columns) + "\n\n" + markdown_table(lines, columns)
 
 
 def timing_summary(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:

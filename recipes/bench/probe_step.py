@@ -8,7 +8,8 @@ composes (conf/ of the checkout it imports, so a baseline tree composes its own)
   FSDP's buffers included, is known) and counts one `train_step` in three nested regions: the
   optimizer's own `step`, the trainer's optimizer part (`Trainer._optimizer_step`: norms,
   clipping, the step, QK-clip) and the whole `train_step`; the model and the optimizer's
-  state are marked again before the step, the gradients when the optimizer is called.
+  state are marked again before the step, the gradients when the optimizer is called. With
+  them, the Muon parameters and batches of the optimizer's plan (`planned_batches`).
 - `time_rank`: times `steps` more steps: each `train_step` and each optimizer `step`.
 
 `run_cases` runs each case in a fresh local world (`recipes.bench.world`); `pythonpath`, another
@@ -97,7 +98,18 @@ def count_rank(overrides: list[str], profile: bool = True) -> dict[str, Any]:
         out = {k: c.as_dict() for k, c in probe.counts.items()}
         for name, n in profiled_events(trainer).items() if profile else ():
             out[name]["aten_events"] = n
-    return {"optimizer": f"{type(trainer.opt).__name__}.step", **out}
+    optimizer = {"optimizer": f"{type(trainer.opt).__name__}.step"}
+    return {**optimizer, "batches": planned_batches(trainer.opt), **out}
+
+
+def planned_batches(opt) -> dict[str, int] | None:
+    """The Muon parameters and batches of `opt`'s plan on this rank (`Muon.plans`), which
+    its step's ops grow with; None for an optimizer without one."""
+    plans = getattr(opt, "plans", None)
+    if plans is None:
+        return None
+    batches = [b for _, bs in plans for b in bs]
+    return {"params": sum(b.size for b in batches), "batches": len(batches)}
 
 
 def profiled_events(trainer) -> dict[str, int]:

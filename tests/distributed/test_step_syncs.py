@@ -20,6 +20,11 @@ CASES = {
     "small_3_layers": ["model=small", "++model.overrides.num_hidden_layers=3"],
     "small_standard": ["model=small", "optim.ns_algorithm=standard"],
 }
+#: `Muon.step`'s dispatched ops on rank 0 at commit 0290dae (the per-parameter update code),
+#: from `python scripts/probe_step.py mesh.ep=2 data.seq_len=32 data.batch_size=2
+#: --case model=small --case model=mla_tiny --no-double --baseline-tree <0290dae checkout>`
+#: ("before" rows; the same without the data overrides: the step's ops do not depend on tokens)
+OPS_AT_0290DAE = {"small": 2884, "mla_tiny": 3033}
 
 
 def _count_cases(cases: dict[str, list[str]]) -> dict[str, dict]:
@@ -75,3 +80,22 @@ def test_train_step_syncs_at_most_one_per_moe_layer_and_two(counts):
     for name, c in counts.items():
         bound = c["layers"]["moe_layers"] + 2 + 1
         assert c[STEP]["syncs"] <= bound, (name, c[STEP]["syncs_by_site"])
+
+
+def test_muon_step_ops_at_most_035x_of_the_per_parameter_code(counts):
+    """Momentum, the update guard and the apply dispatch a fixed number of ops per batch."""
+    for name, before in OPS_AT_0290DAE.items():
+        ops = counts[name][OPT]["ops"]
+        assert ops <= 0.35 * before, (name, ops, counts[name][OPT]["ops_by_site"])
+
+
+def test_muon_step_ops_grow_with_batches_not_parameters(counts):
+    """Twice the layers put most of their parameters into the batches that were there (same
+    shapes stack): the step's ops grow by at most what the added batches cost, each counted at
+    the 3-layer step's ops per batch (its census and AdamW groups included), whatever the
+    parameters they added to the others."""
+    three, six = counts["small_3_layers"], counts["small"]
+    (p3, b3), (p6, b6) = ((c["batches"]["params"], c["batches"]["batches"]) for c in (three, six))
+    assert p6 >= 2 * p3 and 4 * (b6 - b3) < p6 - p3, (three["batches"], six["batches"])
+    grown = six[OPT]["ops"] - three[OPT]["ops"]
+    assert grown <= (b6 - b3) * three[OPT]["ops"] / b3, (grown, three["batches"], six["batches"])

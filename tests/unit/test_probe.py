@@ -3,6 +3,7 @@
 import torch
 
 from recipes.bench.probe import DeviceProbe, all_on_device
+from recipes.bench.probe_report import ops_sites_table
 
 
 def _counted(fn, *device_tensors):
@@ -90,6 +91,17 @@ def test_ops_collectives_and_nested_regions():
             w.mul(2).sum()
     assert inner.ops == {"aten::mul": 1, "aten::sum": 1}
     assert outer.n_ops == 3 and outer.n_syncs == 0 and outer.calls == 1
+    # by the line that dispatched them: `w.add(1)` once, `w.mul(2).sum()` twice
+    assert sorted(outer.ops_by_site.values()) == [1, 2]
+    assert all(site.startswith("tests/unit/test_probe.py:") for site in outer.ops_by_site)
+    assert outer.ops_by_site.keys() > inner.ops_by_site.keys()
+
+
+def test_ops_sites_table_sums_files_and_the_lines_left_out():
+    sites = {"muon/a.py:1": 5, "muon/a.py:9": 3, "muon/b.py:2": 2}
+    table = ops_sites_table({"optimizer.step": {"ops_by_site": sites}}, top=1)
+    assert "| muon/a.py | 8 |" in table and "| muon/b.py | 2 |" in table
+    assert "| muon/a.py:1 | 5 |" in table and "| 2 other lines | 5 |" in table
 
 
 def test_wrap_counts_every_call_and_restores_the_method():
