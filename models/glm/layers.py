@@ -147,7 +147,9 @@ class _PartialRope(torch.autograd.Function):
         g_sin = (g_wide * signed_TR[None, :, None, :]).to(dtype)  # (-g1 sin1, g2 sin2)
         grad_x1 = g_cos[..., :h] + g_sin[..., h:]
         grad_x2 = g_cos[..., h:] + g_sin[..., :h]
-        return torch.cat([grad_x1, grad_x2, g_BTNK[..., R:]], dim=-1), None, None
+        grad_x = torch.cat([grad_x1, grad_x2, g_BTNK[..., R:]], dim=-1)
+        # + 0.0: autograd sums the slices' zero-filled gradients, which turns -0.0 into +0.0
+        return grad_x.add_(0.0), None, None
 
 
 class Attention(MaxLogitRecorder, nn.Module):
