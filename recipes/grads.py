@@ -36,8 +36,10 @@ def squared_norm_tensors(params_by_key: dict[str, list[torch.Tensor]]) -> dict[s
         total = None
         for p in params_by_key[key]:
             if p.grad is not None:
-                local = _local(p.grad)
-                term = local.detach().double().pow(2).sum() / _copies(p.grad, world)
+                # Squared in place on a float64 copy (x * x, the values pow(2) gives): one
+                # temporary per gradient instead of two; a copy even of a float64 gradient.
+                wide = _local(p.grad).detach().to(torch.float64, copy=True)
+                term = wide.mul_(wide).sum() / _copies(p.grad, world)
                 total = term if total is None else total + term
         totals.append(total)
     if world > 1:

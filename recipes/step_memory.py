@@ -136,9 +136,9 @@ def moe_bytes_per_token(config: GLMConfig, a: int, ep: int) -> int:
     # Dispatch indices (token of each assignment, sort order), the routing weights; with EP the
     # permutation into local-expert order and back.
     routed = K * (8 + 8 + 4) + (K * 16 if ep > 1 else 0)
-    # Per row: the gathered input, gate+up output, silu, product; then the expert output
-    # saved by the weighting multiply and the weighted rows saved by index_add.
-    routed += K * (3 * D + 4 * I) * a
+    # Per row: the gathered input, gate+up output, silu, product; then the expert output the
+    # weighted sum saves (its weighted rows are not kept: `_Combine` of expert_parallel.py).
+    routed += K * (2 * D + 4 * I) * a
     shared = mlp_bytes_per_token(I * config.n_shared_experts, a)
     return router + routed + shared
 

@@ -91,10 +91,32 @@ def routed_experts_forward(
         run_S = torch.searchsorted(torch.cumsum(recv_counts_E, 0), row_S, right=True)
         perm_S = torch.argsort(run_S % L, stable=True)
         y_grouped_SD = experts(x_SD.index_select(0, perm_S), recv_counts_PL.sum(0))
-        y_SD = y_grouped_SD.index_select(0, torch.argsort(perm_S))
+        unperm_S = torch.empty_like(perm_S).scatter_(0, perm_S, row_S)  # perm's inverse, no sort
+        y_SD = y_grouped_SD.index_select(0, unperm_S)
         y_AD = all_to_all(y_SD, recv_splits, send_splits, group)
 
     w_A = w_NK.reshape(-1).index_select(0, order_A)
-    out_ND = torch.zeros_like(x_ND)
-    out_ND.index_add_(0, token_A, (y_AD * w_A[:, None]).to(x_ND.dtype))
-    return out_ND
+    return _Combine.apply(y_AD, w_A, token_A, x_ND)
+
+
+class _Combine(torch.autograd.Function):
+    """out[n] = sum of w[a] * y[a] over the assignments a of token n (index_add_ into zeros, in
+    the order of a), in the dtype of `like_ND`. Its backward forms the gradients autograd would
+    (the same products and row sums, bit for bit) with one [A, D] temporary fewer: the gathered
+    output gradient is scaled in place once the routing weights' gradient has read it."""
+
+    @staticmethod
+    def forward(ctx, y_AD, w_A, token_A, like_ND):
+        out_ND = torch.zeros_like(like_ND)
+        out_ND.index_add_(0, token_A, (y_AD * w_A[:, None]).to(like_ND.dtype))
+        ctx.save_for_backward(y_AD, w_A, token_A)
+        return out_ND
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_ND):
+        y_AD, w_A, token_A = ctx.saved_tensors
+        g_AD = g_ND.index_select(0, token_A).to(torch.result_type(y_AD, w_A))
+        grad_w = (g_AD * y_AD).sum(-1) if ctx.needs_input_grad[1] else None
+        grad_y = g_AD.mul_(w_A[:, None]).to(y_AD.dtype) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None

@@ -106,14 +106,50 @@ def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: t
 
 def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):
     """Rotate the first R channels of each head (half-split "rotate_half" pairing i with i+R/2);
-    channels R..K-1 pass through unchanged."""
-    R = cos_TR.shape[-1]
-    rot, rest = x_BTNK[..., :R], x_BTNK[..., R:]
-    x1, x2 = rot[..., : R // 2], rot[..., R // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_TR[None, :, None, :], sin_TR[None, :, None, :]
-    out = (_wide(rot) * cos + _wide(rotated) * sin).to(x_BTNK.dtype)
-    return torch.cat([out, rest], dim=-1)
+    channels R..K-1 pass through unchanged. The tables are constants (no gradient)."""
+    return _PartialRope.apply(x_BTNK, cos_TR, sin_TR)
+
+
+def _signed(sin_TR: torch.Tensor) -> torch.Tensor:
+    """(-sin1, sin2): the sine table with rotate_half's sign on its first half."""
+    h = sin_TR.shape[-1] // 2
+    return torch.cat([-sin_TR[:, :h], sin_TR[:, h:]], dim=-1)
+
+
+class _PartialRope(torch.autograd.Function):
+    """`apply_partial_rope` with its backward written out: y = x cos + rotate_half(x) sin on the
+    first R channels has grad_x = g cos + rotate_half^T(g sin), rotate_half^T(v) = (v2, -v1).
+    Autograd through the slices and concatenations forms the same sums (two terms per element,
+    so in either order the same bits) from zero-filled full-size gradients, one per slice."""
+
+    @staticmethod
+    def forward(ctx, x_BTNK, cos_TR, sin_TR):
+        R = cos_TR.shape[-1]
+        h = R // 2
+        rot, rest = x_BTNK[..., :R], x_BTNK[..., R:]
+        # rotate_half(x) sin = (x2, x1) (-sin1, sin2): the sign moves to the [T, R] table
+        # (negation is exact: (-a) b == a (-b)), so no [B, T, N, R/2] negation is made.
+        swapped = torch.cat([rot[..., h:], rot[..., :h]], dim=-1)
+        cos, sin = cos_TR[None, :, None, :], _signed(sin_TR)[None, :, None, :]
+        out = (_wide(rot) * cos + _wide(swapped) * sin).to(x_BTNK.dtype)
+        ctx.save_for_backward(cos_TR, sin_TR)  # the shared tables: nothing per call
+        return torch.cat([out, rest], dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_BTNK):
+        cos_TR, sin_TR = ctx.saved_tensors
+        R, dtype = cos_TR.shape[-1], g_BTNK.dtype
+        h = R // 2
+        signed_TR = _signed(sin_TR)
+        g_wide = _wide(g_BTNK[..., :R])
+        g_cos = (g_wide * cos_TR[None, :, None, :]).to(dtype)
+        g_sin = (g_wide * signed_TR[None, :, None, :]).to(dtype)  # (-g1 sin1, g2 sin2)
+        grad_x1 = g_cos[..., :h] + g_sin[..., h:]
+        grad_x2 = g_cos[..., h:] + g_sin[..., :h]
+        grad_x = torch.cat([grad_x1, grad_x2, g_BTNK[..., R:]], dim=-1)
+        # + 0.0: autograd sums the slices' zero-filled gradients, which turns -0.0 into +0.0
+        return grad_x.add_(0.0), None, None
 
 
 class Attention(MaxLogitRecorder, nn.Module):

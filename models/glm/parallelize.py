@@ -96,14 +96,20 @@ def parallelize(
     `reduce_dtype` set FSDP2 mixed precision over the float32 sharded parameters; with a
     `param_dtype` the routers keep float32 parameters (their own FSDP unit), as GLM checkpoints
     keep `gate.weight` in float32, and so does a DSA indexer's `weights_proj` (GLM-5 keeps it
-    float32). The MTP layers are treated like every other decoder layer."""
+    float32). The MTP layers are treated like every other decoder layer. The last layer (the
+    first of backward) keeps its parameters unsharded from forward to backward."""
     ep, W = meshes.ep, meshes.world_size
     check_layout(model.config, world_size=W, ep=ep)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     router_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     ep_mesh, efsdp_mesh = meshes.expert["ep"], meshes.expert["efsdp"]
 
-    for layer in [*model.model.layers, *model.model.mtp_layers]:
+    layers = [*model.model.layers, *model.model.mtp_layers]
+    for layer in layers:
+        # The layer a training forward runs last is the first that backward runs: resharding
+        # its parameters after forward would only all-gather them again at once, so it keeps
+        # them (one layer's unsharded parameters, from its forward to its backward).
+        reshard = layer is not layers[-1]
         experts = layer.mlp.experts if layer.is_moe else None
         if experts is not None and ep > 1:
             for name in ("gate_up_proj", "down_proj"):
@@ -116,7 +122,7 @@ def parallelize(
         if compile_layers:
             layer.compile_block()
         if experts is not None:
-            fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp)
+            fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
             experts.set_gradient_divide_factor(float(W))
             # With an efsdp group of one rank FSDP2 (torch 2.13) issues no collective, divides
             # by the factor while copying and, under force-sum, divides by it a second time.
@@ -126,6 +132,6 @@ def parallelize(
         indexer = getattr(layer.self_attn, "indexer", None)
         if indexer is not None and param_dtype is not None:
             fully_shard(indexer.weights_proj, mesh=meshes.dense, mp_policy=router_mp)
-        fully_shard(layer, mesh=meshes.dense, mp_policy=mp)
+        fully_shard(layer, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp)
     return model

@@ -55,6 +55,8 @@ def head_max_logits(
 ) -> torch.Tensor:
     """The largest pre-softmax logit of each head, `[N]` float32, over the keys each query may
     attend: `keep_B1TS` (True = attended, DSA's sparse mask) or, when None, the causal ones."""
+    if not scale > 0:
+        raise ValueError(f"head_max_logits: scale={scale!r} must be > 0 (a softmax scale)")
     T = q_BNTK.size(2)
     work = work_dtype(q_BNTK.dtype)  # float64 models record in float64
     k = k_BNTK.to(work)
@@ -63,14 +65,17 @@ def head_max_logits(
     for start in range(0, T, QUERY_CHUNK):
         q = q_BNTK[:, :, start : start + QUERY_CHUNK].to(work)
         end = start + q.size(2)  # keys past the chunk's last query are masked either way
-        s_BNQT = torch.matmul(q, k[:, :, :end].transpose(-1, -2)) * scale
+        s_BNQT = torch.matmul(q, k[:, :, :end].transpose(-1, -2))
         if keep_B1TS is None:
             masked = keys[None, :end] > keys[start:end, None]  # the future
         else:  # DSA keeps causal keys only
             masked = ~keep_B1TS[:, :, start:end, :end]
         s_BNQT.masked_fill_(masked, -torch.inf)
         best = torch.maximum(best, s_BNQT.amax(dim=(0, 2, 3)))
-    return best
+    # The scale after the maximum, on N values instead of every logit: rounding is monotone,
+    # so for a scale > 0 max(fl(s * scale)) == fl(max(s) * scale) bit for bit (infinities and
+    # NaN included).
+    return best * scale
 
 
 class MaxLogitRecorder:
