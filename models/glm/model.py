@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.glm import init
+from models.glm import eager, init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
 from models.glm.local import local_tensor
@@ -61,7 +61,10 @@ class DecoderLayer(nn.Module):
     def compile_block(self) -> None:
         """Run the block's computation through torch.compile from now on. Parameter names do
         not change, and hooks on the layer (FSDP2's) and the checkpoint around the block stay
-        eager: a checkpoint with a recomputation context cannot be traced by dynamo."""
+        eager: a checkpoint with a recomputation context cannot be traced by dynamo. The
+        functions `models.glm.eager` marks (data-dependent dispatch, counters read under
+        recomputation) run eagerly inside it."""
+        eager.mark()
         self._compiled_block = torch.compile(self._block)
 
     def forward(self, h_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False):

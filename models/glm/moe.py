@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
+from models.glm.eager import eager
 from models.glm.expert_parallel import expert_counts, routed_experts_forward
 from models.glm.layers import MLP
 from models.glm.recompute import is_recomputing
 
 
-@torch.compiler.disable
+@eager
 def _count_loads(expert_load: torch.Tensor, idx_NK: torch.Tensor) -> None:
     # Eager even inside a compiled layer: were the recomputation flag read by compiled code,
     # the recomputation would run a differently compiled graph whose saved tensors do not
@@ -205,7 +206,7 @@ class FusedExperts(nn.Module):
 # Data-dependent dispatch (with EP the split sizes read on the host and uneven all-to-alls)
 # runs eagerly under torch.compile: compiled, it would break the graph and recompile for every
 # new set of splits. The rest of the layer (attention, norms, router, shared expert) compiles.
-_routed = torch.compiler.disable(routed_experts_forward, recursive=True)
+_routed = eager(routed_experts_forward)
 
 
 class MoE(nn.Module):

@@ -37,6 +37,7 @@ import numbers
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from models.glm.eager import eager
 from models.glm.precision import work_dtype
 from models.glm.recompute import is_recomputing
 
@@ -85,13 +86,13 @@ class MaxLogitRecorder:
     record_max_logits = False
     max_logits_N: torch.Tensor | None = None  # per instance once set; never a checkpointed buffer
 
-    @torch.compiler.disable
+    @eager
     def record(self, q_BNTK, k_BNTK, scale: float, keep_B1TS=None) -> None:
         """Eager, as the router's load counts: the recomputation flag must not be traced."""
         if self._recording():
             self.record_max(head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS))
 
-    @torch.compiler.disable
+    @eager
     def record_max(self, best_N: torch.Tensor) -> None:
         """Keep `best_N`, each head's largest logit of this forward, when recording (DSA's
         sparse attention computes it as it goes)."""
