@@ -54,6 +54,13 @@ def _join_from_environment():
     return t.item(), muon.__file__
 
 
+def _report_what_the_rank_sees(tag: str):
+    print(f"stdout of rank {dist.get_rank()} {tag}", flush=True)
+    print(f"stderr of rank {dist.get_rank()} {tag}", file=sys.stderr, flush=True)
+    env = {k: os.environ.get(k) for k in ("HARNESS_PROBE", "OMP_NUM_THREADS")}
+    return env, torch.get_num_threads(), os.getcwd(), sys.path[:3]
+
+
 def _child_then_stop(out_dir: str):
     """Each rank starts a process of its own (multiprocessing refuses that to daemonic ones),
     then rank 0 sends the caller SIGINT. Rank 0 records the SIGTERM the runner answers with;
@@ -69,7 +76,7 @@ def _child_then_stop(out_dir: str):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.barrier()
     if rank == 0:
-        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(mp.parent_process().pid, signal.SIGINT)  # the caller (a fork server's child)
     for _ in range(1200):  # bounded: without the SIGTERM, rank 0 returns and the test fails
         if got:
             break
@@ -164,6 +171,25 @@ def test_world_joined_from_the_environment_with_another_checkout(tmp_path, capfd
     assert out == [(2.0, str(tmp_path / "muon" / "__init__.py"))] * 2
     # Rank 0 joined the caller's store instead of trying to host one on its port.
     assert "failed to bind" not in capfd.readouterr().err
+
+
+def test_ranks_get_the_callers_environment_streams_directory_and_path(
+    tmp_path, monkeypatch, capfd
+):
+    """Each world's ranks see the caller as it is when that world starts (a fork server is
+    started at the first world and serves the later ones): its environment (and one intra-op
+    thread), its stdout and stderr (captured here), its working directory and sys.path."""
+    run_world(_report_what_the_rank_sees, 1, "before")  # the server exists from here on, at least
+    capfd.readouterr()
+    monkeypatch.setenv("HARNESS_PROBE", "set after the first world")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = run_world(_report_what_the_rank_sees, 2, "after")
+    env = {"HARNESS_PROBE": "set after the first world", "OMP_NUM_THREADS": "1"}
+    assert out == [(env, 1, str(tmp_path), sys.path[:3])] * 2
+    captured = capfd.readouterr()
+    assert [f"stdout of rank {r} after" in captured.out for r in (0, 1)] == [True, True]
+    assert [f"stderr of rank {r} after" in captured.err for r in (0, 1)] == [True, True]
 
 
 def test_passing_collective_and_2d_mesh():
