@@ -9,10 +9,26 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
+_HYDRA_ONLY = ("-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "-sc", "--shell-completion")
 
-from recipes import config as _config  # registers the schema and the run-dir resolver
+
+def _starts_a_local_world(argv: list[str]) -> bool:
+    """No launcher's world to join (torchrun, Slurm), no job for another Hydra launcher, no
+    help or config printout asked instead of training."""
+    launched = "RANK" in os.environ or "SUBMITIT_FOLDER" in os.environ
+    asked = any(a in _HYDRA_ONLY or a.startswith("hydra/launcher=") for a in argv)
+    return not (launched or asked)
+
+
+if __name__ == "__main__" and _starts_a_local_world(sys.argv[1:]):
+    from recipes.world import start_fork_server
+
+    start_fork_server()  # the ranks' torch import runs on another core while this one composes
+
+import hydra  # noqa: E402 - after the fork server's start
+from omegaconf import DictConfig  # noqa: E402
+
+from recipes import config as _config  # noqa: E402 - registers the schema and the run-dir resolver
 
 if os.environ.get("RANK", "0") != "0" and __name__ == "__main__":
     # Under torchrun/SLURM every rank runs this file; only rank 0 writes Hydra's output.

@@ -259,6 +259,13 @@ def run_world(
     return [outputs[r] for r in range(world_size)]
 
 
+def start_fork_server() -> None:
+    """Start this process's fork server now, where ranks are forked from one (a no-op when it
+    runs already): it imports torch on another core while the caller goes on (train.py, say,
+    composing its config before it starts a local world)."""
+    _context(None)
+
+
 def _context(pythonpath: str | None):
     """The fork server on Linux (started here at the first world, outside any thread setting
     of this call), else spawn; spawn for `pythonpath` too: its ranks must import that checkout,
