@@ -7,8 +7,8 @@ world with torch and the other libraries of a training rank imported: a rank sta
 importing torch again, and a process running many worlds (a test session, a sweep) pays that
 import once. The server never runs a torch op nor touches CUDA, so a fork of it is as clean as
 a fresh interpreter; each rank gets the caller's environment, working directory, `sys.path` and
-stdout/stderr as they are when the world starts. Elsewhere, and with `pythonpath`, ranks are
-spawned (a fresh interpreter each).
+stdout/stderr as they are when the world starts. Elsewhere ranks are spawned (a fresh
+interpreter each).
 
 One port strategy: the calling process hosts the TCPStore on a port the kernel picks (port 0),
 and every rank joins it as a client (torch's agent-store mode, so
@@ -55,7 +55,8 @@ _HOST = "127.0.0.1"
 _OWN_PACKAGES = ("muon", "models", "recipes")
 #: imported once by the fork server: the libraries every training rank imports (2.3 of the
 #: 2.5 s a rank spent importing on 2 CPU cores). Not this project's packages: the server (Python
-#: 3.11's) does not get the caller's sys.path, so they could come from another checkout.
+#: 3.11's) does not get the caller's sys.path, so they could come from another checkout, and a
+#: `pythonpath` world's ranks import another checkout's.
 _PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "hydra")
 _PRELOAD += ("safetensors",)
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -221,7 +222,7 @@ def run_world(
         raise ValueError(f"grace_s must be >= 0, got {grace_s!r}")
     if stop_signals and threading.current_thread() is not threading.main_thread():
         raise ValueError("stop_signals: signal handlers can only be set in the main thread")
-    ctx = _context(pythonpath)
+    ctx = _context()
     results = ctx.Queue()
     # The calling process hosts the store; the ranks count towards world_size + 1 clients.
     store = dist.TCPStore(
@@ -263,14 +264,14 @@ def start_fork_server() -> None:
     """Start this process's fork server now, where ranks are forked from one (a no-op when it
     runs already): it imports torch on another core while the caller goes on (train.py, say,
     composing its config before it starts a local world)."""
-    _context(None)
+    _context()
 
 
-def _context(pythonpath: str | None):
+def _context():
     """The fork server on Linux (started here at the first world, outside any thread setting
-    of this call), else spawn; spawn for `pythonpath` too: its ranks must import that checkout,
-    not the server's preloaded one."""
-    if pythonpath is not None or not sys.platform.startswith("linux"):
+    of this call), else spawn. The server holds no package of this project, so a rank of a
+    `pythonpath` world imports that checkout's as a spawned one would."""
+    if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     from multiprocessing import forkserver
 
