@@ -30,8 +30,9 @@ trainer checkpoints) finish their step and exit. Needs the main thread.
 `fn` and destroys it after; `backend=None` leaves it to `fn` (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT are set). Every rank runs with one intra-op thread
 (OMP_NUM_THREADS=1 in its environment, torch.set_num_threads(1)) unless `threads` says
-otherwise. `pythonpath`: a directory whose `muon`, `models` and `recipes` packages the ranks
-import instead of this tree's (a before/after benchmark against another checkout).
+otherwise (None: torch's default in the calling process). `pythonpath`: a directory whose
+`muon`, `models` and `recipes` packages the ranks import instead of this tree's (a
+before/after benchmark against another checkout).
 `daemon=False`: ranks may start processes of their own (dataloader workers, a checkpoint
 writer), which multiprocessing forbids daemonic processes.
 """
@@ -160,8 +161,7 @@ def _worker(rank: int, world_size: int, port: int, spec: dict, fn: Callable, arg
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",  # torch checks == "True": the store exists, join it
     )
-    if spec["threads"] is not None:
-        torch.set_num_threads(spec["threads"])
+    torch.set_num_threads(spec["threads"])
     try:
         if spec["pythonpath"]:
             sys.path.insert(0, spec["pythonpath"])
@@ -210,6 +210,7 @@ def run_world(
 
     Raises WorldError when a rank raises, dies or the world outlives `timeout_s` (None: no
     deadline), WorldStopped when one of `stop_signals` stopped it (see the module's doc)."""
+    import torch
     import torch.distributed as dist
 
     if world_size < 1:
@@ -236,7 +237,8 @@ def run_world(
     forked = ctx.get_start_method() == "forkserver"
     spec = dict(
         backend=backend,
-        threads=threads,
+        # the caller's torch default for None (a forked rank's torch was imported with one)
+        threads=torch.get_num_threads() if threads is None else threads,
         pythonpath=pythonpath,
         # No deadline: torch's default collective timeout, as under any launcher.
         collective_timeout_s=None if timeout_s is None else max(timeout_s, 60.0),
@@ -277,7 +279,11 @@ def _context():
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
-    forkserver.ensure_running()
+    # One OpenMP thread while it imports torch (which otherwise starts a pool there): a fork of
+    # a process with threads inherits their state but not the threads, and its first parallel
+    # region may crash. The ranks set their own thread count.
+    with _thread_vars(1):
+        forkserver.ensure_running()
     return ctx
 
 
@@ -302,27 +308,36 @@ def _catching(signals: Collection[int], received: list[int]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _start(ctx, world_size: int, threads: int | None, daemon: bool, worker_args: tuple) -> list:
-    # A spawned rank reads them when it imports torch (a forked one has them from `spec`).
+@contextlib.contextmanager
+def _thread_vars(threads: int | None) -> Iterator[None]:
+    """OMP_NUM_THREADS and MKL_NUM_THREADS set to `threads` (None: left as they are) in this
+    process's environment meanwhile, for a process started from it to read at torch's import."""
     saved = {k: os.environ.get(k) for k in _THREAD_VARS}
     if threads is not None:
         os.environ.update({k: str(threads) for k in _THREAD_VARS})
-    procs = []
     try:
-        for r in range(world_size):
-            procs.append(
-                ctx.Process(target=_worker, args=(r, world_size, *worker_args), daemon=daemon)
-            )
-            procs[-1].start()
-    except BaseException:
-        _stop(procs, None, 0.0)
-        raise
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _start(ctx, world_size: int, threads: int | None, daemon: bool, worker_args: tuple) -> list:
+    procs = []
+    # A spawned rank reads them when it imports torch (a forked one has them from `spec`).
+    with _thread_vars(threads):
+        try:
+            for r in range(world_size):
+                procs.append(
+                    ctx.Process(target=_worker, args=(r, world_size, *worker_args), daemon=daemon)
+                )
+                procs[-1].start()
+        except BaseException:
+            _stop(procs, None, 0.0)
+            raise
     return procs
 
 

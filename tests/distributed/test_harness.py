@@ -58,7 +58,9 @@ def _report_what_the_rank_sees(tag: str):
     print(f"stdout of rank {dist.get_rank()} {tag}", flush=True)
     print(f"stderr of rank {dist.get_rank()} {tag}", file=sys.stderr, flush=True)
     env = {k: os.environ.get(k) for k in ("HARNESS_PROBE", "OMP_NUM_THREADS")}
-    return env, torch.get_num_threads(), os.getcwd(), sys.path[:3]
+    server = Path(f"/proc/{os.getppid()}/environ").read_text().split("\0")  # the fork server's
+    server_omp = [v for v in server if v.startswith("OMP_NUM_THREADS=")]
+    return env, torch.get_num_threads(), os.getcwd(), sys.path[:3], server_omp
 
 
 def _child_then_stop(out_dir: str):
@@ -176,7 +178,8 @@ def test_world_joined_from_the_environment_with_another_checkout(tmp_path, capfd
 def test_ranks_get_the_callers_environment_streams_directory_and_path(tmp_path, monkeypatch, capfd):
     """Each world's ranks see the caller as it is when that world starts (a fork server is
     started at the first world and serves the later ones): its environment (and one intra-op
-    thread), its stdout and stderr (captured here), its working directory and sys.path."""
+    thread, or the caller's torch default for threads=None), its stdout and stderr (captured
+    here), its working directory and sys.path; the server imported torch with one thread."""
     run_world(_report_what_the_rank_sees, 1, "before")  # the server exists from here on, at least
     capfd.readouterr()
     monkeypatch.setenv("HARNESS_PROBE", "set after the first world")
@@ -184,10 +187,15 @@ def test_ranks_get_the_callers_environment_streams_directory_and_path(tmp_path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     out = run_world(_report_what_the_rank_sees, 2, "after")
     env = {"HARNESS_PROBE": "set after the first world", "OMP_NUM_THREADS": "1"}
-    assert out == [(env, 1, str(tmp_path), sys.path[:3])] * 2
+    # the server imported torch with one OpenMP thread: a fork of a process whose OpenMP pool
+    # was started inherits the pool's state but not its threads, and may crash in it
+    assert out == [(env, 1, str(tmp_path), sys.path[:3], ["OMP_NUM_THREADS=1"])] * 2
     captured = capfd.readouterr()
     assert [f"stdout of rank {r} after" in captured.out for r in (0, 1)] == [True, True]
     assert [f"stderr of rank {r} after" in captured.err for r in (0, 1)] == [True, True]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    (default,) = run_world(_report_what_the_rank_sees, 1, "default", threads=None)
+    assert (default[0]["OMP_NUM_THREADS"], default[1]) == (None, torch.get_num_threads())
 
 
 def test_passing_collective_and_2d_mesh():
