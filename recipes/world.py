@@ -5,8 +5,8 @@
 "forkserver", Python 3.14's default there), one per calling process, started at its first
 world with torch and the other libraries of a training rank imported: a rank starts without
 importing torch again, and a process running many worlds (a test session, a sweep) pays that
-import once. The server never runs a torch op nor touches CUDA, so a fork of it is as clean as
-a fresh interpreter; each rank gets the caller's environment, working directory, `sys.path` and
+import once. The server never runs a torch op nor touches CUDA and imports torch with one
+OpenMP thread, so a fork of it is as clean as a fresh interpreter; each rank gets the caller's environment, working directory, `sys.path` and
 stdout/stderr as they are when the world starts. Elsewhere ranks are spawned (a fresh
 interpreter each).
 
@@ -54,10 +54,10 @@ from typing import Any
 
 _HOST = "127.0.0.1"
 _OWN_PACKAGES = ("muon", "models", "recipes")
-#: imported once by the fork server: the libraries every training rank imports (2.3 of the
-#: 2.5 s a rank spent importing on 2 CPU cores). Not this project's packages: the server (Python
-#: 3.11's) does not get the caller's sys.path, so they could come from another checkout, and a
-#: `pythonpath` world's ranks import another checkout's.
+#: imported once by the fork server: the libraries every training rank imports (most of a
+#: spawned rank's start). Not this project's packages: the server (Python 3.11's) does not get
+#: the caller's sys.path, so they could come from another checkout, and a `pythonpath` world's
+#: ranks import another checkout's.
 _PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "hydra")
 _PRELOAD += ("safetensors",)
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
