@@ -6,9 +6,9 @@
 world with torch and the other libraries of a training rank imported: a rank starts without
 importing torch again, and a process running many worlds (a test session, a sweep) pays that
 import once. The server never runs a torch op nor touches CUDA and imports torch with one
-OpenMP thread, so a fork of it is as clean as a fresh interpreter; each rank gets the caller's environment, working directory, `sys.path` and
-stdout/stderr as they are when the world starts. Elsewhere ranks are spawned (a fresh
-interpreter each).
+OpenMP thread, so a fork of it is as clean as a fresh interpreter; each rank gets the
+caller's environment, working directory, `sys.path` and stdout/stderr as they are when the
+world starts. Elsewhere ranks are spawned (a fresh interpreter each).
 
 One port strategy: the calling process hosts the TCPStore on a port the kernel picks (port 0),
 and every rank joins it as a client (torch's agent-store mode, so
