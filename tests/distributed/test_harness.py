@@ -175,6 +175,7 @@ def test_world_joined_from_the_environment_with_another_checkout(tmp_path, capfd
     assert "failed to bind" not in capfd.readouterr().err
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server: Linux")
 def test_ranks_get_the_callers_environment_streams_directory_and_path(tmp_path, monkeypatch, capfd):
     """Each world's ranks see the caller as it is when that world starts (a fork server is
     started at the first world and serves the later ones): its environment (and one intra-op
