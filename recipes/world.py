@@ -235,6 +235,8 @@ def run_world(
         timeout=timedelta(seconds=60),
     )
     forked = ctx.get_start_method() == "forkserver"
+    with _thread_vars(threads):
+        env = dict(os.environ)  # what a spawned rank inherits
     spec = dict(
         backend=backend,
         # the caller's torch default for None (a forked rank's torch was imported with one)
@@ -243,7 +245,7 @@ def run_world(
         # No deadline: torch's default collective timeout, as under any launcher.
         collective_timeout_s=None if timeout_s is None else max(timeout_s, 60.0),
         parent=os.getpid(),
-        env=_rank_env(threads),
+        env=env,
         forked=forked,
         streams=_CallerStreams() if forked else None,  # unpickled in the rank: adopted there
     )
@@ -285,13 +287,6 @@ def _context():
     with _thread_vars(1):
         forkserver.ensure_running()
     return ctx
-
-
-def _rank_env(threads: int | None) -> dict[str, str]:
-    env = dict(os.environ)
-    if threads is not None:
-        env.update({k: str(threads) for k in _THREAD_VARS})
-    return env
 
 
 @contextlib.contextmanager
