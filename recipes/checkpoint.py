@@ -73,7 +73,7 @@ def latest(root: Path) -> Path | None:
 
 
 def set_aside(run_dir: Path) -> Path | None:
-    """Move the run in `run_dir` (its checkpoints and metrics.jsonl) into a new
+    """Move the run in `run_dir` (its checkpoints, metrics.jsonl and export hf/) into a new
     `replaced-<n>/` there, for a start over (`checkpoint.resume=false`): the new run's
     checkpoints never share a directory with the old ones, so keep-rotation (by step) cannot
     delete them and a later restart resumes the new run. Returns where they went (None when
@@ -84,7 +84,7 @@ def set_aside(run_dir: Path) -> Path | None:
     n = 1 + len(list(run_dir.glob("replaced-*")))
     aside = run_dir / f"replaced-{n}"
     aside.mkdir()
-    for name in ("checkpoints", "metrics.jsonl"):
+    for name in ("checkpoints", "metrics.jsonl", "hf"):
         if (run_dir / name).exists():
             os.replace(run_dir / name, aside / name)
     return aside
@@ -221,8 +221,7 @@ class Checkpointer:
             (tmp / COMMITTED).write_text(f"{step}\n")
             final = step_dir(self.root, step)
             _replace(tmp, final)
-            for old in committed(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            rotate(self.root, self.keep)
         _barrier()
 
 
@@ -237,6 +236,32 @@ def save(
     """Collective: write the checkpoint of `step` synchronously, commit it, keep the newest
     `keep`."""
     return Checkpointer(root, keep=keep).save(step, model, optimizer, trainer_state)
+
+
+def trained(ckpt: Path) -> bool:
+    """Whether a checkpoint's step trained: not skipped, a finite loss, no divergence
+    (recipes.guards; trainer.json's `trained`, absent before it was recorded: True)."""
+    try:
+        return bool(trainer_state(ckpt).get("trained", True))
+    except (OSError, ValueError):
+        return False  # an unreadable trainer.json is no good state to keep
+
+
+def last_trained(root: Path) -> Path | None:
+    """The newest committed checkpoint under `root` whose step trained, or None."""
+    return next((c for c in reversed(committed(root)) if trained(c)), None)
+
+
+def rotate(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints under `root`, except the newest
+    one whose step trained: a run that skips or diverges for more than `keep` saves keeps its
+    last good state. Returns the deleted ones. Local file operations: one process only."""
+    found = committed(root)
+    good = last_trained(root)
+    gone = [c for c in found[: max(len(found) - keep, 0)] if c != good]
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    return gone
 
 
 def _fsync_dir(path: Path) -> None:

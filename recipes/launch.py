@@ -86,6 +86,7 @@ def run(cfg: DictConfig) -> float | None:
         "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),
     }
     if int(os.environ.get("RANK", "0")) == 0:
+        _hold_run_dir(Path(payload["run_dir"]))  # before anything is written into it
         write_run_config(Path(payload["run_dir"]), payload["config"])
     if env_world is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
@@ -102,10 +103,23 @@ def run(cfg: DictConfig) -> float | None:
     if result is None:
         return None
     print(f"[summary] {payload['run_dir']}: {result['text']}", flush=True)
+    if result.get("stopped"):  # the run guard ended it (recipes.guards): no export written
+        raise SystemExit(f"train.py: stopped: {result['stopped']}")
     export = Path(payload["run_dir"]) / "hf"
     if (export / "config.json").is_file():
         print(f"[summary] start a run from this export: {reuse_export_command(export)}", flush=True)
     return result.get("loss_last")
+
+
+def _hold_run_dir(run_dir: Path) -> None:
+    """One run per run directory (recipes.runlock): a second start exits here, naming the
+    process that holds it, before it writes or starts anything."""
+    from recipes.runlock import RunDirInUse, hold
+
+    try:
+        hold(run_dir)
+    except RunDirInUse as err:
+        raise SystemExit(f"train.py: {err}") from None
 
 
 def write_run_config(run_dir: Path, resolved_yaml: str) -> None:

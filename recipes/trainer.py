@@ -38,6 +38,7 @@ from recipes import checkpoint, grads
 from recipes.config import to_plain
 from recipes.data import TokenStream, token_files
 from recipes.evaluate import Evaluator
+from recipes.guards import RunGuard
 from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
 from recipes.metrics import (
     AUX_LOSSES,
@@ -122,6 +123,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             self.ckpt_root, keep=c.keep, async_mode=c.async_mode
         )
+        self.guard = RunGuard.from_config(cfg.train, model_config(cfg).vocab_size, self.rank)
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -139,6 +141,7 @@ class Trainer:
         state = checkpoint.load(Path(found), self.model, self.opt)
         self.step, self.samples, self.skipped = state["step"], state["samples"], state["skipped"]
         self.sched.load_state_dict(state["scheduler"])
+        self.guard.resume(state)
         if state["rng"] is not None:
             checkpoint.set_rng_state(state["rng"])
         if self.rank == 0:
@@ -182,6 +185,7 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "ep": self.cfg.mesh.ep,
             "model_config": model_config(self.cfg).to_dict(),
+            **self.guard.state(),
         }
         return self.checkpointer.save(self.step, self.model, self.opt, state)
 
@@ -290,7 +294,7 @@ class Trainer:
                 out[f"attn/max_logit/layer_{i:02d}"] = value
         if "attn/qk_clipped" in raw:
             out["attn/qk_clipped"] = raw["attn/qk_clipped"][0]
-        for key in ("skipped", "skipped_unread"):  # Muon's update-guard verdict (train_step)
+        for key in ("skipped", "skipped_unread", "skipped_in_row"):  # Muon's verdicts (train_step)
             if key in raw:
                 out[key] = raw[key][0]
         return out
@@ -338,6 +342,7 @@ class Trainer:
             rate = 0.0 if skipped else cfg.train.router_bias_rate
         if self.skipped_unread is not None:
             values.add("skipped_unread", self.skipped_unread)
+        self.guard.count(skipped, values)
         if cfg.train.router_bias_rate > 0:
             self.model.update_router_bias(rate)
         self.opt.zero_grad(set_to_none=True)
@@ -353,6 +358,7 @@ class Trainer:
             host["skipped"] = figures.pop("skipped")
         if "skipped_unread" in figures:
             self._read_skipped(figures.pop("skipped_unread"))
+        self.guard.take(figures)
         if "skipped" in host and self.skipped_unread is None:
             host["skipped_steps"] = float(self.skipped)
         step_s = time.perf_counter() - t0
@@ -442,6 +448,8 @@ class Trainer:
                     log.info(line)
             due = (every and self.step % every == 0) or self.step == cfg.train.steps
             stopping = self.step < cfg.train.steps and stop.requested()
+            if self.guard.halts(self.step, metrics, saving=due or stopping):
+                break
             if due or stopping:
                 path = self.save()
             if stopping:
@@ -453,12 +461,15 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.checkpointer.wait()
-        if cfg.checkpoint.export_hf and self.step == cfg.train.steps:
+        halted = self.guard.stop_reason is not None
+        if cfg.checkpoint.export_hf and self.step == cfg.train.steps and not halted:
             self._export_hf()
         if self.rank != 0:
             return None
         result = summary.as_dict()
         sink.close(result)
+        if halted:
+            result["stopped"] = self.guard.stopped(self.step, self.ckpt_root)
         return result | {"text": summary.text()}
 
     def _log(self, metrics, measure, sink, summary) -> None:

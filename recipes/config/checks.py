@@ -65,6 +65,7 @@ def validate(
     _schema_keys(cfg, ConfigSchema)
     _positive(cfg, "train.warmup_steps", "train.grad_clip", "checkpoint.every", allow_zero=True)
     _positive(cfg, "train.router_bias_rate", "train.mtp_loss_weight", allow_zero=True)
+    _positive(cfg, "train.max_skipped_in_row", "train.divergence_steps", allow_zero=True)
     if cfg.optim.get("memory_budget_gib") is not None:
         _positive(cfg, "optim.memory_budget_gib")
     mesh = cfg.mesh

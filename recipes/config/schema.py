@@ -103,6 +103,11 @@ class IndexerTraining(StrEnum):
     frozen = "frozen"
 
 
+class OnDivergence(StrEnum):
+    warn = "warn"
+    stop = "stop"
+
+
 class HFDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -284,6 +289,22 @@ class TrainConfig:
         "(no gradient, not in the optimizer; fine-tuning a released checkpoint)",
     )
     inject_nan_at_step: int | None = _f(None, "debug: poison a gradient at this step")
+    max_skipped_in_row: int = _f(
+        5,
+        "stop the run (exit 1, no export) after this many skipped steps in a row; 0: never",
+        same_run=True,
+    )
+    divergence_steps: int = _f(
+        20,
+        "loss at ln(vocab) (after leaving it) or >5% above its start this many steps: "
+        "diverged; 0: no check",
+        same_run=True,
+    )
+    on_divergence: OnDivergence = _f(
+        OnDivergence.warn,
+        "a diverged loss: warn, or stop the run (exit 1, no export)",
+        same_run=True,
+    )
     param_dtype: TrainDtype = _f(
         TrainDtype.auto, "FSDP2 compute dtype over fp32 masters; auto: bf16 on CUDA, else fp32"
     )
