@@ -22,7 +22,9 @@ of the validation text (train.py's `val/bpb`).
 
 `--train-tokenizer VOCAB` trains a byte-level BPE (the `tokenizers` library) on the training
 documents and saves it as DIR/tokenizer.json; `--tokenizer` loads a local transformers
-tokenizer directory (AutoTokenizer) or a `tokenizers` JSON file. Nothing is downloaded.
+tokenizer directory (AutoTokenizer) or a `tokenizers` JSON file. Nothing is downloaded, and
+nothing of the directory runs: one whose tokenizer_config.json or config.json has an `auto_map`
+(transformers would import the Python module it names) is refused unless `--trust-remote-code`.
 DIR is built under a temporary name next to it and renamed when complete, so a failed or
 interrupted run never leaves a DIR that looks finished; an existing non-empty DIR is an error.
 """
@@ -177,8 +179,33 @@ def _from_tokenizers(tok, kind: str, source: str, eos_token: str | None) -> Tok:
     )
 
 
-def load_tokenizer(path: Path, eos_token: str | None) -> Tok:
-    """A local transformers tokenizer directory or a `tokenizers` JSON file."""
+def remote_code(path: Path) -> str | None:
+    """What in a tokenizer directory names Python code of its own that transformers would
+    import on loading it (an `auto_map` of tokenizer_config.json or config.json), or None."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            config = json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # absent or not JSON: transformers reports it if it needs the file
+        if isinstance(config, dict) and config.get("auto_map"):
+            return f"{name} has an auto_map ({json.dumps(config['auto_map'])})"
+    return None
+
+
+def check_remote_code(path: Path, trusted: bool) -> None:
+    """Refuse a tokenizer directory with code of its own unless `--trust-remote-code`."""
+    found = remote_code(path) if path.is_dir() else None
+    if found and not trusted:
+        raise PrepareError(
+            f"--tokenizer {path}: {found}: loading it would run the directory's Python code; "
+            "refused (pass --trust-remote-code if you trust that code)"
+        )
+
+
+def load_tokenizer(path: Path, eos_token: str | None, trust_remote_code: bool = False) -> Tok:
+    """A local transformers tokenizer directory or a `tokenizers` JSON file (a directory's own
+    code runs only with `trust_remote_code`: check_remote_code)."""
+    check_remote_code(path, trust_remote_code)
     if path.is_dir():
         try:
             from transformers import AutoTokenizer
@@ -187,7 +214,9 @@ def load_tokenizer(path: Path, eos_token: str | None) -> Tok:
                 f"--tokenizer {path}: a directory needs transformers (or pass its tokenizer.json)"
             ) from None
         try:
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=trust_remote_code
+            )
         except (OSError, ValueError) as err:
             raise PrepareError(f"--tokenizer {path}: not a tokenizer directory ({err})") from None
         eos_id = tok.convert_tokens_to_ids(eos_token) if eos_token else tok.eos_token_id
@@ -260,6 +289,8 @@ def prepare(args: argparse.Namespace) -> dict:
 
     out = args.out
     _check_out(out)
+    if args.tokenizer is not None:  # before any input is read
+        check_remote_code(args.tokenizer, args.trust_remote_code)
     if not 0.0 <= args.val_fraction < 1.0:
         raise PrepareError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
     if args.train_tokenizer is not None:
@@ -289,7 +320,7 @@ def prepare(args: argparse.Namespace) -> dict:
             trained.save(str(tmp / "tokenizer.json"))
             tok = _from_tokenizers(trained, "trained-bpe", "tokenizer.json", EOS_TOKEN)
         else:
-            tok = load_tokenizer(args.tokenizer, args.eos_token)
+            tok = load_tokenizer(args.tokenizer, args.eos_token, args.trust_remote_code)
         dtype = check_dtype(args.dtype, tok.vocab_size, f"tokenizer {tok.source}")
         counts = {s: {"documents": 0, "tokens": 0, "bytes": 0} for s in PREPARED_FILES}
         sinks = {s: open(tmp / name, "wb") for s, name in PREPARED_FILES.items()}  # noqa: SIM115
@@ -354,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-fraction", type=float, default=0.05, help="documents held out")
     ap.add_argument("--text-key", default="text", help="JSONL field holding the text")
     ap.add_argument("--eos-token", help="end-of-sequence token of --tokenizer (default: its own)")
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let --tokenizer's directory run its own Python code (an auto_map)",
+    )
     ap.add_argument(
         "--dtype", choices=["auto", *TOKEN_DTYPES], default="auto", help="token id type"
     )
