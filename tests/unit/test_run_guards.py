@@ -127,3 +127,16 @@ def test_rotation_keeps_the_last_checkpoint_whose_step_trained(tmp_path, flags, 
         _committed(tmp_path, step, flag)
     checkpoint.rotate(tmp_path, keep)
     assert [int(c.name.removeprefix("step_")) for c in checkpoint.committed(tmp_path)] == left
+
+
+def test_a_replaced_run_keeps_its_export(tmp_path):
+    """checkpoint.resume=false sets the old run aside whole: its hf/ too, so the new run's
+    export never overwrites it."""
+    _committed(tmp_path / "checkpoints", 6, True)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    aside = checkpoint.set_aside(tmp_path)
+    assert aside == tmp_path / "replaced-1"
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "hf", "metrics.jsonl"]
+    assert (aside / "hf" / "config.json").read_text() == "{}" and not (tmp_path / "hf").exists()
