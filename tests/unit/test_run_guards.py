@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recipes import checkpoint
+from recipes.bench.probe import DeviceProbe
 from recipes.guards import RunGuard
 from recipes.metrics import DeviceValues
 
@@ -42,12 +43,16 @@ def test_the_streak_on_the_device_is_read_with_the_figures_or_before_a_save():
     """Muon's verdict is a device tensor: the streak stays one (in the step's values) until a
     read; a save reads it itself, so no checkpoint follows the N-th skip."""
     guard = _guard()
+    probe = DeviceProbe()
     for step in (1, 2, 3):
         values = DeviceValues()
-        guard.count(torch.tensor(True), values)
-        assert isinstance(guard.streak, torch.Tensor)
-        if step < 3:  # a step not logged: no figures, no stop, no read
-            assert not guard.halts(step, {}, saving=False)
+        verdict = torch.tensor(True)
+        probe.mark(verdict)  # on the device
+        with probe.tracking(), probe.region("count") as counted:
+            guard.count(verdict, values)
+            if step < 3:  # a step not logged: no figures, no stop
+                assert not guard.halts(step, {}, saving=False)
+        assert counted.n_syncs == 0 and isinstance(guard.streak, torch.Tensor)
     figures = {k: v[0] for k, v in values.read().items()}
     assert figures == {"skipped_in_row": 3.0}
     guard.take(figures)
