@@ -43,6 +43,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.interpreter import with_interpreter, write_shims
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = ("bash", "sh", "shell", "console")
@@ -304,8 +306,7 @@ def _copy_of_checkout(root: Path) -> None:
     ).stdout.split()
     for name in sorted({n.split("/")[0] for n in names}):
         (root / name).symlink_to(ROOT / name)
-    (root / ".bin").mkdir()
-    (root / ".bin" / "python").symlink_to(sys.executable)
+    write_shims(root / ".bin")
     (root / ".logs").mkdir()
 
 
@@ -341,9 +342,9 @@ def _inputs(root: Path) -> None:
 
 
 def _env(root: Path) -> dict[str, str]:
+    env = with_interpreter(dict(os.environ), root / ".bin")
     return dict(
-        os.environ,
-        PATH=f"{root / '.bin'}{os.pathsep}{os.environ['PATH']}",
+        env,
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",
         WANDB_MODE="offline",
@@ -509,7 +510,7 @@ def test_documented_commands_run_and_leave_only_ignored_files(tmp_path_factory):
         reuse = shlex.split(line.split("from this export: ", 1)[1])
         assert reuse[0] == "model=hf" and "'" not in line, line
         proc = subprocess.run(
-            ["python", "train.py", *reuse, *shlex.split(f"{TRAIN} {ONE}"), "run.name=reused"],
+            [sys.executable, "train.py", *reuse, *shlex.split(f"{TRAIN} {ONE}"), "run.name=reused"],
             cwd=root,
             env=_env(root),
             capture_output=True,

@@ -23,7 +23,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         cwd=ROOT,
-        env=dict(os.environ, **(env or {})),
+        env={**os.environ, "PYTHON": sys.executable, **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,  # a hang guard, not a timing check
