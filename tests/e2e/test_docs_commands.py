@@ -117,9 +117,10 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 64 --ep 8$", PLAN, ""),
     Run(r"^python scripts/plan_memory\.py --model glm5 --world-size 512 --ep 8 --strategy pad_all2all$", PLAN, ""),
     Run(r"^python scripts/plan_memory\.py --model glm5 --world-size 512 --ep 8 --strategy pad_all2all --muon-split --normuon$", PLAN, ""),
-    # --step: 128 ranks keep the documented verdicts (fits at 4096 tokens, not at 32768 or more)
-    Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 4096 --budget-gib 141$", "--world-size 128", ""),
-    Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 32768 --budget-gib 141$", "--world-size 128", ""),
+    # --step: 128 ranks keep the documented verdicts (checkpointed: fits at 4096 and 32768 tokens,
+    # not at 131072; not checkpointed: never, so every one exits 1)
+    Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 4096 --budget-gib 141$", "--world-size 128", "", rc=1),
+    Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 32768 --budget-gib 141$", "--world-size 128", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 131072 --budget-gib 141$", "--world-size 128", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 8 --ep 8 --step --budget-gib 141$", "", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 64 --ep 8 --step --budget-gib 141$", PLAN, ""),
