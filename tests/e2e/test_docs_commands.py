@@ -153,7 +153,7 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/measure_init\.py --preset small --meshes 1:1 4:2 8:4 --rounds 3 --out init\.json$", "--preset tiny --meshes 1:1 2:2 --rounds 1 --repeats 1", "init.json"),
     Run(r"^python scripts/measure_step_memory\.py --preset small --world-size 4 --ep 2 --out step\.json$", "--preset tiny --world-size 2 --modes none", "step.json"),
     Run(r"^python scripts/prepare_data\.py --input corpus/ more\.jsonl --out data/corpus --train-tokenizer 8192$", "", "data/corpus/meta.json data/corpus/tokenizer.json"),
-    Run(r"^python scripts/prepare_data\.py --input corpus/ --out data/corpus --tokenizer path/to/tokenizer-dir$", "--out data/corpus_tokenizer", "data/corpus_tokenizer/meta.json", needs="data/corpus"),
+    Run(r"^python scripts/prepare_data\.py --input corpus/ --out data/corpus-tok --tokenizer path/to/tokenizer-dir$", "", "data/corpus-tok/meta.json", needs="data/corpus"),
     Run(r"^python train\.py data=tokens data\.path=data/corpus$", f"{TRAIN} {ONE} logger=none", "outputs/default/*data.path-data_corpus*/metrics.jsonl", needs="data/corpus"),
 ]  # fmt: skip
 
