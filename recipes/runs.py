@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recipes.outputs import OutputExists, add_force_argument, check_output, replace_output
+
 
 @dataclass
 class Run:
@@ -99,19 +101,29 @@ def discover(paths: list[Path]) -> list[Run]:
 
 
 def add_source_arguments(ap) -> None:
-    """The run sources of a comparison command line: run/sweep directories, `--wandb`."""
+    """The run sources of a comparison command line (run/sweep directories, `--wandb`) and
+    its output directory (`--out`, `--force`: `recipes.outputs`)."""
     ap.add_argument("paths", nargs="*", type=Path, help="run dirs or sweep dirs of train.py")
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read runs from the W&B API")
     ap.add_argument("--group", help="with --wandb: only this W&B group")
+    ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
+    add_force_argument(ap)
 
 
 def read_sources(ap, args) -> list[Run]:
-    """The runs `add_source_arguments`' arguments name (an argparse error when none)."""
+    """The runs `add_source_arguments`' arguments name (an argparse error when none, or when
+    `--out` is taken and `--force` is not given, checked before reading); with `--force`, the
+    old `--out` removed (unless it holds a run read)."""
     if not args.paths and not args.wandb:
         ap.error("give run directories or --wandb ENTITY/PROJECT")
-    runs = discover(args.paths) if args.paths else []
-    if args.wandb:
-        runs += read_wandb_api(args.wandb, args.group)
+    try:
+        check_output(args.out, args.force)
+        runs = discover(args.paths) if args.paths else []
+        if args.wandb:
+            runs += read_wandb_api(args.wandb, args.group)
+        replace_output(args.out, args.force, [r.path for r in runs if Path(r.path).exists()])
+    except OutputExists as err:
+        ap.error(str(err))
     return runs
 
 

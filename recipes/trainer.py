@@ -82,6 +82,18 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _batch_change(saved_world: int, world: int, samples_per_step: int) -> str:
+    """The notice of a resume on another world size: `data.batch_size` is per rank, so the
+    global batch scales with the ranks (the schedule goes on by step)."""
+    before = samples_per_step // world * saved_world
+    return (
+        f"resumed on {world} ranks from a checkpoint of {saved_world}: the global batch changes "
+        f"from {before} to {samples_per_step} samples per step (data.batch_size x "
+        "train.grad_accum_steps per rank); the schedule continues by step. To keep it, resume on "
+        f"{saved_world} ranks or scale data.batch_size (a new run: it is in the run's name)"
+    )
+
+
 class Trainer:
     """Builds everything of one rank from the config and runs the loop."""
 
@@ -151,6 +163,8 @@ class Trainer:
                 state["world_size"],
                 self.world,
             )
+            if state["world_size"] != self.world:
+                log.warning(_batch_change(state["world_size"], self.world, self.samples_per_step))
 
     def _init_from(self) -> None:
         """A fresh run with `checkpoint.init_from`: every rank reads its shards of the weights."""

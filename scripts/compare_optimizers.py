@@ -21,7 +21,8 @@ that step over the reference's own.
 
 Output in `--out`: `optimizers.md`, `best.csv` (best setting per group), `settings.csv` (every
 setting), `val_loss.png` (left: against steps, with tokens on the top axis; right: against
-training time).
+training time). An `--out` that exists and is not empty is refused before any run is read;
+`--force` replaces it.
 """
 
 from __future__ import annotations
@@ -242,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by", default="optim.name", help="config key of the groups (optim.name)")
     ap.add_argument("--setting", default="optim.lr", help="config key of a group's settings")
     ap.add_argument("--reference", help="group whose best final loss is the target")
-    ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
     args = ap.parse_args(argv)
     runs = read_sources(ap, args)
     try:

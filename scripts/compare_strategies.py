@@ -23,7 +23,8 @@ timings, when unprofiled ones exist):
 Runs of one strategy are averaged (`runs` column).
 
 Output in `--out`: `comparison.md`, `comparison.csv` (per strategy), `runs.csv` (per run),
-`step_time.png`, `optim_time.png`, `memory_per_rank.png`, `bytes_sent.png`.
+`step_time.png`, `optim_time.png`, `memory_per_rank.png`, `bytes_sent.png`. An `--out` that
+exists and is not empty is refused before any run is read; `--force` replaces it.
 """
 
 from __future__ import annotations
@@ -289,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_KEY,
         help=f"config key to group by ({DEFAULT_KEY})",
     )
-    ap.add_argument("--out", type=Path, default=Path("compare"), help="output directory")
     args = ap.parse_args(argv)
     runs = read_sources(ap, args)
     result = compare(runs, args.out, args.key)

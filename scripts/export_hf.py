@@ -7,7 +7,8 @@ Writes `config.json`, `model-0000k-of-0000n.safetensors` (each at most `--max-sh
 `model.safetensors.index.json` (MLA models in the glm_moe_dsa layout of GLM-5, MTP layers as
 `model.layers.{num_hidden_layers + i}`). One process or any number of ranks (torchrun / srun
 set RANK and WORLD_SIZE): rank r writes files r, r + W, ...; each tensor is read from the sharded
-checkpoint on its own, so a process holds one tensor at a time, whatever the model size.
+checkpoint on its own, so a process holds one tensor at a time, whatever the model size. An
+`out` that exists and is not empty is refused; `--force` replaces it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from recipes import checkpoint
 from recipes.hf import export_checkpoint
+from recipes.outputs import OutputExists, add_force_argument, check_output, clear_output, is_taken
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,14 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the transformers directory to write")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-shard-gib", type=float, default=5.0)
+    add_force_argument(parser)
     args = parser.parse_args(argv)
     if not (args.checkpoint / checkpoint.COMMITTED).is_file():
         parser.error(f"{args.checkpoint}: not a committed checkpoint (no {checkpoint.COMMITTED})")
     if args.max_shard_gib <= 0:
         parser.error(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+    try:  # every rank, before any writes (they wait for each other below)
+        check_output(args.out, args.force, "out", inputs=[args.checkpoint])
+    except OutputExists as err:
+        parser.error(str(err))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")  # only for the final barrier: no tensor is exchanged
+        dist.init_process_group("gloo")  # only for barriers: no tensor is exchanged
     try:
+        if int(os.environ.get("RANK", "0")) == 0 and is_taken(args.out):  # --force
+            clear_output(args.out)
+        if dist.is_initialized():
+            dist.barrier()  # nobody writes before every rank has checked and rank 0 cleared
         written = export_checkpoint(
             args.checkpoint,
             args.out,

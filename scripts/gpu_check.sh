@@ -324,8 +324,12 @@ summary() {
 		for ((i = 0; i < n; i++)); do
 			printf '%-24s %-8s %7s  %s\n' "${NAMES[i]}" "${STATUSES[i]}" "${TIMES[i]}" "${WHERES[i]}"
 		done
-		echo "gpu_check: $((n - failed)) of $n steps passed in ${SECONDS}s (budget ${BUDGET}s);" \
-			"device: ${DEVICE_NAME}"
+		if [ "$DRY_RUN" = 1 ]; then
+			echo "gpu_check: dry run: $n steps listed, none run (no GPU used, nothing checked)"
+		else
+			echo "gpu_check: $((n - failed)) of $n steps passed in ${SECONDS}s (budget ${BUDGET}s);" \
+				"device: ${DEVICE_NAME}"
+		fi
 	} | tee "$OUT/summary.txt"
 	[ "$failed" = 0 ]
 }

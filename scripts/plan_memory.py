@@ -43,7 +43,8 @@ from recipes.planning_report import format_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry; returns 0, or 1 when `--budget-gib` is given and something does not fit."""
+    """CLI entry; returns 0, or 1 when `--budget-gib` is given and any figure the report shows
+    is above it (with `--step`: either checkpointing mode's step peak)."""
     from models.glm.presets import PRESET_NAMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

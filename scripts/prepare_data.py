@@ -26,7 +26,8 @@ tokenizer directory (AutoTokenizer) or a `tokenizers` JSON file. Nothing is down
 nothing of the directory runs: one whose tokenizer_config.json or config.json has an `auto_map`
 (transformers would import the Python module it names) is refused unless `--trust-remote-code`.
 DIR is built under a temporary name next to it and renamed when complete, so a failed or
-interrupted run never leaves a DIR that looks finished; an existing non-empty DIR is an error.
+interrupted run never leaves a DIR that looks finished; an existing non-empty DIR is an error
+unless `--force` is given (the old DIR is then replaced once the new one is complete).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes.data import META_FILE, PREPARED_FILES, TOKEN_DTYPES  # noqa: E402
+from recipes.outputs import (  # noqa: E402
+    OutputExists,
+    add_force_argument,
+    check_output,
+    clear_output,
+)
 
 #: end-of-sequence token of a trained tokenizer (and the names searched in a tokenizers file)
 EOS_TOKEN = "<|endoftext|>"
@@ -278,17 +285,20 @@ def check_dtype(dtype: str, vocab_size: int, what: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- prepare
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise PrepareError(f"--out {out}: exists and is not empty; remove it or pick another")
+def _check_out(out: Path, force: bool, inputs: list[Path]) -> None:
+    try:
+        check_output(out, force, "--out", inputs)
+    except OutputExists as err:
+        raise PrepareError(str(err)) from None
 
 
 def prepare(args: argparse.Namespace) -> dict:
     """Check every input, tokenize, and write DIR atomically; returns meta.json's content."""
     from tqdm import tqdm
 
-    out = args.out
-    _check_out(out)
+    out, force = args.out, getattr(args, "force", False)
+    sources = [*args.input, *([args.tokenizer] if args.tokenizer else [])]
+    _check_out(out, force, sources)
     if args.tokenizer is not None:  # before any input is read
         check_remote_code(args.tokenizer, args.trust_remote_code)
     if not 0.0 <= args.val_fraction < 1.0:
@@ -363,9 +373,9 @@ def prepare(args: argparse.Namespace) -> dict:
             "inputs": [str(p) for p in args.input],
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
-        _check_out(out)  # nobody wrote it meanwhile
-        if out.exists():
-            out.rmdir()
+        _check_out(out, force, sources)  # nobody wrote it meanwhile (or --force)
+        if out.exists() or out.is_symlink():
+            clear_output(out)  # an empty directory, or what --force replaces
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -377,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", type=Path, required=True, help="files or directories")
     ap.add_argument("--out", type=Path, required=True, help="output directory (new or empty)")
+    add_force_argument(ap)
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--tokenizer", type=Path, help="transformers dir or tokenizers .json")
     which.add_argument(

@@ -362,8 +362,8 @@ def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_pa
     """`python train.py model=hf model.path=DIR checkpoint.init_from=DIR` on 4 ranks (ep 2)
     with a directory transformers wrote: the logged step-1 loss is transformers' loss on the
     same tokens, the missing MTP layer is named in one warning; the run's own export and
-    scripts/export_hf.py, in one process and on 2 torchrun ranks, write the same tensors,
-    byte-identical between the two script runs."""
+    scripts/export_hf.py, in one process and on 2 torchrun ranks (`--force` over an older
+    export), write the same tensors, byte-identical between the two script runs."""
     pytest.importorskip("transformers")
     from omegaconf import OmegaConf
 
@@ -412,7 +412,10 @@ def test_train_py_fine_tunes_a_transformers_glm_moe_dsa_and_export_script(tmp_pa
     one, two = tmp_path / "one", tmp_path / "two"
     _run([sys.executable, script, ckpt, str(one), "--max-shard-gib", "1e-4"], tmp_path)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    printed = _run([*launch, script, ckpt, str(two), "--max-shard-gib", "1e-4"], tmp_path)
+    two.mkdir()  # a previous export's stale shard: --force replaces the directory whole
+    (two / "model-00009-of-00009.safetensors").write_text("stale")
+    forced = [script, ckpt, str(two), "--max-shard-gib", "1e-4", "--force"]
+    printed = _run([*launch, *forced], tmp_path)
     assert "[rank 0] wrote" in printed and "[rank 1] wrote" in printed
     files = sorted(p.name for p in one.iterdir())
     assert len(files) > 4 and files == sorted(p.name for p in two.iterdir())

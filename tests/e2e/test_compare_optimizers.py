@@ -100,3 +100,19 @@ def test_runs_that_are_not_comparable_are_rejected(tmp_path):
     _run(other, "m", "muon", 0.02, 0.04)
     with pytest.raises(SystemExit, match="--reference adamw: no such group"):
         mod.main([str(other), "--out", str(tmp_path / "out"), "--reference", "adamw"])
+
+
+def test_an_existing_output_is_refused_unless_force(tmp_path, capsys):
+    """A taken `--out` (here a file) is refused before any run is read; `--force` replaces it."""
+    mod = _load()
+    root = tmp_path / "runs"
+    _run(root, "m", "muon", 0.02, 0.04)
+    _run(root, "a", "adamw", 0.003, 0.02)
+    out = tmp_path / "out"
+    out.write_text("not a directory")
+    with pytest.raises(SystemExit) as err:
+        mod.main([str(root), "--out", str(out)])
+    assert err.value.code == 2 and out.read_text() == "not a directory"
+    assert f"--out {out}: exists and is a file; pass --force" in capsys.readouterr().err
+    assert mod.main([str(root), "--out", str(out), "--force"]) == 0
+    assert (out / "optimizers.md").is_file()

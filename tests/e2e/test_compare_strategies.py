@@ -231,3 +231,25 @@ def test_three_real_runs_make_a_table_and_plots(strategy_sweep, tmp_path):
     # one strategy-neutral key for the remainder exchange, whatever the strategy
     for d in offline:
         assert "muon/remainder/bytes_sent/max" in wandb_records.read(d).history[-1]
+
+
+def test_an_existing_output_is_refused_unless_force(tmp_path, capsys):
+    """A taken `--out` is refused before any run is read (the old files stay); `--force`
+    replaces it whole; an `--out` holding a run it reads is refused even with `--force`."""
+    mod = _load()
+    sweep = tmp_path / "sweep"
+    for strategy in STRATEGIES:
+        _hydra_run(sweep, strategy, strategy)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.png").write_text("an old plot")
+    with pytest.raises(SystemExit) as err:
+        mod.main([str(sweep), "--out", str(out)])
+    message = capsys.readouterr().err.splitlines()[-1]
+    assert err.value.code == 2 and f"--out {out}: exists and is a non-empty directory" in message
+    assert "--force" in message and sorted(p.name for p in out.iterdir()) == ["stale.png"]
+    assert mod.main([str(sweep), "--out", str(out), "--force"]) == 0
+    assert not (out / "stale.png").exists() and (out / "comparison.csv").is_file()
+    with pytest.raises(SystemExit):
+        mod.main([str(sweep / "agrs"), "--out", str(sweep), "--force"])
+    assert "holds the input" in capsys.readouterr().err and (sweep / "agrs").is_dir()

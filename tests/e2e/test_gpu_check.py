@@ -23,7 +23,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         cwd=ROOT,
-        env=dict(os.environ, **(env or {})),
+        env={**os.environ, "PYTHON": sys.executable, **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,  # a hang guard, not a timing check
@@ -97,6 +97,11 @@ def test_dry_run_lists_every_part_with_its_command(dry_run):
     table = (out / "summary.txt").read_text().splitlines()
     assert table[0].split() == ["PART", "STATUS", "SECONDS", "WHERE"]
     assert len(table) == len(steps) + 2 and all(" DRY " in row for row in table[1:-1])
+    # and says it ran nothing: no "steps passed"
+    assert (
+        table[-1]
+        == f"gpu_check: dry run: {len(steps)} steps listed, none run (no GPU used, nothing checked)"
+    )
 
 
 def test_dry_run_train_overrides_compose(dry_run):

@@ -349,7 +349,7 @@ def test_glm5_muon_split_and_normuon(tmp_path, glm5_512):
 
 def test_planner_prints_the_whole_step_estimate_against_a_budget():
     """`scripts/plan_memory.py --step` (fake 8-rank world): both checkpointing modes, the
-    verdict against --budget-gib, and the exit status when nothing fits."""
+    verdict against --budget-gib, and the exit status 1 when any mode does not fit."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "plan_memory.py"
     args = [sys.executable, str(script), "--model", "small", "--world-size", "8", "--ep", "2"]
     args += ["--step", "--seq-len", "256", "--micro-batch", "2", "--strategy", "pad_all2all"]
@@ -361,3 +361,8 @@ def test_planner_prints_the_whole_step_estimate_against_a_budget():
     assert text.count("fits in 8 GiB") == 2
     tight = subprocess.run([*args, "--budget-gib", "0.001"], capture_output=True, text=True)
     assert tight.returncode == 1 and "DOES NOT FIT in 0.001 GiB" in tight.stdout
+    # between the two peaks: checkpointing fits, the report shows the other over it: exit 1
+    budget = f"{round((peaks[0] + peaks[1]) / 2, 3):g}"
+    half = subprocess.run([*args, "--budget-gib", budget], capture_output=True, text=True)
+    assert half.stdout.count(f"DOES NOT FIT in {budget} GiB") == 1, half.stdout[-2000:]
+    assert half.stdout.count(f"fits in {budget} GiB") == 1 and half.returncode == 1

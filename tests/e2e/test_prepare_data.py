@@ -129,7 +129,8 @@ def test_bad_inputs_fail_by_name_and_leave_no_directory(tmp_path, monkeypatch):
         (["--input", str(good), "--dtype", "uint8"], "--dtype uint8: holds 256 ids"),
         (["--input", str(good), "--train-tokenizer", "100"], "--train-tokenizer 100"),
         (["--input", str(good), "--val-fraction", "1"], "--val-fraction 1.0: must be in"),
-        (["--input", str(good), "--out", str(tmp_path)], "exists and is not empty"),
+        (["--input", str(good), "--out", str(tmp_path)], "exists and is a non-empty directory"),
+        (["--input", str(good), "--out", str(tmp_path), "--force"], "holds the input"),
     ]
     for extra, expected in cases:
         argv = ["--out", str(out), "--train-tokenizer", "300", *extra]
@@ -149,6 +150,31 @@ def test_bad_inputs_fail_by_name_and_leave_no_directory(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         mod.main(["--input", str(good), "--out", str(out), "--train-tokenizer", "300"])
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_force_replaces_an_existing_directory_once_the_new_one_is_complete(tmp_path, monkeypatch):
+    """Without `--force` a taken `--out` is refused (its files kept); with it, a run that dies
+    half-way keeps the old directory whole and a complete one replaces it."""
+    mod = _script()
+    (tmp_path / "good.txt").write_text("some text\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.bin").write_text("the previous corpus")
+    argv = ["--input", str(tmp_path / "good.txt"), "--out", str(out), "--train-tokenizer", "300"]
+    with pytest.raises(SystemExit, match="pass --force to replace it"):
+        mod.main(argv)
+    train_tokenizer = mod.train_tokenizer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod, "train_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mod.main([*argv, "--force"])
+    assert sorted(p.name for p in out.iterdir()) == ["old.bin"]
+    monkeypatch.setattr(mod, "train_tokenizer", train_tokenizer)
+    assert mod.main([*argv, "--force"]) == 0
+    assert not (out / "old.bin").exists() and (out / "meta.json").is_file()
 
 
 def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys):

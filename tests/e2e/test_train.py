@@ -366,3 +366,36 @@ def test_mla_dsa_mtp_run_logs_each_loss(cache, tmp_path):
     summaries = [line for line in out.splitlines() if "[summary]" in line]
     assert sum("; mtp_loss " in s for s in summaries) == 1, summaries
     assert all("; indexer_kl " in s for s in summaries), summaries
+
+
+def _resume_world(config_yaml: str, run_dir: str):
+    """Train `train.steps` (resuming what the run dir holds); rank 0's warnings from the
+    'recipes' logger."""
+    import logging
+
+    from recipes.trainer import Trainer
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("recipes").addHandler(handler)
+    try:
+        Trainer(from_yaml(config_yaml), Path(run_dir), torch.device("cpu")).train()
+    finally:
+        logging.getLogger("recipes").removeHandler(handler)
+    return records
+
+
+def test_resume_on_another_world_size_says_the_global_batch_changed(cache, tmp_path):
+    """A run checkpointed on 2 ranks and resumed on 1 (2 samples per rank): rank 0 warns that
+    the global batch goes from 4 to 2 samples per step; the same world warns nothing."""
+    overrides = ["mesh.ep=1", "train.steps=1", "checkpoint.export_hf=false", *_small(cache)]
+    overrides += ["logger.backend=none", "checkpoint.every=1", "model.preset=tiny"]
+    cfg = OmegaConf.merge(from_yaml(""), OmegaConf.from_dotlist(overrides))
+    cfg.mesh.world_size = 2
+    first, _ = run_world(_resume_world, 2, OmegaConf.to_yaml(cfg), str(tmp_path))
+    cfg.mesh.world_size, cfg.train.steps = 1, 2
+    (resumed,) = run_world(_resume_world, 1, OmegaConf.to_yaml(cfg), str(tmp_path))
+    assert not [m for m in first if "global batch" in m], first
+    (notice,) = [m for m in resumed if "global batch" in m]
+    assert "on 1 ranks from a checkpoint of 2" in notice and "from 4 to 2 samples" in notice

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.interpreter import with_interpreter
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "scripts" / "slurm"
 LOCAL_CLUSTER = str(SLURM_DIR / "local_cluster.sh")
@@ -63,10 +65,11 @@ def slurm_unavailable() -> str | None:
 
 
 def client_env() -> dict[str, str]:
-    """This process's environment without Slurm's job variables (tests may run inside a job)."""
+    """This process's environment without Slurm's job variables (tests may run inside a job),
+    the interpreter's folder first on PATH (the jobs' `torchrun` is the venv's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
     env.pop("DRY_RUN", None)
-    return env
+    return with_interpreter(env)
 
 
 class Cluster:

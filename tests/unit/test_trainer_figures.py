@@ -61,3 +61,15 @@ def test_logged_values_are_read_in_one_sync_as_item_would_give():
     assert out["grad_sq"] == [norm.item()]
     assert out["layers"] == layers.tolist()
     assert out["clipped"] == [2.0]
+
+
+def test_summary_line_shows_small_loss_terms_with_their_digits():
+    """The mla_tiny run's indexer_kl (~3e-5) reads 3.012e-05 -> 2.500e-05, not 0.0000."""
+    from recipes.metrics import Summary
+
+    summary = Summary()
+    for step, kl in ((1, 3.0123e-5), (2, 2.5e-5)):
+        row = {"loss": 5.5, "skipped_steps": 0, "step_s": 1.0, "optim_s": 0.1}
+        summary.add(step, {**row, "tokens_per_s": 64.0, "indexer_kl": kl, "mtp_loss": 5.25}, False)
+    text = summary.text()
+    assert "indexer_kl 3.012e-05 -> 2.500e-05" in text and "mtp_loss 5.2500 -> 5.2500" in text
