@@ -137,9 +137,9 @@ def _trainer_problem(ckpt: Path) -> str | None:
         state = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         return f"trainer.json: not JSON ({err})"
-    step = ckpt.name.removeprefix("step_")
+    step = (ckpt / _COMMITTED).read_text(errors="replace").split("\n")[0]
     if not isinstance(state, dict) or not step.isdigit() or state.get("step") != int(step):
-        return f"trainer.json: not the trainer state of step {step} (no matching 'step')"
+        return f"trainer.json: not the trainer state of step {step} (COMMITTED's)"
     return None
 
 
