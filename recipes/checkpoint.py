@@ -9,8 +9,15 @@ One checkpoint is a directory `<root>/step_<step:08d>/`:
     trainer.json  step, samples consumed, scheduler state, counters, the model config, the
                 world that wrote it
     rng/rank_<r>.safetensors  each rank's RNG states as tensors (restored only on a world of
-                the same size; no pickle, so a checkpoint from elsewhere cannot run code)
-    COMMITTED   written last; a directory without it is not a checkpoint
+                the same size; no pickle)
+    MANIFEST.json  every file's size and SHA-256 (recipes/checkpoint_verify.py: each rank
+                hashes the files it wrote), verified before a resume loads the checkpoint
+    COMMITTED   written last: the step and the manifest's SHA-256; a directory without it is
+                not a checkpoint
+
+DCP's `.metadata` files and the non-tensor entries of its shards are pickles: `load` and the
+readers below go through recipes/dcp_safe.py, which admits only DCP's metadata classes and
+plain values, so a checkpoint from elsewhere cannot run code (docs/training.md, Reliability).
 
 No rank ever holds a tensor it does not own: each writes its local shards (a non-contiguous
 shard is copied once, so a save costs at most the largest single local tensor on top of the
