@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from recipes import checkpoint, checkpoint_verify
+from tests.faults import flip
 from tests.train_cli import train_py
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
@@ -37,13 +38,6 @@ def _args(cache: Path) -> list[str]:
 def _losses(run_dir: Path) -> dict[int, float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {m["step"]: m["loss"] for m in map(json.loads, lines)}
-
-
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    mid = len(data) // 2
-    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
-    path.write_bytes(bytes(data))
 
 
 def _nan_weights(ckpt: Path) -> None:
@@ -73,7 +67,7 @@ def test_damaged_latest_checkpoints_stop_the_run_or_fall_back(tmp_path):
     (run_dir,) = (tmp_path / "default").iterdir()
     reference, root = _losses(run_dir), run_dir / "checkpoints"
     _nan_weights(root / "step_00000003")
-    _flip(root / "step_00000002" / "model" / "__1_0.distcp")
+    flip(root / "step_00000002" / "model" / "__1_0.distcp")
     (run_dir / "hf").rename(tmp_path / "hf-of-the-first-run")
 
     stopped = train_py(args, tmp_path)

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from recipes import checkpoint, checkpoint_verify, dcp_safe
 from recipes.checkpoint_resume import CheckpointRefused, load_newest
+from tests.faults import Payload, flip
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
 
@@ -34,8 +35,9 @@ def _save(root: Path, step: int, model, opt) -> Path:
 
 def _rewrite_manifest(ckpt: Path) -> None:
     """What a checkpoint made elsewhere carries: a manifest that matches its files."""
+    step = int((ckpt / checkpoint.COMMITTED).read_text().split()[0])
     sha = checkpoint_verify.write_manifest(ckpt, [])
-    (ckpt / checkpoint.COMMITTED).write_text(checkpoint_verify.commit_text(1, sha))
+    (ckpt / checkpoint.COMMITTED).write_text(checkpoint_verify.commit_text(step, sha))
 
 
 @pytest.fixture
@@ -64,19 +66,12 @@ def test_the_manifest_lists_every_file_and_a_sound_checkpoint_verifies(two):
     assert checkpoint_verify.verify(ckpt) == []
 
 
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    mid = len(data) // 2
-    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
-    path.write_bytes(bytes(data))
-
-
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 DAMAGE = {  # name: (file, what is done to it, what the refusal says about it)
-    "flipped": ("model/__0_0.distcp", _flip, "contents differ from MANIFEST.json (SHA-256"),
+    "flipped": ("model/__0_0.distcp", flip, "contents differ from MANIFEST.json (SHA-256"),
     "truncated": ("model/__0_0.distcp", _truncate, "(truncated)"),
     "zeroed": (
         "optim/__0_0.distcp",
@@ -137,21 +132,11 @@ def test_non_finite_weights_are_refused_naming_the_checkpoint(two):
     assert found.name == "step_00000002"
 
 
-class _Payload:
-    """Unpickling calls `open(path, "w")`: the file appears only if the pickle ran code."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def test_a_crafted_metadata_is_refused_by_name_and_runs_nothing(two):
     root, ckpt, _ = two
     ran = root / "code-ran"
     metadata = dcp_safe.read_metadata(ckpt / "model" / ".metadata")
-    metadata.storage_meta.modules = [_Payload(str(ran))]  # rides along a real metadata
+    metadata.storage_meta.modules = [Payload(str(ran))]  # rides along a real metadata
     (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(metadata))
     _rewrite_manifest(ckpt)  # consistent, as a checkpoint from elsewhere would be
     (problem,) = checkpoint_verify.verify(ckpt)
@@ -172,7 +157,7 @@ def test_a_crafted_optimizer_entry_is_refused_by_name_and_runs_nothing(two):
     root, ckpt, _ = two
     ran = root / "code-ran"
     state = checkpoint.read_optimizer_state(ckpt)
-    state["param_groups"][0]["lr"] = _Payload(str(ran))
+    state["param_groups"][0]["lr"] = Payload(str(ran))
     for old in (ckpt / "optim").iterdir():
         old.unlink()
     torch.distributed.checkpoint.save(state, storage_writer=FileSystemWriter(ckpt / "optim"))
