@@ -124,9 +124,17 @@ def _file_problem(ckpt: Path, name: str, want: dict) -> str | None:
         cut = " (truncated)" if size < want["size"] else ""
         return f"{name}: {size} bytes, {MANIFEST} says {want['size']}{cut}"
     if digest(path)["sha256"] != want["sha256"]:
-        zero = ", every byte zero" if not path.read_bytes().strip(b"\0") else ""
+        zero = ", every byte zero" if _all_zero(path) else ""
         return f"{name}: contents differ from {MANIFEST} (SHA-256 mismatch{zero})"
     return None
+
+
+def _all_zero(path: Path, chunk: int = 1 << 24) -> bool:
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if block.strip(b"\0"):
+                return False
+    return True
 
 
 def _trainer_problem(ckpt: Path) -> str | None:
