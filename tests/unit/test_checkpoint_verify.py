@@ -105,6 +105,17 @@ def test_damage_is_refused_naming_the_file_and_fallback_takes_the_previous(two, 
     assert [c.name for c in checkpoint.committed(root)] == ["step_00000001"]
 
 
+def test_fallback_with_every_checkpoint_damaged_stops_naming_them(two):
+    root, ckpt, _ = two
+    (ckpt / "trainer.json").write_text("")
+    (root / "step_00000001" / "model" / ".metadata").unlink()
+    model, opt = _model_opt()
+    with pytest.raises(CheckpointRefused, match="every committed checkpoint was refused") as e:
+        load_newest(root, model, opt, fallback=True)
+    assert "(step_00000002, step_00000001, now refused-*" in str(e.value)
+    assert checkpoint.committed(root) == []
+
+
 def test_a_checkpoint_before_manifests_gets_the_structural_checks(two):
     """COMMITTED holding the step only (written before manifests): no manifest needed, but a
     shard shorter than its `.metadata` says is still refused."""
