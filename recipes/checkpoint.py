@@ -9,8 +9,15 @@ One checkpoint is a directory `<root>/step_<step:08d>/`:
     trainer.json  step, samples consumed, scheduler state, counters, the model config, the
                 world that wrote it
     rng/rank_<r>.safetensors  each rank's RNG states as tensors (restored only on a world of
-                the same size; no pickle, so a checkpoint from elsewhere cannot run code)
-    COMMITTED   written last; a directory without it is not a checkpoint
+                the same size; no pickle)
+    MANIFEST.json  every file's size and SHA-256 (recipes/checkpoint_verify.py: each rank
+                hashes the files it wrote), verified before a resume loads the checkpoint
+    COMMITTED   written last: the step and the manifest's SHA-256; a directory without it is
+                not a checkpoint
+
+DCP's `.metadata` files and the non-tensor entries of its shards are pickles: `load` and the
+readers below go through recipes/dcp_safe.py, which admits only DCP's metadata classes and
+plain values, so a checkpoint from elsewhere cannot run code (docs/training.md, Reliability).
 
 No rank ever holds a tensor it does not own: each writes its local shards (a non-contiguous
 shard is copied once, so a save costs at most the largest single local tensor on top of the
@@ -34,7 +41,6 @@ import json
 import os
 import pickle
 import shutil
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -43,9 +49,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+from recipes import checkpoint_verify, dcp_safe
 
 COMMITTED = "COMMITTED"
 _PREFIX = "step_"
@@ -214,11 +221,12 @@ class Checkpointer:
         self._commit(tmp, step, state)
 
     def _commit(self, tmp: Path, step: int, state: dict) -> None:
-        _barrier()  # every rank's files are in place
+        digests = checkpoint_verify.gather_digests(tmp, _rank())  # every rank's files in place
         if _rank() == 0:
             (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+            manifest = checkpoint_verify.write_manifest(tmp, digests)
             _fsync_dir(tmp)
-            (tmp / COMMITTED).write_text(f"{step}\n")
+            (tmp / COMMITTED).write_text(checkpoint_verify.commit_text(step, manifest))
             final = step_dir(self.root, step)
             _replace(tmp, final)
             rotate(self.root, self.keep)
@@ -291,8 +299,8 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     """
     ckpt = Path(ckpt)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load(model_sd, storage_reader=FileSystemReader(ckpt / "model"))
-    dcp.load(optim_sd, storage_reader=FileSystemReader(ckpt / "optim"))
+    dcp_safe.load(model_sd, ckpt / "model")  # no code runs from the files (recipes/dcp_safe.py)
+    dcp_safe.load(optim_sd, ckpt / "optim")
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     state = trainer_state(ckpt)
     state["rng"] = read_rng(ckpt, _rank()) if state["world_size"] == _world() else None
@@ -306,10 +314,8 @@ def trainer_state(ckpt: Path) -> dict[str, Any]:
 
 def _read_whole(path: Path) -> dict:
     """Every entry of a DCP directory as full tensors in this process (for inspection and tests:
-    it holds the whole state; never used by the training path)."""
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        return _load_state_dict_from_keys(storage_reader=FileSystemReader(path))
+    it holds the whole state; never used by the training path), read without running code."""
+    return dcp_safe.read_whole(path)
 
 
 def read_model_state(ckpt: Path) -> dict[str, torch.Tensor]:

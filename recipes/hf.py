@@ -14,11 +14,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from models.glm import GLMConfig
 from models.glm.hf_adapter import write_hf
 from models.glm.hf_import import HFDir, check_hf, load_hf
+from recipes import checkpoint_verify
+from recipes.dcp_safe import SafeReader
 
 GiB = 1 << 30
 
@@ -44,10 +46,10 @@ class _IntoBuffer(DefaultLoadPlanner):
 
 class DCPRegions:
     """Reads row blocks of tensors from a DCP directory in this process, no collective: only
-    the saved pieces overlapping the block are loaded."""
+    the saved pieces overlapping the block are loaded (`.metadata` through SafeReader)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.reader = FileSystemReader(path)
+        self.reader = SafeReader(path)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
 
@@ -91,16 +93,29 @@ def export_checkpoint(
     ckpt = Path(ckpt)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    problems = checkpoint_verify.problems(ckpt, rank, world, parts=("model",))
+    if problems:
+        raise ValueError(f"checkpoint {ckpt} refused: {'; '.join(problems)}")
     regions = DCPRegions(ckpt / "model")
+
+    def read(key: str, row: int, rows: int) -> torch.Tensor:
+        block = regions.read(key, row, rows)
+        if not torch.isfinite(block).all():  # never exported: what loads it would train on it
+            raise ValueError(f"checkpoint {ckpt}: {key} holds non-finite values (NaN or inf)")
+        return block
+
     written = write_hf(
         out,
         model_config_of(ckpt),
-        regions.read,
+        read,
         dtype=dtype,
         max_shard_bytes=int(max_shard_gib * GiB),
         rank=rank,
         world=world,
     )
+    mode = Path(out).stat().st_mode & 0o666  # made by mkdir: 0o777 less the umask
+    for name in written:  # the safetensors library writes 0600; the JSON files get the umask's
+        os.chmod(Path(out) / name, mode)
     if dist.is_initialized():
         dist.barrier()
     return written

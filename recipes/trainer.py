@@ -35,6 +35,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from recipes import checkpoint, grads
+from recipes.checkpoint_resume import load_newest
 from recipes.config import to_plain
 from recipes.data import TokenStream, token_files
 from recipes.evaluate import Evaluator
@@ -150,7 +151,9 @@ class Trainer:
         if found is None:
             self._init_from()
             return
-        state = checkpoint.load(Path(found), self.model, self.opt)
+        found, state = load_newest(  # verified, finite; an older one only with fallback
+            self.ckpt_root, self.model, self.opt, fallback=self.cfg.checkpoint.fallback
+        )
         self.step, self.samples, self.skipped = state["step"], state["samples"], state["skipped"]
         self.sched.load_state_dict(state["scheduler"])
         self.guard.resume(state)

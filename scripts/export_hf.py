@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,16 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-gib", type=float, default=5.0)
     add_force_argument(parser)
     args = parser.parse_args(argv)
-    if not (args.checkpoint / checkpoint.COMMITTED).is_file():
-        parser.error(f"{args.checkpoint}: not a committed checkpoint (no {checkpoint.COMMITTED})")
+    problem = _not_a_checkpoint(args.checkpoint)
+    if problem:
+        parser.error(problem)
     if args.max_shard_gib <= 0:
         parser.error(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
     try:  # every rank, before any writes (they wait for each other below)
         check_output(args.out, args.force, "out", inputs=[args.checkpoint])
     except OutputExists as err:
         parser.error(str(err))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
         dist.init_process_group("gloo")  # only for barriers: no tensor is exchanged
+    created = not args.out.exists()
     try:
         if int(os.environ.get("RANK", "0")) == 0 and is_taken(args.out):  # --force
             clear_output(args.out)
@@ -56,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             dtype=getattr(torch, args.dtype),
             max_shard_gib=args.max_shard_gib,
         )
+    except ValueError as err:  # refused: a damaged checkpoint, non-finite weights
+        if created and world == 1:
+            shutil.rmtree(args.out, ignore_errors=True)  # no half export left behind
+        print(f"export_hf.py: {err}", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -63,6 +72,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in written:
         print(f"[rank {rank}] wrote {args.out / name}")
     return 0
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """What is wrong with `path` as a checkpoint to export (None: it is a committed one), with
+    the committed checkpoints beside or inside it (their names are `step_<8 digits>`)."""
+    if (path / checkpoint.COMMITTED).is_file():
+        return None
+    inside = [p.name for p in checkpoint.committed(path)]
+    if inside:
+        return f"{path}: not a checkpoint but holds the committed ones {', '.join(inside)}"
+    beside = [p.name for p in checkpoint.committed(path.parent)]
+    found = (
+        f"committed checkpoints in {path.parent}: {', '.join(beside)}"
+        if beside
+        else f"{path.parent} holds no committed checkpoint"
+    )
+    if not path.exists():
+        return f"{path}: no such directory ({found})"
+    return f"{path}: not a committed checkpoint (no {checkpoint.COMMITTED}; {found})"
 
 
 if __name__ == "__main__":

@@ -347,6 +347,12 @@ class CheckpointConfig:
     async_mode: bool = _f(
         False, "periodic saves through DCP's async_save (a CPU copy per rank)", same_run=True
     )
+    fallback: bool = _f(
+        False,
+        "resume: a newest checkpoint that fails verification goes to refused-step_<n>/ and the "
+        "one before it loads; false: the run stops naming what is wrong",
+        same_run=True,
+    )
     export_hf: bool = _f(
         True, "export the final model as a transformers directory (<run>/hf)", same_run=True
     )

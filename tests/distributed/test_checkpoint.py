@@ -122,6 +122,54 @@ def test_killed_mid_save_keeps_previous_then_keep_prunes(tmp_path):
         assert files == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
 
 
+def _verified_resume(root: str):
+    """Save at 1 and 2 on every rank; rank 0 cuts rank 1's optimizer shard of step 2; then
+    load_newest without and with fallback, into a fresh model: what each rank sees."""
+    from recipes.checkpoint_resume import CheckpointRefused, load_newest
+
+    root = Path(root)
+    model, opt = _build()
+    _train(model, opt, 1)
+    checkpoint.save(root, 1, model, opt, {"samples": 4}, keep=3)
+    first = _full(model, opt)
+    _train(model, opt, 1, start=1)
+    checkpoint.save(root, 2, model, opt, {"samples": 8}, keep=3)
+    shard = root / "step_00000002" / "optim" / "__1_0.distcp"
+    if dist.get_rank() == 0:
+        shard.write_bytes(shard.read_bytes()[:-8])
+    dist.barrier()
+    fresh, fresh_opt = _build(seed=1)
+    try:
+        load_newest(root, fresh, fresh_opt, fallback=False)
+        refused = None
+    except CheckpointRefused as err:
+        refused = str(err)
+    found, state = load_newest(root, fresh, fresh_opt, fallback=True)
+    return refused, found.name, state["step"], _full(fresh, fresh_opt), first
+
+
+def test_every_rank_refuses_a_cut_shard_alike_and_falls_back_together(tmp_path):
+    """2 ranks: the manifest holds every rank's files (each rank hashed its own), a shard of
+    rank 1 cut by 8 bytes is refused on every rank with the same message naming it, and with
+    fallback every rank loads step 1 (the same weights and moments it saved)."""
+    out = run_world(_verified_resume, 2, str(tmp_path))
+    manifest = json.loads((tmp_path / "step_00000001" / "MANIFEST.json").read_text())["files"]
+    for part in ("model", "optim"):
+        assert {f"{part}/__0_0.distcp", f"{part}/__1_0.distcp", f"{part}/.metadata"} <= {*manifest}
+    assert {"rng/rank_0.safetensors", "rng/rank_1.safetensors", "trainer.json"} <= {*manifest}
+    refused = {rank[0] for rank in out}
+    assert len(refused) == 1, refused  # one message, every rank
+    (message,) = refused
+    assert "step_00000002 refused: optim/__1_0.distcp: " in message and "(truncated)" in message
+    for _, name, step, loaded, first in out:
+        assert name == "step_00000001" and step == 1
+        for key, value in first[0].items():
+            np.testing.assert_array_equal(loaded[0][key], value)
+        for got, want in zip(loaded[1], first[1], strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert (tmp_path / "refused-step_00000002" / COMMITTED).is_file()
+
+
 def _glm_config(world: int, ep: int, *extra: str, ns_dtype: str = "float32") -> str:
     """8 sequences per step on any world, so both layouts see the same global batch. Newton-
     Schulz in float32: bf16 would amplify the layouts' other gradient summation orders by an

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from recipes import checkpoint
+from tests.faults import Payload
 
 
 def test_rng_states_round_trip_as_safetensors(tmp_path):
@@ -25,20 +26,10 @@ def test_rng_file_of_an_older_checkpoint_still_loads(tmp_path):
     assert torch.equal(checkpoint.read_rng(tmp_path, 0)["cpu"], torch.get_rng_state())
 
 
-class _Payload:
-    """Unpickling calls `open(path, "w")`: the file appears only if the pickle ran code."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def test_a_crafted_pickle_in_rng_is_refused_not_run(tmp_path):
     (tmp_path / "rng").mkdir()
     ran = tmp_path / "code-ran"
-    torch.save({"cpu": _Payload(str(ran))}, tmp_path / "rng" / "rank_0.pt")
+    torch.save({"cpu": Payload(str(ran))}, tmp_path / "rng" / "rank_0.pt")
     with pytest.raises(ValueError, match=r"rank_0.pt: not plain RNG tensors, refused") as err:
         checkpoint.read_rng(tmp_path, 0)
     assert "Delete" in str(err.value) and not ran.exists()
