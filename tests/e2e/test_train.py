@@ -151,7 +151,8 @@ def test_logs_in_the_run_dir(cache, tmp_path):
 
 
 def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
-    """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again (with
+    """SIGKILL after the step-2 checkpoint of a 4-step run, its metrics.jsonl's last line then
+    cut, then the same command again (with
     `checkpoint.async_mode=true`, which does not change what is trained): the losses and final
     parameters equal an uninterrupted run's (2 ranks, ep=1: resharding across world sizes is
     tests/distributed/test_checkpoint.py's)."""
@@ -180,10 +181,14 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     proc.communicate(timeout=60)
     assert found and proc.returncode == -signal.SIGKILL
     assert checkpoint.latest(run_dir("resumed") / "checkpoints").name == "step_00000002"
+    # A full disk cut the last line the killed run wrote: the resume drops it with a warning.
+    with open(run_dir("resumed") / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1870074272')
 
     # The same command with a checkpointing key changed (async_mode) resumes the same run.
     out = _finish(_train_py([*args, "run.name=resumed", "checkpoint.async_mode=true"], tmp_path))
     assert "resumed from" in out
+    assert re.search(r"metrics\.jsonl:\d+: the last line is cut .*dropped", out), out[-3000:]
     ref, res = run_dir("reference"), run_dir("resumed")
     assert ref.name == res.name  # the run dir depends on the overrides, not on run.name
     ref_lines, res_lines = _metrics(ref), _metrics(res)
