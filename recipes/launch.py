@@ -12,6 +12,7 @@
 Devices: CUDA + NCCL when `mesh.device` allows and enough GPUs are present, else CPU + gloo.
 """
 
+import faulthandler
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.config import from_yaml, reuse_export_command, validate
 from recipes.world import WorldError, WorldStopped, run_world
+from recipes.world_faults import set_collective_timeout
 
 log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -145,6 +147,7 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
             daemon=False,
             stop_signals=(signal.SIGTERM, signal.SIGINT),
             grace_s=STOP_GRACE_S,
+            rank_log=str(Path(payload["run_dir"]) / "logs" / "rank_{rank}.log"),
         )
     except WorldStopped as err:
         # Slurm ending or requeueing the job, or Ctrl-C: the ranks were asked to checkpoint.
@@ -155,7 +158,7 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
             "again)"
         ) from None
     except WorldError as err:
-        sys.exit(f"train.py: rank {err.rank} failed (exit code {err.exitcode}):\n{err.detail}")
+        sys.exit(f"train.py: rank {err.rank} {err.reason}:\n{err.detail}")
     return results[0]
 
 
@@ -207,6 +210,9 @@ def _setup_logging(rank: int, run_dir: Path) -> logging.Logger:
         if torch_own and not other.propagate:
             _replace(other, [files[0]])
     logging.captureWarnings(True)
+    # A crash (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in the rank's file,
+    # whose last lines the launcher reports.
+    faulthandler.enable(files[0].stream, all_threads=True)
     failure = logging.getLogger("recipes.failure")
     failure.propagate = False
     _replace(failure, files)
@@ -239,15 +245,17 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
         "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
     )
     cfg = from_yaml(payload["config"])
+    # every process group's (torch gives groups made later its own 30-minute gloo default)
+    timeout = set_collective_timeout(float(cfg.mesh.collective_timeout_s))
     if payload["device"] == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         if os.environ.get("OMP_NUM_THREADS") == "1":
             torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     try:
         box = [payload["run_dir"]]
         dist.broadcast_object_list(box, src=0)  # torchrun: every rank ran Hydra; rank 0 wins

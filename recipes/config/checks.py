@@ -57,6 +57,7 @@ def validate(
     _finite(cfg)
     _validate_data(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
+    _positive(cfg, "mesh.collective_timeout_s")
     _positive(cfg, "data.vocab_size", "data.seq_len")
     _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
     _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")

@@ -141,6 +141,12 @@ class MeshConfig:
     device: Device = _f(
         Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo", same_run=True
     )
+    collective_timeout_s: float = _f(
+        600.0,
+        "seconds a collective waits for a peer (every process group) before the run fails "
+        "naming the rank that stopped responding",
+        same_run=True,
+    )
 
 
 @dataclass
