@@ -151,7 +151,7 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
         )
     except WorldStopped as err:
         # Slurm ending or requeueing the job, or Ctrl-C: the ranks were asked to checkpoint.
-        late = f", rank(s) {err.killed} killed after {STOP_GRACE_S:.0f} s" if err.killed else ""
+        late = f", rank(s) {err.killed} killed {err.when}" if err.killed else ""
         raise SystemExit(
             f"train.py: stopped by {err.signal_name} (the ranks were stopped{late}; "
             "the run resumes from its latest committed checkpoint when the same command runs "

@@ -56,7 +56,12 @@ from collections.abc import Callable, Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
-from recipes.world_faults import SETTLE_S, blame, process_state, set_collective_timeout
+from recipes.world_faults import (
+    SETTLE_S,
+    blame,
+    cannot_finish,
+    set_collective_timeout,
+)
 
 _HOST = "127.0.0.1"
 _OWN_PACKAGES = ("muon", "models", "recipes")
@@ -96,12 +101,13 @@ class WorldError(RuntimeError):
 
 class WorldStopped(WorldError):
     """The calling process got one of `stop_signals`: the ranks were asked to stop (SIGTERM);
-    `killed` lists those that had not exited after the grace period."""
+    `killed` lists those that had not exited after the grace period, `when` says when they
+    were killed (`after 90 s`, or `at once: rank 1 killed by SIGKILL` once one failed)."""
 
-    def __init__(self, message: str, signum: int, killed: list[int]) -> None:
-        RuntimeError.__init__(self, message, signum, killed)
+    def __init__(self, message: str, signum: int, killed: list[int], when: str = "") -> None:
+        RuntimeError.__init__(self, message, signum, killed, when)
         self.rank, self.exitcode, self.detail, self.reason = None, None, "", ""
-        self.signum, self.killed = signum, killed
+        self.signum, self.killed, self.when = signum, killed, when
 
     @property
     def signal_name(self) -> str:
@@ -275,12 +281,12 @@ def run_world(
             grace = 0.0  # a failed world cannot checkpoint: its ranks are not waited for
             raise
         finally:
-            killed = _stop(procs, results, grace)
+            killed, when = _stop(procs, results, grace)
             results.close()
     if outputs is None:
         name = signal.Signals(received[0]).name
-        after = f"; rank(s) {killed} killed after {grace_s:.0f} s" if killed else ""
-        raise WorldStopped(f"{fn.__name__}: stopped by {name}{after}", received[0], killed)
+        after = f"; rank(s) {killed} killed {when}" if killed else ""
+        raise WorldStopped(f"{fn.__name__}: stopped by {name}{after}", received[0], killed, when)
     return [outputs[r] for r in range(world_size)]
 
 
@@ -356,9 +362,11 @@ def _start(ctx, world_size: int, threads: int | None, daemon: bool, worker_args:
     return procs
 
 
-def _stop(procs: list, results, grace_s: float) -> list[int]:
+def _stop(procs: list, results, grace_s: float) -> tuple[list[int], str]:
     """End every rank still running: SIGTERM and up to `grace_s` to exit (the results queue
-    drained meanwhile, so no rank blocks flushing it), then SIGKILL. The ranks killed."""
+    drained meanwhile, so no rank blocks flushing it), then SIGKILL. The ranks killed, and
+    when: `after <grace> s`, or `at once: <why>` when a rank failed or is stopped meanwhile."""
+    when = f"after {grace_s:.0f} s"
     try:
         if grace_s > 0 and any(p.is_alive() for p in procs):
             for p in procs:
@@ -368,8 +376,10 @@ def _stop(procs: list, results, grace_s: float) -> list[int]:
             while time.monotonic() < end and any(p.is_alive() for p in procs):
                 with contextlib.suppress(queue.Empty, OSError, ValueError):
                     results.get(timeout=0.2)
-                if _cannot_finish(procs):
-                    break  # no checkpoint can complete: the others are not waited for
+                why = cannot_finish(procs)
+                if why:  # no checkpoint can complete: the others are not waited for
+                    when = f"at once: {why}"
+                    break
     finally:  # even when a signal handler raised during the grace period
         killed = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
@@ -377,15 +387,7 @@ def _stop(procs: list, results, grace_s: float) -> list[int]:
                 p.kill()
         for p in procs:
             p.join(timeout=10)
-    return killed
-
-
-def _cannot_finish(procs: list) -> bool:
-    """A rank failed (a non-zero exit) or is stopped (SIGSTOP: it cannot act on SIGTERM), so
-    the collective work the others would finish on a stop request (a checkpoint) cannot."""
-    return any(p.exitcode not in (None, 0) for p in procs) or any(
-        process_state(p.pid) in ("T", "t") for p in procs if p.exitcode is None
-    )
+    return killed, when
 
 
 def _collect(

@@ -59,6 +59,17 @@ def set_collective_timeout(seconds: float) -> timedelta:
     return timeout
 
 
+def cannot_finish(procs: list) -> str:
+    """Why the collective work the ranks would finish on a stop request (a checkpoint) cannot:
+    a rank failed (a non-zero exit) or is stopped (SIGSTOP: it cannot act on SIGTERM); ""."""
+    for r, p in enumerate(procs):
+        if p.exitcode not in (None, 0):
+            return f"rank {r} {describe_exit(p.exitcode)}"
+        if p.exitcode is None and process_state(p.pid) in ("T", "t"):
+            return f"rank {r} is stopped (pid {p.pid}, process state T)"
+    return ""
+
+
 def is_peer_failure(traceback_text: str) -> bool:
     """Whether a rank's traceback is a communication failure: a consequence of a peer's."""
     lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
