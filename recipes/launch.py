@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.config import from_yaml, reuse_export_command, validate
+from recipes.memory_check import measure as measure_step
 from recipes.world import WorldError, WorldStopped, run_world
 from recipes.world_faults import set_collective_timeout
 
@@ -87,16 +88,18 @@ def run(cfg: DictConfig) -> float | None:
         "config": OmegaConf.to_yaml(cfg, resolve=True),
         "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),
     }
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env_world else cfg.mesh.world_size
+    payload["device"] = choose_device(str(cfg.mesh.device), ranks_here)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one check per machine
+        forked = env_world is None and sys.platform.startswith("linux")  # from the fork server
+        measure_step(cfg, payload["config"], payload["device"], ranks_here, forked=forked)
     if int(os.environ.get("RANK", "0")) == 0:
         write_run_config(Path(payload["run_dir"]), payload["config"])
     if env_world is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        payload["device"] = choose_device(str(cfg.mesh.device), local_ranks)
         result = record(rank_main)(payload)  # torchrun reports the rank's traceback from it
     else:
-        payload["device"] = choose_device(str(cfg.mesh.device), cfg.mesh.world_size)
         # Ctrl-C reaches every process of the terminal's group: the ranks wait for the SIGTERM
         # this process sends them, which they answer with a checkpoint.
         payload["ignore_signals"] = ["SIGINT", *_submitit_preempt_signals()]

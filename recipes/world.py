@@ -70,7 +70,7 @@ _OWN_PACKAGES = ("muon", "models", "recipes")
 #: the caller's sys.path, so they could come from another checkout, and a `pythonpath` world's
 #: ranks import another checkout's.
 _PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "hydra")
-_PRELOAD += ("safetensors",)
+_PRELOAD += ("safetensors", "torch._dynamo")  # the latter: what a meta-device init imports
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 

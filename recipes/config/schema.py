@@ -98,6 +98,12 @@ class TokenDtype(StrEnum):
     uint32 = "uint32"
 
 
+class MemoryCheck(StrEnum):
+    error = "error"
+    warn = "warn"
+    off = "off"
+
+
 class IndexerTraining(StrEnum):
     kl = "kl"
     frozen = "frozen"
@@ -303,6 +309,12 @@ class TrainConfig:
     )
     compile: bool = _f(
         False, "torch.compile each decoder layer (CPU needs a C++ compiler)", same_run=True
+    )
+    memory_check: MemoryCheck = _f(
+        MemoryCheck.error,
+        "before the ranks start, the step-memory estimate against this machine's memory: "
+        "error (refuse, naming settings that fit), warn, off",
+        same_run=True,
     )
 
 
