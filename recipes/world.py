@@ -423,8 +423,11 @@ def _collect(
         if failed_at is not None:
             reported = len(outputs) + len(errors.keys() | gone.keys())
             if reported == world_size or now - failed_at > SETTLE_S:
-                _drain(results, outputs, errors)  # an error still in the queue's pipe
-                raise WorldError(*blame(fn.__name__, procs, errors, gone, rank_log))
+                _drain(results, outputs, errors)  # a result still in the queue's pipe
+                gone = {r: t for r, t in gone.items() if r not in outputs and r not in errors}
+                if errors or gone:
+                    raise WorldError(*blame(fn.__name__, procs, errors, gone, rank_log))
+                failed_at = None  # it had exited after sending its result
         elif deadline is not None and now > deadline:
             pending = sorted(set(range(world_size)) - set(outputs))
             raise WorldError(
