@@ -56,12 +56,7 @@ from collections.abc import Callable, Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
-from recipes.world_faults import (
-    SETTLE_S,
-    blame,
-    cannot_finish,
-    set_collective_timeout,
-)
+from recipes.world_faults import SETTLE_S, blame, cannot_finish, set_collective_timeout
 
 _HOST = "127.0.0.1"
 _OWN_PACKAGES = ("muon", "models", "recipes")
@@ -78,11 +73,11 @@ class WorldError(RuntimeError):
     """A rank of a spawned world raised, died or did not finish in time.
 
     `rank`, `exitcode`, `detail`, `reason`: the rank whose failure the others follow from
-    (`_blame`), its exit status (1 for a rank that raised, -N for one killed by signal N, None
-    for one still running that stopped responding), its traceback or what became of it (with
-    the last lines of its log and its peers' errors), and what happened to it in a few words
-    ("raised", "was killed by SIGKILL", ...); None, None, "", "" for a world that ran out of
-    time."""
+    (`recipes.world_faults.blame`), its exit status (1 for a rank that raised, -N for one
+    killed by signal N, None for one still running that stopped responding), its traceback or
+    what became of it (with the last lines of its log and its peers' errors), and what
+    happened to it in a few words ("raised", "died first (killed by SIGKILL, pid N)", ...);
+    None, None, "", "" for a world that ran out of time."""
 
     def __init__(
         self,
