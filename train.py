@@ -29,6 +29,7 @@ import hydra  # noqa: E402 - after the fork server's start
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes import config as _config  # noqa: E402 - registers the schema and the run-dir resolver
+from recipes.config.preflight import check_path_overrides  # noqa: E402
 
 if os.environ.get("RANK", "0") != "0" and __name__ == "__main__":
     # Under torchrun/SLURM every rank runs this file; only rank 0 writes Hydra's output.
@@ -64,6 +65,7 @@ def _drop_empty_run_dir() -> None:
 if __name__ == "__main__":
     try:  # Hydra's own error for an unknown key would suggest `+key=...`, which trains nowhere
         _config.check_command_line(sys.argv[1:])
+        check_path_overrides(sys.argv[1:])  # before Hydra makes a run dir from run.name
     except _config.ConfigError as err:
         sys.exit(f"train.py: config error: {err}")
     main()

@@ -162,6 +162,7 @@ class TokenStream:
     """Samples of `seq_len + 1` tokens from a memmap, in a seeded per-epoch order."""
 
     def __init__(self, path: Path, dtype: str, seq_len: int, seed: int, vocab_size: int):
+        self.path = path
         self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.seq_len = seq_len
         self.seed = seed
@@ -184,7 +185,9 @@ class TokenStream:
         rows = [self._chunk(first_sample + b) * T for b in range(batch_size)]
         x = np.stack([np.asarray(self.tokens[r : r + T + 1], dtype=np.int64) for r in rows])
         if x.max() >= self.vocab_size:
-            raise ValueError(f"token id {x.max()} >= data.vocab_size={self.vocab_size}")
+            raise ValueError(
+                f"{self.path}: token id {x.max()} >= data.vocab_size={self.vocab_size}"
+            )
         x = torch.from_numpy(x)
         return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 

@@ -12,6 +12,7 @@
 Devices: CUDA + NCCL when `mesh.device` allows and enough GPUs are present, else CPU + gloo.
 """
 
+import faulthandler
 import logging
 import os
 import signal
@@ -27,7 +28,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.config import from_yaml, reuse_export_command, validate
+from recipes.memory_check import measure as measure_step
 from recipes.world import WorldError, WorldStopped, run_world
+from recipes.world_faults import set_collective_timeout
 
 log = logging.getLogger("recipes")
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -85,17 +88,19 @@ def run(cfg: DictConfig) -> float | None:
         "config": OmegaConf.to_yaml(cfg, resolve=True),
         "run_dir": str(Path(HydraConfig.get().runtime.output_dir).resolve()),
     }
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env_world else cfg.mesh.world_size
+    payload["device"] = choose_device(str(cfg.mesh.device), ranks_here)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one check per machine
+        forked = env_world is None and sys.platform.startswith("linux")  # from the fork server
+        measure_step(cfg, payload["config"], payload["device"], ranks_here, forked=forked)
     if int(os.environ.get("RANK", "0")) == 0:
         _hold_run_dir(Path(payload["run_dir"]))  # before anything is written into it
         write_run_config(Path(payload["run_dir"]), payload["config"])
     if env_world is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        payload["device"] = choose_device(str(cfg.mesh.device), local_ranks)
         result = record(rank_main)(payload)  # torchrun reports the rank's traceback from it
     else:
-        payload["device"] = choose_device(str(cfg.mesh.device), cfg.mesh.world_size)
         # Ctrl-C reaches every process of the terminal's group: the ranks wait for the SIGTERM
         # this process sends them, which they answer with a checkpoint.
         payload["ignore_signals"] = ["SIGINT", *_submitit_preempt_signals()]
@@ -159,17 +164,18 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
             daemon=False,
             stop_signals=(signal.SIGTERM, signal.SIGINT),
             grace_s=STOP_GRACE_S,
+            rank_log=str(Path(payload["run_dir"]) / "logs" / "rank_{rank}.log"),
         )
     except WorldStopped as err:
         # Slurm ending or requeueing the job, or Ctrl-C: the ranks were asked to checkpoint.
-        late = f", rank(s) {err.killed} killed after {STOP_GRACE_S:.0f} s" if err.killed else ""
+        late = f", rank(s) {err.killed} killed {err.when}" if err.killed else ""
         raise SystemExit(
             f"train.py: stopped by {err.signal_name} (the ranks were stopped{late}; "
             "the run resumes from its latest committed checkpoint when the same command runs "
             "again)"
         ) from None
     except WorldError as err:
-        sys.exit(f"train.py: rank {err.rank} failed (exit code {err.exitcode}):\n{err.detail}")
+        sys.exit(f"train.py: rank {err.rank} {err.reason}:\n{err.detail}")
     return results[0]
 
 
@@ -221,6 +227,9 @@ def _setup_logging(rank: int, run_dir: Path) -> logging.Logger:
         if torch_own and not other.propagate:
             _replace(other, [files[0]])
     logging.captureWarnings(True)
+    # A crash (SIGSEGV, SIGABRT, ...) leaves every thread's Python stack in the rank's file,
+    # whose last lines the launcher reports.
+    faulthandler.enable(files[0].stream, all_threads=True)
     failure = logging.getLogger("recipes.failure")
     failure.propagate = False
     _replace(failure, files)
@@ -253,15 +262,17 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
         "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
     )
     cfg = from_yaml(payload["config"])
+    # every process group's (torch gives groups made later its own 30-minute gloo default)
+    timeout = set_collective_timeout(float(cfg.mesh.collective_timeout_s))
     if payload["device"] == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         if os.environ.get("OMP_NUM_THREADS") == "1":
             torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     try:
         box = [payload["run_dir"]]
         dist.broadcast_object_list(box, src=0)  # torchrun: every rank ran Hydra; rank 0 wins

@@ -2,8 +2,10 @@
 
 `metrics.jsonl` holds one JSON object per logged step. On a resume, lines past the resumed step
 (written by the killed process after its last checkpoint) are dropped, so the file reads as
-one uninterrupted run. W&B runs offline by default: files under `<run dir>/wandb/`, nothing
-sent (`wandb sync <run dir>/wandb/offline-run-*` uploads later); `logger.mode=online` sends.
+one uninterrupted run; a last line cut by a crash or a full disk is dropped with a warning, and
+any other line that is not a row stops the resume, naming its line (`recipes.metrics_file`).
+W&B runs offline by default: files under `<run dir>/wandb/`, nothing sent
+(`wandb sync <run dir>/wandb/offline-run-*` uploads later); `logger.mode=online` sends.
 The W&B run id is kept in the run dir so a resumed job continues the same W&B run, and so is
 the last step sent to it: a resumed job sends only later steps, so no step is logged twice.
 W&B records system metrics and the repository's git commit unless `logger.system_metrics` /
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from recipes.metrics_file import read_metrics
 
 log = logging.getLogger("recipes")
 
@@ -121,14 +125,21 @@ def _last_step(path: Path) -> int:
 
 
 def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows up to `step` (a resume drops what the killed process logged after its
+    checkpoint); a cut last line is dropped with a warning, any other bad line raises."""
     if not path.exists():
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(f"{line}\n" for line in kept))
+    found = read_metrics(path)
+    if found.cut is not None:
+        shown = found.cut if len(found.cut) <= 80 else found.cut[:77] + "..."
+        log.warning(
+            "%s:%d: the last line is cut (a crash or a full disk while writing it), dropped: %r",
+            path,
+            found.cut_line,
+            shown,
+        )
+    kept = [row for row in found.rows if row["step"] <= step]
+    path.write_text("".join(f"{json.dumps(row)}\n" for row in kept))
 
 
 class MetricsLog:

@@ -7,11 +7,11 @@ Used by `scripts/compare_strategies.py` and `scripts/compare_optimizers.py`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recipes.metrics_file import read_metrics
 from recipes.outputs import OutputExists, add_force_argument, check_output, replace_output
 
 
@@ -58,9 +58,7 @@ def read_hydra_run(run_dir: Path) -> Run:
             break
     else:
         raise FileNotFoundError(f"{run_dir}: no config.yaml or .hydra/config.yaml")
-    history = [
-        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
-    ]
+    history = read_metrics(run_dir / "metrics.jsonl").rows  # a cut last line left out
     return Run(run_dir.name, "jsonl", str(run_dir), config, history)
 
 

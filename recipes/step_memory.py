@@ -353,48 +353,48 @@ def estimate_step_memory(
     )
 
 
-def estimate_for_config(
-    cfg, *, world_size: int, rank: int = 0, device_type: str = "cuda"
-) -> StepMemory:
-    """The estimate for `cfg` (a composed training config) on `world_size` ranks, seen from
-    `rank`, built in torch's fake process group (`recipes.parallel.join_fake_world`): the model
-    on the meta device (`recipes.parallel.planning_model`), parallelized and given its
-    optimizer by the recipe's own code.
-    `device_type` picks the `auto` dtypes and whether gloo's staging copy counts."""
-    from recipes.parallel import (
-        build_optimizer,
-        join_fake_world,
-        model_config,
-        planning_model,
-        train_dtypes,
-    )
+def estimate_for_config(cfg, **where) -> StepMemory:
+    """The estimate for `cfg` (a composed training config) `where` `estimate_inputs` says."""
+    model, opt, kwargs = estimate_inputs(cfg, **where)
+    return estimate_step_memory(model, opt, **kwargs)
 
-    join_fake_world(world_size, rank)
-    param_dtype, reduce_dtype = train_dtypes(cfg, torch.device(device_type))
+
+def estimate_inputs(cfg, *, world_size: int, rank: int = 0, device_type: str = "cuda"):
+    """(model, optimizer, keyword arguments) of `estimate_step_memory` for `cfg`, built in
+    torch's fake process group (`recipes.parallel.join_fake_world`): the model on the meta
+    device (`recipes.parallel.planning_model`), parallelized and given its optimizer by the
+    recipe's own code. `device_type` picks the `auto` dtypes and whether gloo's staging copy
+    counts. Varying `tokens`, `seq_len`, `activation_checkpointing` needs no rebuild."""
+    from recipes import parallel
+
+    parallel.join_fake_world(world_size, rank)
+    param_dtype, reduce_dtype = parallel.train_dtypes(cfg, torch.device(device_type))
     checkpointing = str(cfg.train.activation_checkpointing) == "full"
-    model, _ = planning_model(
-        model_config(cfg),
+    model, _ = parallel.planning_model(
+        parallel.model_config(cfg),
         ep=cfg.mesh.ep,
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=reduce_dtype,
         activation_checkpointing=checkpointing,
     )
-    opt = build_optimizer(cfg, model)
-    o = cfg.optim
-    return estimate_step_memory(
+    opt = parallel.build_optimizer(cfg, model)
+    o = cfg.optim  # AdamW has no Newton-Schulz, momentum or batches in flight
+    return (
         model,
         opt,
-        tokens=cfg.data.batch_size * cfg.data.seq_len,
-        seq_len=cfg.data.seq_len,
-        mtp=float(cfg.train.mtp_loss_weight) > 0,
-        ep=cfg.mesh.ep,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        activation_checkpointing=checkpointing,
-        ns_itemsize=torch.finfo(getattr(torch, str(o.ns_dtype))).bits // 8,
-        nesterov=bool(o.nesterov),
-        max_inflight=int(o.max_inflight),
-        gloo=device_type == "cpu",
+        dict(
+            tokens=cfg.data.batch_size * cfg.data.seq_len,
+            seq_len=cfg.data.seq_len,
+            mtp=float(cfg.train.mtp_loss_weight) > 0,
+            ep=cfg.mesh.ep,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            activation_checkpointing=checkpointing,
+            ns_itemsize=torch.finfo(getattr(torch, str(o.get("ns_dtype", "float32")))).bits // 8,
+            nesterov=bool(o.get("nesterov", False)),
+            max_inflight=int(o.get("max_inflight", 1)),
+            gloo=device_type == "cpu",
+        ),
     )
 
 

@@ -13,16 +13,20 @@ world starts. Elsewhere ranks are spawned (a fresh interpreter each).
 One port strategy: the calling process hosts the TCPStore on a port the kernel picks (port 0),
 and every rank joins it as a client (torch's agent-store mode, so
 `dist.init_process_group` from the environment works too), so no free port is ever guessed and
-raced for. One failure and timeout policy: a rank's exception is re-raised here with the
-child's traceback, a rank that dies names its exit code, and a world that does not finish in
-`timeout_s` is killed, naming the ranks still running, so a deadlocked collective fails
-instead of hanging (`timeout_s=None`: no deadline, for training). However the call ends, no
-rank outlives it: ranks still running are killed (after `grace_s` seconds of SIGTERM when
-`grace_s` > 0), and on Linux a rank dies with the calling process, even one killed outright.
+raced for. One failure and timeout policy: a failure names the rank it follows from, not the
+first peer to notice it (`recipes.world_faults`: a rank that died, by its signal or exit
+status, before one that raised, before one that stopped responding), with its traceback or
+the last lines of its log (`rank_log`); a world that does not finish in `timeout_s` is killed,
+naming the ranks still running, so a deadlocked collective fails instead of hanging
+(`timeout_s=None`: no deadline, for training, whose ranks set a collective timeout instead).
+However the call ends, no rank outlives it: ranks still running are killed (after `grace_s`
+seconds of SIGTERM when `grace_s` > 0 and no rank failed), and on Linux a rank dies with the
+calling process, even one killed outright.
 
 Stop signals: with `stop_signals=(signal.SIGTERM, signal.SIGINT)`, say, the calling process
 catches those signals while the world runs (the previous handlers come back afterwards), asks
-every rank to stop with SIGTERM, waits up to `grace_s` for them to exit, kills the rest and
+every rank to stop with SIGTERM, waits up to `grace_s` for them to exit (no longer once a rank
+has failed or is stopped: the others' checkpoint cannot complete), kills the rest and
 raises `WorldStopped` naming the signal and the killed ranks. Ranks that handle SIGTERM (the
 trainer checkpoints) finish their step and exit. Needs the main thread.
 
@@ -52,6 +56,8 @@ from collections.abc import Callable, Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
+from recipes.world_faults import SETTLE_S, blame, cannot_finish, set_collective_timeout
+
 _HOST = "127.0.0.1"
 _OWN_PACKAGES = ("muon", "models", "recipes")
 #: imported once by the fork server: the libraries every training rank imports (most of a
@@ -59,22 +65,30 @@ _OWN_PACKAGES = ("muon", "models", "recipes")
 #: the caller's sys.path, so they could come from another checkout, and a `pythonpath` world's
 #: ranks import another checkout's.
 _PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "hydra")
-_PRELOAD += ("safetensors",)
+_PRELOAD += ("safetensors", "torch._dynamo")  # the latter: what a meta-device init imports
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 class WorldError(RuntimeError):
     """A rank of a spawned world raised, died or did not finish in time.
 
-    `rank`, `exitcode`, `detail`: the first failed rank (the lowest of several that died), its
-    exit status (1 for a rank that raised, -N for one killed by signal N) and its traceback or
-    what became of it; None, None, "" for a world that ran out of time."""
+    `rank`, `exitcode`, `detail`, `reason`: the rank whose failure the others follow from
+    (`recipes.world_faults.blame`), its exit status (1 for a rank that raised, -N for one
+    killed by signal N, None for one still running that stopped responding), its traceback or
+    what became of it (with the last lines of its log and its peers' errors), and what
+    happened to it in a few words ("raised", "died first (killed by SIGKILL, pid N)", ...);
+    None, None, "", "" for a world that ran out of time."""
 
     def __init__(
-        self, message: str, rank: int | None = None, exitcode: int | None = None, detail: str = ""
+        self,
+        message: str,
+        rank: int | None = None,
+        exitcode: int | None = None,
+        detail: str = "",
+        reason: str = "",
     ) -> None:
-        super().__init__(message, rank, exitcode, detail)  # all in args: it pickles
-        self.rank, self.exitcode, self.detail = rank, exitcode, detail
+        super().__init__(message, rank, exitcode, detail, reason)  # all in args: it pickles
+        self.rank, self.exitcode, self.detail, self.reason = rank, exitcode, detail, reason
 
     def __str__(self) -> str:
         return self.args[0]
@@ -82,12 +96,13 @@ class WorldError(RuntimeError):
 
 class WorldStopped(WorldError):
     """The calling process got one of `stop_signals`: the ranks were asked to stop (SIGTERM);
-    `killed` lists those that had not exited after the grace period."""
+    `killed` lists those that had not exited after the grace period, `when` says when they
+    were killed (`after 90 s`, or `at once: rank 1 killed by SIGKILL` once one failed)."""
 
-    def __init__(self, message: str, signum: int, killed: list[int]) -> None:
-        RuntimeError.__init__(self, message, signum, killed)
-        self.rank, self.exitcode, self.detail = None, None, ""
-        self.signum, self.killed = signum, killed
+    def __init__(self, message: str, signum: int, killed: list[int], when: str = "") -> None:
+        RuntimeError.__init__(self, message, signum, killed, when)
+        self.rank, self.exitcode, self.detail, self.reason = None, None, "", ""
+        self.signum, self.killed, self.when = signum, killed, when
 
     @property
     def signal_name(self) -> str:
@@ -176,7 +191,7 @@ def _worker(rank: int, world_size: int, port: int, spec: dict, fn: Callable, arg
                 kwargs["device_id"] = torch.device("cuda", rank)
                 torch.cuda.set_device(rank)
             if spec["collective_timeout_s"] is not None:
-                kwargs["timeout"] = timedelta(seconds=spec["collective_timeout_s"])
+                kwargs["timeout"] = set_collective_timeout(spec["collective_timeout_s"])
             dist.init_process_group(
                 spec["backend"], store=store, rank=rank, world_size=world_size, **kwargs
             )
@@ -205,11 +220,13 @@ def run_world(
     daemon: bool = True,
     stop_signals: Collection[int] = (),
     grace_s: float = 0.0,
+    rank_log: str | None = None,
 ) -> list[Any]:
     """Run module-level `fn(*args)` on `world_size` local ranks; their results by rank.
 
     Raises WorldError when a rank raises, dies or the world outlives `timeout_s` (None: no
-    deadline), WorldStopped when one of `stop_signals` stopped it (see the module's doc)."""
+    deadline), WorldStopped when one of `stop_signals` stopped it (see the module's doc).
+    `rank_log`: each rank's log file, `{rank}` in it, whose last lines a failure reports."""
     import torch
     import torch.distributed as dist
 
@@ -252,15 +269,19 @@ def run_world(
     received: list[int] = []  # the stop signals caught, first one first
     with _catching(stop_signals, received):
         procs = _start(ctx, world_size, threads, daemon, (store.port, spec, fn, args, results))
+        grace = grace_s
         try:
-            outputs = _collect(fn, procs, results, timeout_s, received)
+            outputs = _collect(fn, procs, results, timeout_s, received, rank_log)
+        except WorldError:
+            grace = 0.0  # a failed world cannot checkpoint: its ranks are not waited for
+            raise
         finally:
-            killed = _stop(procs, results, grace_s)
+            killed, when = _stop(procs, results, grace)
             results.close()
     if outputs is None:
         name = signal.Signals(received[0]).name
-        after = f"; rank(s) {killed} killed after {grace_s:.0f} s" if killed else ""
-        raise WorldStopped(f"{fn.__name__}: stopped by {name}{after}", received[0], killed)
+        after = f"; rank(s) {killed} killed {when}" if killed else ""
+        raise WorldStopped(f"{fn.__name__}: stopped by {name}{after}", received[0], killed, when)
     return [outputs[r] for r in range(world_size)]
 
 
@@ -336,9 +357,11 @@ def _start(ctx, world_size: int, threads: int | None, daemon: bool, worker_args:
     return procs
 
 
-def _stop(procs: list, results, grace_s: float) -> list[int]:
+def _stop(procs: list, results, grace_s: float) -> tuple[list[int], str]:
     """End every rank still running: SIGTERM and up to `grace_s` to exit (the results queue
-    drained meanwhile, so no rank blocks flushing it), then SIGKILL. The ranks killed."""
+    drained meanwhile, so no rank blocks flushing it), then SIGKILL. The ranks killed, and
+    when: `after <grace> s`, or `at once: <why>` when a rank failed or is stopped meanwhile."""
+    when = f"after {grace_s:.0f} s"
     try:
         if grace_s > 0 and any(p.is_alive() for p in procs):
             for p in procs:
@@ -348,6 +371,10 @@ def _stop(procs: list, results, grace_s: float) -> list[int]:
             while time.monotonic() < end and any(p.is_alive() for p in procs):
                 with contextlib.suppress(queue.Empty, OSError, ValueError):
                     results.get(timeout=0.2)
+                why = cannot_finish(procs)
+                if why:  # no checkpoint can complete: the others are not waited for
+                    when = f"at once: {why}"
+                    break
     finally:  # even when a signal handler raised during the grace period
         killed = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
@@ -355,51 +382,63 @@ def _stop(procs: list, results, grace_s: float) -> list[int]:
                 p.kill()
         for p in procs:
             p.join(timeout=10)
-    return killed
+    return killed, when
 
 
 def _collect(
-    fn: Callable, procs: list, results, timeout_s: float | None, received: list[int]
+    fn: Callable,
+    procs: list,
+    results,
+    timeout_s: float | None,
+    received: list[int],
+    rank_log: str | None = None,
 ) -> dict[int, Any] | None:
-    """The ranks' results as they arrive; the first failure, death or the timeout raises.
-    None as soon as a stop signal has been received."""
+    """The ranks' results as they arrive. A failure (an error reported, a rank gone without a
+    result) raises once the others have reported too or `SETTLE_S` has passed, blaming the rank
+    it follows from (`recipes.world_faults`); so does the timeout. None as soon as a stop signal
+    has been received."""
     world_size = len(procs)
     outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}  # in arrival order
+    gone: dict[int, float] = {}  # first seen exited without a result
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed_at = None
     while len(outputs) < world_size:
         if received:
             return None
-        try:
+        with contextlib.suppress(queue.Empty):
             rank, status, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            if deadline is not None and time.monotonic() > deadline:
-                pending = sorted(set(range(world_size)) - set(outputs))
-                raise WorldError(
-                    f"{fn.__name__}: rank(s) {pending} did not finish within {timeout_s:.0f} s "
-                    "(deadlocked collective?)"
-                ) from None
-            # A rank that exited without a result (exit status 0 included: os._exit, say).
-            dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode is not None]
-            if dead and results.empty():
-                time.sleep(0.5)  # the queue feeder may still be flushing the error
-                if results.empty():
-                    codes = {r: procs[r].exitcode for r in dead}
-                    first = dead[0]
-                    raise WorldError(
-                        f"{fn.__name__}: rank(s) died with exit codes {codes}",
-                        first,
-                        codes[first],
-                        f"rank {first} exited without a result ({_describe(codes[first])})",
-                    ) from None
-            continue
-        if status == "error":
-            raise WorldError(f"{fn.__name__}: rank {rank} raised:\n{payload}", rank, 1, payload)
-        outputs[rank] = payload
+            (errors if status == "error" else outputs)[rank] = payload
+        now = time.monotonic()
+        for r, p in enumerate(procs):  # exited without a result (exit status 0 included)
+            if p.exitcode is not None and r not in outputs and r not in errors:
+                gone.setdefault(r, now)
+        if failed_at is None and (errors or gone):
+            failed_at = now
+        if failed_at is not None:
+            reported = len(outputs) + len(errors.keys() | gone.keys())
+            if reported == world_size or now - failed_at > SETTLE_S:
+                _drain(results, outputs, errors)  # a result still in the queue's pipe
+                gone = {r: t for r, t in gone.items() if r not in outputs and r not in errors}
+                if errors or gone:
+                    raise WorldError(*blame(fn.__name__, procs, errors, gone, rank_log))
+                failed_at = None  # it had exited after sending its result
+        elif deadline is not None and now > deadline:
+            pending = sorted(set(range(world_size)) - set(outputs))
+            raise WorldError(
+                f"{fn.__name__}: rank(s) {pending} did not finish within {timeout_s:.0f} s "
+                "(deadlocked collective?)"
+            )
     return outputs
 
 
-def _describe(exitcode: int) -> str:
-    if exitcode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit status {exitcode}"
+def _drain(results, outputs: dict[int, Any], errors: dict[int, str]) -> None:
+    """What the ranks' queue still holds, read for half a second (a rank that raised puts its
+    traceback there before it exits; the queue's feeder may still be flushing it)."""
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        try:
+            rank, status, payload = results.get(timeout=0.1)
+        except (queue.Empty, OSError, ValueError):
+            continue
+        (errors if status == "error" else outputs)[rank] = payload

@@ -9,6 +9,8 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 One module per purpose, every public name re-exported here (`from recipes.config import X`):
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config;
+- `preflight`: checks of the run's surroundings any caller may run on their own (`run.name`
+  inside `run.root`, on the command line too; token ids below `data.vocab_size`);
 - `describe`: the schema as text, one renderer (`schema_lines`, `describe`, `key_help`);
 - `keys`: an unknown key on the command line, with or without `+`, named with the nearest real
   one (`check_command_line`, `known_keys`, `nearest_key`);
@@ -48,6 +50,7 @@ from recipes.config.schema import (
     IndexerTraining,
     LoggerBackend,
     LoggerConfig,
+    MemoryCheck,
     MeshConfig,
     MetricsConfig,
     ModelConfig,
@@ -90,6 +93,7 @@ __all__ = [
     "IndexerTraining",
     "LoggerBackend",
     "LoggerConfig",
+    "MemoryCheck",
     "MeshConfig",
     "MetricsConfig",
     "ModelConfig",

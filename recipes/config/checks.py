@@ -1,7 +1,8 @@
 """What types cannot say about a composed config, checked before any rank starts.
 
 `validate` checks finite numbers, ranges, divisibility, the data files and their meta.json,
-the model config and its layout on the mesh, the checkpoint to start from; every failure is a
+the model config and its layout on the mesh, the checkpoint to start from, the run name and
+the token ids (`preflight`); every failure is a
 `ConfigError` naming the key, the value, the rule and the key's help.
 """
 
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.config.describe import key_help
 from recipes.config.keys import nearest_key
+from recipes.config.preflight import check_run_name, check_token_ids
 from recipes.config.schema import (
     OPTIM_SCHEMAS,
     ConfigError,
@@ -57,6 +59,7 @@ def validate(
     _finite(cfg)
     _validate_data(cfg)
     _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
+    _positive(cfg, "mesh.collective_timeout_s")
     _positive(cfg, "data.vocab_size", "data.seq_len")
     _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
     _positive(cfg, "metrics.log_every", "metrics.memory_every", "checkpoint.keep")
@@ -104,6 +107,8 @@ def validate(
         )
     _validate_model(cfg)
     _validate_checkpoint(cfg)
+    check_run_name(cfg.run.name)
+    check_token_ids(cfg)  # after meta.json filled data.vocab_size and data.dtype
     if check_devices and mesh.device == Device.cuda:
         import torch
 

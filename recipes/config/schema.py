@@ -98,6 +98,12 @@ class TokenDtype(StrEnum):
     uint32 = "uint32"
 
 
+class MemoryCheck(StrEnum):
+    error = "error"
+    warn = "warn"
+    off = "off"
+
+
 class IndexerTraining(StrEnum):
     kl = "kl"
     frozen = "frozen"
@@ -145,6 +151,12 @@ class MeshConfig:
     ep: int = _f(2, "expert-parallel degree; divides world_size", same_run=True)
     device: Device = _f(
         Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo", same_run=True
+    )
+    collective_timeout_s: float = _f(
+        600.0,
+        "seconds a collective waits for a peer (every process group) before the run fails "
+        "naming the rank that stopped responding",
+        same_run=True,
     )
 
 
@@ -318,6 +330,12 @@ class TrainConfig:
     )
     compile: bool = _f(
         False, "torch.compile each decoder layer (CPU needs a C++ compiler)", same_run=True
+    )
+    memory_check: MemoryCheck = _f(
+        MemoryCheck.error,
+        "before the ranks start, the step-memory estimate against this machine's memory: "
+        "error (refuse, naming settings that fit), warn, off",
+        same_run=True,
     )
 
 

@@ -5,6 +5,7 @@ stop signals forwarded to non-daemonic ranks, ranks that die with the calling pr
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -218,3 +219,74 @@ def test_hanging_collective_fails_in_bounded_time():
     kills both and names them (the error itself is the bound: no clock is read here)."""
     with pytest.raises(WorldError, match=r"rank\(s\) \[0, 1\] did not finish within 5 s"):
         run_world(_rank_one_skips_collective, 2, timeout_s=5)
+
+
+def _rank_one_dies_or_freezes(out_dir: str, how: str):
+    """Rank 1 writes its log, then kills or stops itself; its peers fail in the next collective
+    (a reset connection, or their 5 s collective timeout). A subgroup joins the world's
+    collective so that the timeout set for every group is what ends it."""
+    from recipes.world_faults import set_collective_timeout
+
+    dist.init_process_group("gloo", timeout=set_collective_timeout(5))
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # made later: torch's own default timeout unless replaced
+    Path(out_dir, f"rank_{rank}.log").write_text(f"rank {rank} started\nrank {rank} at step 3\n")
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), getattr(signal, how))
+    if rank < 2:
+        dist.all_reduce(torch.ones(1), group=group)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process states: Linux")
+def test_the_rank_that_died_or_froze_is_named_not_the_peer_that_noticed(tmp_path):
+    """SIGKILL, then SIGSTOP, of rank 1 of 3: the error names rank 1 (its signal, or its
+    stopped state once its peers' collective timeout has passed, in a subgroup too), with the
+    last lines of its log, and lists the peers' errors as following from it."""
+    log = str(tmp_path / "rank_{rank}.log")
+    for how, reason in [
+        ("SIGKILL", r"died first \(killed by SIGKILL, pid \d+\)"),
+        ("SIGSTOP", r"stopped responding \(pid \d+, process state: stopped\)"),
+    ]:
+        with pytest.raises(WorldError) as info:
+            run_world(_rank_one_dies_or_freezes, 3, str(tmp_path), how, backend=None, rank_log=log)
+        err = pickle.loads(pickle.dumps(info.value))
+        assert (err.rank, err.exitcode) == (1, -9 if how == "SIGKILL" else None), str(err)
+        assert re.fullmatch(reason + ".*", err.reason), err.reason
+        assert str(err).startswith(f"_rank_one_dies_or_freezes: rank 1 {err.reason}:\n")
+        assert f"last lines of {tmp_path}/rank_1.log:\n  rank 1 started\n  rank 1 at step 3" in (
+            err.detail
+        )
+        assert "the other ranks' failures, which follow from rank 1's:\n  rank " in err.detail
+
+
+def _fail_on_sigterm_then_stop(out_dir: str):
+    """Rank 0 answers SIGTERM by exiting with status 3 (no checkpoint possible); rank 1 ignores
+    it. Rank 0 sends the caller SIGINT."""
+    rank = dist.get_rank()
+    handler = (lambda *_: os._exit(3)) if rank == 0 else signal.SIG_IGN
+    signal.signal(signal.SIGTERM, handler)
+    dist.barrier()
+    if rank == 0:
+        os.kill(mp.parent_process().pid, signal.SIGINT)
+    time.sleep(600)
+
+
+def test_the_stop_grace_ends_once_a_rank_has_failed():
+    """A stop signal, then rank 0 fails during the grace: rank 1 is killed at once, not after
+    the 600 s grace (WorldStopped says which)."""
+    with pytest.raises(WorldStopped) as info:
+        run_world(
+            _fail_on_sigterm_then_stop,
+            2,
+            "",
+            timeout_s=None,
+            stop_signals=(signal.SIGINT,),
+            grace_s=600,
+        )
+    assert str(info.value) == (
+        "_fail_on_sigterm_then_stop: stopped by SIGINT; rank(s) [1] killed at once: "
+        "rank 0 exit status 3"
+    )
+    assert info.value.when == "at once: rank 0 exit status 3"

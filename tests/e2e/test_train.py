@@ -151,7 +151,8 @@ def test_logs_in_the_run_dir(cache, tmp_path):
 
 
 def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
-    """SIGKILL after the step-2 checkpoint of a 4-step run, then the same command again (with
+    """SIGKILL after the step-2 checkpoint of a 4-step run, its metrics.jsonl's last line then
+    cut, then the same command again (with
     `checkpoint.async_mode=true`, which does not change what is trained): the losses and final
     parameters equal an uninterrupted run's (2 ranks, ep=1: resharding across world sizes is
     tests/distributed/test_checkpoint.py's)."""
@@ -180,10 +181,14 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     proc.communicate(timeout=60)
     assert found and proc.returncode == -signal.SIGKILL
     assert checkpoint.latest(run_dir("resumed") / "checkpoints").name == "step_00000002"
+    # A full disk cut the last line the killed run wrote: the resume drops it with a warning.
+    with open(run_dir("resumed") / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1870074272')
 
     # The same command with a checkpointing key changed (async_mode) resumes the same run.
     out = _finish(_train_py([*args, "run.name=resumed", "checkpoint.async_mode=true"], tmp_path))
     assert "resumed from" in out
+    assert re.search(r"metrics\.jsonl:\d+: the last line is cut .*dropped", out), out[-3000:]
     ref, res = run_dir("reference"), run_dir("resumed")
     assert ref.name == res.name  # the run dir depends on the overrides, not on run.name
     ref_lines, res_lines = _metrics(ref), _metrics(res)
@@ -204,8 +209,8 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
             assert torch.equal(tensor, weights[name]), name
 
 
-def _steps_logged(root: Path) -> int:
-    found = list(root.glob("default/*/metrics.jsonl"))
+def _steps_logged(root: Path, name: str = "default") -> int:
+    found = list(root.glob(f"{name}/*/metrics.jsonl"))
     return len(found[0].read_text().splitlines()) if found else 0
 
 
@@ -260,9 +265,70 @@ def test_local_world_rank_failure_names_the_rank_and_its_traceback(cache, tmp_pa
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-2000:] + err[-2000:]
     assert err.count("train.py: rank ") == 1, err[-4000:]
-    header = re.search(r"train\.py: rank (\d) failed \(exit code 1\):\nTraceback", err)
+    header = re.search(r"train\.py: rank (\d) raised:\nTraceback", err)
     assert header, err[-4000:]
     assert "in rank_main" in err and "FileExistsError: " in err, err[-4000:]
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    """The local world's ranks: the children of train.py's fork server, by pid (forked one
+    after another in rank order)."""
+
+    def children(pid: int) -> list[int]:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(stat.parent.name))
+            except (OSError, IndexError, ValueError):
+                continue
+        return sorted(found)
+
+    for server in children(launcher):
+        try:
+            if b"forkserver" in Path(f"/proc/{server}/cmdline").read_bytes():
+                return children(server)
+        except OSError:
+            continue
+    return []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_frozen_rank_is_the_one_named(cache, tmp_path):
+    """SIGSTOP of rank 1 mid-run: its peer's collectives time out after
+    `mesh.collective_timeout_s=5` and train.py names rank 1 as stopped (not the peer that timed
+    out), and the run ends (the test's own timeout is the bound)."""
+    args = ["mesh.world_size=2", "mesh.ep=1", "train.steps=500", "checkpoint.every=0"]
+    args += ["logger=none", "metrics.memory_every=1000", "metrics.progress=false"]
+    args += ["mesh.collective_timeout_s=5", *_small(cache)]
+    # kill -9 of a rank: tests/distributed/test_harness.py (the same runner, train.py's message)
+    for how, reason in [
+        (signal.SIGSTOP, r"stopped responding \(pid {pid}, process state: stopped\)"),
+    ]:
+        name = f"run-{how.name}"
+        proc = _train_py([*args, f"run.name={name}"], tmp_path, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                if (
+                    len(list((tmp_path / name).glob("*/metrics.jsonl")))
+                    and _steps_logged(tmp_path, name) >= 2
+                ):
+                    break
+                time.sleep(0.1)
+            pids = _rank_pids(proc.pid)
+            assert proc.poll() is None and len(pids) == 2, (pids, proc.poll())
+            os.kill(pids[1], how)
+            out, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            for pid in _rank_pids(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+        assert proc.returncode == 1, out[-4000:]
+        head = re.search(rf"train\.py: rank 1 {reason.format(pid=pids[1])}", out)
+        assert head, out[-4000:]
+        assert "the other ranks' failures, which follow from rank 1's:\n  rank 0: " in out
 
 
 def _nan_world(config_yaml: str, run_dir: str):

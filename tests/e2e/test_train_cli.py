@@ -24,6 +24,14 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ("mesh.ep=3", "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
         ("optim.lr=nan", "optim.lr=nan: must be a finite number"),
         ("data.seq_len=999999999", "data.seq_len=999999999: exceeds the model's max_position"),
+        ("run.name=../../x", "run.name=../../x: has a '..' component; the run directory is"),
+        # 95 GiB per rank (tests/unit/test_memory_check.py: 11.9 GiB at batch 8), x 4 ranks:
+        # more than any machine the tests run on
+        (
+            "data.seq_len=100000 data.batch_size=64",
+            "train.memory_check=error: data.seq_len=100000 data.batch_size=64: the step needs "
+            "an estimated 95.",
+        ),
         ("+model.overrides.hidden_size=-64", "model.overrides.hidden_size=-64: GLMConfig.hidden"),
         (
             "+model.overrides.n_routed_experts=6 mesh.ep=4",

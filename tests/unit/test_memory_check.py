@@ -1,0 +1,69 @@
+"""train.memory_check: the recipe's step-memory estimate against the machine's memory, before
+any rank starts (recipes.memory_check)."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recipes import memory_check
+from recipes.config import ConfigError
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+GiB = 1 << 30
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_seq_len_100000_on_tiny_is_refused_with_the_estimate_and_settings_that_fit(
+    monkeypatch, caplog
+):
+    """data.seq_len=100000 (under tiny's 131072 positions) with 6 GiB for 4 CPU ranks (the
+    fault trial's limit): refused naming the estimate (11.902 GiB per rank: 11.3 GiB of
+    activations for 8 x 100000 tokens) and the largest batch size and sequence length that
+    fit; `warn` logs the same and returns; `off` does not estimate."""
+    cfg = _compose(["data.seq_len=100000"])
+    budget = 6 * GiB // 4
+    monkeypatch.setattr(memory_check, "available_bytes", lambda *_: (budget, "6 GiB (test)"))
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    with pytest.raises(ConfigError) as info:
+        memory_check.measure(cfg, text, "cpu", 4, forked=False)
+    assert not dist.is_initialized()  # the fake process group is gone again
+    message = str(info.value)
+    assert message.startswith(
+        "train.memory_check=error: data.seq_len=100000 data.batch_size=8: the step needs an "
+        "estimated 11.902 GiB per rank (recipes/step_memory.py, tensors only), above the "
+        "1.500 GiB per rank this machine has (6 GiB (test)); nearest settings that fit: "
+        "data.batch_size=1 (1.490 GiB per rank), data.seq_len="
+    ), message
+    assert "activations (all layers)" in message and "train.memory_check=warn" in message
+    found = memory_check.step_fits(text, 4, "cpu", budget)
+    dist.destroy_process_group()
+    fits = dict(found["fits"])
+    seq = int(next(k for k in fits if k.startswith("data.seq_len=")).split("=")[1])
+    assert fits[f"data.seq_len={seq}"] <= budget
+    # the next length up does not fit (the search found the largest)
+    longer = text.replace("seq_len: 100000", f"seq_len: {seq + 1}")
+    above = memory_check.step_fits(longer, 4, "cpu", budget)
+    dist.destroy_process_group()
+    assert above["total"] > budget
+    cfg.train.memory_check = "warn"
+    with caplog.at_level(logging.WARNING, logger="recipes"):
+        memory_check.check_step_memory(cfg, found, budget, "6 GiB (test)")
+    assert "train.memory_check=warn: data.seq_len=100000" in caplog.text
+    cfg.train.memory_check = "off"
+    monkeypatch.setattr(memory_check, "step_fits", None)  # not called
+    memory_check.measure(cfg, text, "cpu", 4, forked=False)
+
+
+def test_largest_is_the_largest_that_fits():
+    assert memory_check._largest(100, lambda n: n <= 37) == 37
+    assert memory_check._largest(100, lambda n: True) == 100
+    assert memory_check._largest(100, lambda n: False) is None
+    assert memory_check._largest(0, lambda n: True) is None
