@@ -95,7 +95,8 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         with_kl: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(output [B, T, D], the kept keys [B, T, K] for a following "shared" layer (None when
-        dense), the indexer's KL loss when `with_kl` and this layer has a trained indexer)."""
+        dense), the indexer's KL loss when `with_kl` and this layer ran a trained indexer).
+        `topk_BTK`: kept keys to attend instead of running the indexer, or None."""
         B, T, _ = x_BTD.shape
         N, P, R = self.n_heads, self.nope, self.rope
         if hasattr(self, "q_proj"):
@@ -137,8 +138,10 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         return out_BTD, (topk_BTK if self.sparse else None), kl
 
     def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK):
-        """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None)."""
-        if self.indexer is not None:
+        """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None):
+        `topk_BTK` when given (a "shared" layer, or an MTP depth reusing depth 1's keys), else
+        this layer's indexer's."""
+        if self.indexer is not None and topk_BTK is None:
             return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR)
         if self.sparse and topk_BTK is None:
             raise ValueError("a 'shared' DSA layer needs the kept keys of a previous layer")
