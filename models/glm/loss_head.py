@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.glm.precision import work_dtype
+
 IGNORE_INDEX = -100  # labels of tokens without a target (cross_entropy's default ignore_index)
 
 
@@ -39,15 +41,17 @@ def check_labels(labels: torch.Tensor, vocab_size: int, what: str = "labels") ->
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Summed cross-entropy of logits h W^T (float32) over the non-ignored rows of h [N, D],
-    `chunk` rows at a time in forward and again in backward, where each chunk's gradient
-    softmax(z) - onehot(y) is formed in place; only h, W and the labels are saved."""
+    """Summed cross-entropy of logits h W^T (float32; float64 for a float64 model) over the
+    non-ignored rows of h [N, D], `chunk` rows at a time in forward and again in backward,
+    where each chunk's gradient softmax(z) - onehot(y) is formed in place; only h, W and the
+    labels are saved."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, labels_N, chunk: int):
-        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        w = work_dtype(h_ND.dtype)
+        total = torch.zeros((), dtype=w, device=h_ND.device)
         for lo in range(0, h_ND.shape[0], chunk):
-            z_CV = (h_ND[lo : lo + chunk] @ weight_VD.T).float()
+            z_CV = (h_ND[lo : lo + chunk] @ weight_VD.T).to(w)
             y_C = labels_N[lo : lo + chunk]
             keep_C = y_C != IGNORE_INDEX
             picked_C = z_CV.gather(1, y_C.clamp(min=0)[:, None])[:, 0]
@@ -61,12 +65,12 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_total):
         h_ND, weight_VD, labels_N = ctx.saved_tensors
         grad_h_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
-        acc_VD = None
+        acc_VD, w = None, work_dtype(h_ND.dtype)
         if ctx.needs_input_grad[1]:  # float32 (or wider): the weight's gradient, cast once
-            acc_VD = torch.zeros_like(weight_VD, dtype=_accumulator_dtype(weight_VD.dtype))
+            acc_VD = torch.zeros_like(weight_VD, dtype=work_dtype(weight_VD.dtype))
         for lo in range(0, h_ND.shape[0], ctx.chunk):
             h_CD, y_C = h_ND[lo : lo + ctx.chunk], labels_N[lo : lo + ctx.chunk]
-            g_CV = (h_CD @ weight_VD.T).float()
+            g_CV = (h_CD @ weight_VD.T).to(w)
             g_CV.sub_(g_CV.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
             g_CV.div_(g_CV.sum(dim=-1, keepdim=True))
             keep_C = y_C != IGNORE_INDEX
@@ -82,10 +86,6 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         return grad_h_ND, grad_w_VD, None, None
 
 
-def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if torch.finfo(dtype).bits >= 32 else torch.float32
-
-
 def chunked_cross_entropy(
     head: nn.Module,
     h_BTD: torch.Tensor,
@@ -94,12 +94,13 @@ def chunked_cross_entropy(
     *,
     check: bool = True,
 ) -> torch.Tensor:
-    """Mean float32 cross-entropy of `head(h)` (the bias-free lm_head) against labels [B, T]
-    (-100 ignored; 0 when every label is ignored, the sum over no tokens), `chunk_tokens`
-    tokens at a time: a chunk's [chunk, V] logits exist during its forward and again during
-    its backward (`_ChunkedCrossEntropySum`), never [B*T, V]. Equal to the unchunked
-    cross-entropy up to float32 rounding (tests/unit/test_loss_head.py derives the bound).
-    `check`: refuse labels outside [0, V) first (`check_labels`; False when the caller has)."""
+    """Mean float32 (float64 for a float64 model) cross-entropy of `head(h)` (the bias-free
+    lm_head) against labels [B, T] (-100 ignored; 0 when every label is ignored, the sum over
+    no tokens), `chunk_tokens` tokens at a time: a chunk's [chunk, V] logits exist during its
+    forward and again during its backward (`_ChunkedCrossEntropySum`), never [B*T, V]. Equal
+    to the unchunked cross-entropy up to float32 rounding (tests/unit/test_loss_head.py
+    derives the bound). `check`: refuse labels outside [0, V) first (`check_labels`; False
+    when the caller has)."""
     if getattr(head, "bias", None) is not None:
         raise ValueError("chunked_cross_entropy needs a head without bias (the lm_head has none)")
     if check:
