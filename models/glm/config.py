@@ -476,10 +476,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# A field's annotation -> (does a value fit it, what to say it must be). Numbers from Hydra or
+# An annotation's type -> (does a value fit it, what to say it must be). Numbers from Hydra or
 # JSON may be ints where a float belongs; a bool is never a number here, nor a string a bool.
 _TYPE_CHECKS = {
-    "int": (_is_int, "an int"),
+    "int": (_is_int, "an integer"),
     "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
     "bool": (lambda v: isinstance(v, bool), "true or false (a bool)"),
     "str": (lambda v: isinstance(v, str), "a string"),
@@ -492,17 +492,27 @@ _TYPE_CHECKS = {
 }
 
 
+def fits_annotation(value: Any, annotation: str) -> bool:
+    """Whether `value` has a type `annotation` ("int | list[int] | None", ...) allows."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None:
+        return "None" in kinds
+    return any(_TYPE_CHECKS[k][0](value) for k in kinds if k != "None")
+
+
+def describe_annotation(annotation: str, none: str = "None") -> str:
+    """`annotation` in words ("an integer or None"; `none`: how to call None)."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    words = [_TYPE_CHECKS[k][1] for k in kinds if k != "None"]
+    return " or ".join(words + ([none] if "None" in kinds else []))
+
+
 def _check_types(config: GLMConfig) -> None:
     """Every field against its annotation (`int | None`: an int or None, ...), naming it."""
     for f in fields(config):
         value = getattr(config, f.name)
-        kinds = [k.strip() for k in str(f.type).split("|")]
-        if value is None and "None" in kinds:
-            continue
-        kinds = [k for k in kinds if k != "None"]
-        if not any(_TYPE_CHECKS[k][0](value) for k in kinds):
-            want = " or ".join(_TYPE_CHECKS[k][1] for k in kinds)
-            want += " or None" if "None" in str(f.type) else ""
+        if not fits_annotation(value, str(f.type)):
             raise ValueError(
-                f"GLMConfig.{f.name} must be {want}, got {value!r} ({type(value).__name__})"
+                f"GLMConfig.{f.name} must be {describe_annotation(str(f.type))}, got "
+                f"{value!r} ({type(value).__name__})"
             )

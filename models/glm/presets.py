@@ -110,8 +110,6 @@ _PRESETS: dict[str, GLMConfig] = {
         rope_theta=8_000_000.0,
         max_position_embeddings=1_048_576,
         indexer_types=index_share_types(78, freq=4, offset=3),
-        index_topk_freq=4,
-        index_skip_topk_offset=3,
         eos_token_id=[154820, 154827, 154829],
         pad_token_id=154820,
     ),
