@@ -180,7 +180,16 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         q_lat_BTNL = torch.einsum("btnp,npl->btnl", q_nope_BTNP, w_NWL[:, :P])
         q_BTNE = torch.cat([q_lat_BTNL, q_rope_BTNR], -1)
         k_BS1E = torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1).unsqueeze(2)
-        rows = attention_row_bytes(q_BTNE.shape[0], N, 1, k_BS1E.shape[-1], topk_BTK.shape[-1])
+        rows = attention_row_bytes(
+            q_BTNE.shape[0],
+            N,
+            1,
+            k_BS1E.shape[-1],
+            L,
+            topk_BTK.shape[-1],
+            separate_values=False,
+            itemsize=q_BTNE.element_size(),
+        )
         o_BTNL, probs_BTK, max_N = sparse_attention(
             q_BTNE,
             k_BS1E,
@@ -200,7 +209,16 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         """Sparse attention gathering each head's own key and value (N x the latent form's
         gathered bytes): (output [B, T, N, V], the KL target [B, T, K] or None)."""
         B, _, N, E = q_BTNE.shape
-        rows = attention_row_bytes(B, N, N, max(E, v_BSNV.shape[-1]), topk_BTK.shape[-1])
+        rows = attention_row_bytes(
+            B,
+            N,
+            N,
+            E,
+            v_BSNV.shape[-1],
+            topk_BTK.shape[-1],
+            separate_values=True,
+            itemsize=q_BTNE.element_size(),
+        )
         o_BTNV, probs_BTK, max_N = sparse_attention(
             q_BTNE,
             k_BSNE,
