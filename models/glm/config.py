@@ -39,8 +39,10 @@ the math; they are carried so that an export writes what an import read.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from models.glm.config_types import check_field_types
 
 ATTENTION_CHOICES = ("gqa", "mla")
 INDEXER_TYPES = ("full", "shared")
@@ -122,7 +124,7 @@ class GLMConfig:
             self.rope_scaling = dict(self.rope_scaling)
         if self.eos_token_id is not None and not isinstance(self.eos_token_id, int | str):
             self.eos_token_id = list(self.eos_token_id)
-        _check_types(self)
+        check_field_types(self)
         self._check_sizes()
         self._check_mtp_and_tokens()
         self._check_attention()
@@ -470,49 +472,3 @@ def index_share_types(num_layers: int, freq: int, offset: int) -> list[str]:
 def _check_positive(name: str, value: Any, hint: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"GLMConfig.{name} must be a positive int ({hint}), got {value!r}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# An annotation's type -> (does a value fit it, what to say it must be). Numbers from Hydra or
-# JSON may be ints where a float belongs; a bool is never a number here, nor a string a bool.
-_TYPE_CHECKS = {
-    "int": (_is_int, "an integer"),
-    "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false (a bool)"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "list[str]": (
-        lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
-        "a list of strings",
-    ),
-    "list[int]": (lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of ints"),
-    "dict[str, Any]": (lambda v: isinstance(v, dict), "a mapping"),
-}
-
-
-def fits_annotation(value: Any, annotation: str) -> bool:
-    """Whether `value` has a type `annotation` ("int | list[int] | None", ...) allows."""
-    kinds = [k.strip() for k in annotation.split("|")]
-    if value is None:
-        return "None" in kinds
-    return any(_TYPE_CHECKS[k][0](value) for k in kinds if k != "None")
-
-
-def describe_annotation(annotation: str, none: str = "None") -> str:
-    """`annotation` in words ("an integer or None"; `none`: how to call None)."""
-    kinds = [k.strip() for k in annotation.split("|")]
-    words = [_TYPE_CHECKS[k][1] for k in kinds if k != "None"]
-    return " or ".join(words + ([none] if "None" in kinds else []))
-
-
-def _check_types(config: GLMConfig) -> None:
-    """Every field against its annotation (`int | None`: an int or None, ...), naming it."""
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if not fits_annotation(value, str(f.type)):
-            raise ValueError(
-                f"GLMConfig.{f.name} must be {describe_annotation(str(f.type))}, got "
-                f"{value!r} ({type(value).__name__})"
-            )

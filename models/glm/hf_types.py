@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from models.glm.config import GLMConfig, describe_annotation, fits_annotation
+from models.glm.config import GLMConfig
+from models.glm.config_types import describe_annotation, fits_annotation
 
 # config.json key -> its type, written as a GLMConfig annotation ("int | None", ...).
 JSON_TYPES = {
