@@ -28,6 +28,11 @@ def model_config(cfg: DictConfig) -> GLMConfig:
 
         return hf_model_config(cfg.model.path, overrides)
     overrides["vocab_size"] = cfg.data.vocab_size
+    pad = get_preset(str(cfg.model.preset)).pad_token_id
+    if pad is not None and pad >= cfg.data.vocab_size and "pad_token_id" not in overrides:
+        # The preset's pad id is its tokenizer's (glm52: 154820); data of a smaller vocabulary
+        # has no such token, so its embedding has no pad row.
+        overrides["pad_token_id"] = None
     return get_preset(str(cfg.model.preset), **overrides)
 
 

@@ -191,9 +191,12 @@ def loss_head_chunk_bytes(config: GLMConfig, a: int, tokens: int) -> int:
     models/glm/model.py `chunked_cross_entropy`), at its peak the chunk's [chunk, V] logits in
     the compute dtype and in float32 (forward, and again in backward, where the float32 copy
     becomes the gradient in place and is cast back to the compute dtype): (a + 4) bytes per
-    logit, 4 in float32 compute (no copy)."""
+    logit, 4 in float32 compute (no copy); below float32 also the backward's float32 sum of
+    the weight's gradient over the chunks ([V, D], cast to the compute dtype once at the
+    end, when the chunk is gone)."""
     c = min(config.loss_chunk_tokens, tokens)
-    return c * config.vocab_size * (4 + (a if a < 4 else 0))
+    chunk = c * config.vocab_size * (4 + (a if a < 4 else 0))
+    return chunk + (4 * config.vocab_size * config.hidden_size if a < 4 else 0)
 
 
 @dataclass
@@ -305,6 +308,12 @@ def estimate_step_memory(
         layer_activation_bytes(config, i, x.is_moe, a, ep, batch, seq_len)
         for i, x in enumerate(layers)
     ]
+    # Depths >= 2 of one shared MTP layer attend depth 1's kept keys: no indexer, no KL there.
+    reuse = len(model.model.mtp_layers) == 1 and config.index_share_for_mtp_iteration
+    if reuse and _kl_layer(config, config.num_hidden_layers):
+        kl_bytes = tokens * indexer_kl_bytes_per_token(config, a, seq_len)
+        for i in range(len(model.model.layers) + 1, len(layers)):
+            per_layer[i] -= kl_bytes
     inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
     # The next-token head, and per MTP depth its own (shared_head.norm, lm_head, loss).
     head = tokens * head_bytes_per_token(config, a) * (1 + len(mtp_layers))

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from models.glm.loss_head import check_labels
 from recipes import checkpoint, grads
 from recipes.checkpoint_resume import load_newest
 from recipes.config import to_plain
@@ -219,8 +220,9 @@ class Trainer:
             )
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(micro == accum - 1)
+            check_labels(y, self.model.config.vocab_size)  # on the host: no device read
             x, y = self._to_device(x, y)
-            terms = self.model(x, y, with_mtp=weight > 0)
+            terms = self.model(x, y, with_mtp=weight > 0, labels_checked=True)
             objective = terms["loss"]
             if "mtp_loss" in terms:
                 objective = objective + weight * terms["mtp_loss"]

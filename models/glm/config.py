@@ -28,7 +28,10 @@ trains three depths on its one MTP layer; InternLM xtuner's `MTPConfig.share_wei
 
 IndexShare (GLM-5.2): `index_share_types(n, index_topk_freq, index_skip_topk_offset)` gives the
 `indexer_types` of transformers' schedule; a "shared" layer reuses the top-k of the nearest
-"full" layer before it (`indexer_source_layer`).
+"full" layer before it (`indexer_source_layer`). The two schedule fields are carried to and from
+config.json (xtuner's loader reads them); when set, `indexer_types` defaults to their schedule
+and must equal it. `index_share_for_mtp_iteration` (xtuner's `Glm52MoEConfig`, default true):
+with one MTP layer run at several depths, depths >= 2 attend the keys depth 1 kept.
 
 The token ids (`bos_token_id`, `eos_token_id`: one id or a list, `pad_token_id`) do not change
 the math; they are carried so that an export writes what an import read.
@@ -38,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from models.glm.config_types import check_field_types
 
 ATTENTION_CHOICES = ("gqa", "mla")
 INDEXER_TYPES = ("full", "shared")
@@ -97,6 +102,9 @@ class GLMConfig:
     index_head_dim: int | None = None  # dsa: indexer head width (its first qk_rope channels rotate)
     index_topk: int | None = None  # dsa: keys kept per query (None: dense MLA, no indexer)
     indexer_types: list[str] | None = None  # dsa: "full"/"shared" per layer; None: all "full"
+    index_topk_freq: int | None = None  # dsa: IndexShare's schedule (config.json; see below)
+    index_skip_topk_offset: int | None = None  # dsa: IndexShare's schedule (config.json)
+    index_share_for_mtp_iteration: bool = True  # dsa: MTP depths >= 2 reuse depth 1's top-k
     indexer_training: str = "kl"  # dsa: "kl" (pretraining) or "frozen" (fine-tuning)
     dsa_impl: str = "latent"  # dsa: latent (sparse MLA, absorbed), per_head (sparse), masked (ref.)
     dsa_chunk_mib: int = 64  # dsa: MiB bound of one query chunk's temporaries (attention, indexer)
@@ -109,15 +117,18 @@ class GLMConfig:
 
     def __post_init__(self) -> None:
         # Hydra hands lists and dicts over as ListConfig / DictConfig: keep plain data.
-        if self.indexer_types is not None:
-            self.indexer_types = [str(t) for t in self.indexer_types]
-        if self.rope_scaling is not None:
+        # Anything else keeps its type and fails the type check, naming the field.
+        if self.indexer_types is not None and not isinstance(self.indexer_types, str):
+            self.indexer_types = list(self.indexer_types)
+        if self.rope_scaling is not None and hasattr(self.rope_scaling, "keys"):
             self.rope_scaling = dict(self.rope_scaling)
-        if self.eos_token_id is not None and not isinstance(self.eos_token_id, int):
-            self.eos_token_id = [int(t) for t in self.eos_token_id]
+        if self.eos_token_id is not None and not isinstance(self.eos_token_id, int | str):
+            self.eos_token_id = list(self.eos_token_id)
+        check_field_types(self)
         self._check_sizes()
         self._check_mtp_and_tokens()
         self._check_attention()
+        self._check_index_share()
         self._check_rope_scaling()
 
     def _check_sizes(self) -> None:
@@ -219,6 +230,11 @@ class GLMConfig:
                         f"GLMConfig.{name} must be a token id (an int >= 0), a list of them "
                         f"(eos_token_id only) or None; got {t!r}"
                     )
+        if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
+            raise ValueError(
+                f"GLMConfig.pad_token_id ({self.pad_token_id}) must be < vocab_size "
+                f"({self.vocab_size}): the embedding's pad row takes no gradient; or set it None"
+            )
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
@@ -311,6 +327,30 @@ class GLMConfig:
                     "GLMConfig.indexer_types[0] must be 'full': a 'shared' layer reuses the "
                     "previous layer's top-k"
                 )
+
+    def _check_index_share(self) -> None:
+        freq, offset = self.index_topk_freq, self.index_skip_topk_offset
+        if freq is None and offset is None:
+            return
+        if not self.uses_dsa or freq is None or offset is None:
+            raise ValueError(
+                "GLMConfig.index_topk_freq and index_skip_topk_offset (IndexShare's schedule) "
+                f"go together and need index_topk; got {freq!r}, {offset!r} with index_topk "
+                f"{self.index_topk!r}"
+            )
+        _check_positive("index_topk_freq", freq, "1: every layer runs its indexer")
+        if offset < 0:
+            raise ValueError(f"GLMConfig.index_skip_topk_offset must be >= 0, got {offset}")
+        schedule = index_share_types(self.num_hidden_layers, freq, offset)
+        canonical = None if all(t == "full" for t in schedule) else schedule
+        if self.indexer_types is None:
+            self.indexer_types = canonical
+        elif (self.indexer_types if "shared" in self.indexer_types else None) != canonical:
+            raise ValueError(
+                f"GLMConfig.indexer_types {self.indexer_types} is not the IndexShare schedule "
+                f"of index_topk_freq {freq}, index_skip_topk_offset {offset} ({schedule}); "
+                "set one or make them agree"
+            )
 
     def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling

@@ -22,13 +22,12 @@ import torch
 
 from models.glm.config import GLMConfig, index_share_types
 from models.glm.hf_fp8 import parse_quantization
+from models.glm.hf_types import RENAMED, check_json_types
 
 TRAINING_ONLY = ("indexer_training", "mtp_depths", "loss_chunk_tokens", "dsa_impl", "dsa_chunk_mib")
 
 # Keys that do not change what the model computes: transformers' bookkeeping, inference and
-# parallelism hints, values transformers derives itself (head_dim, qk_head_dim under MLA), and
-# IndexShare's MTP-depth reuse (index_share_for_mtp_iteration: an import runs one depth per
-# MTP layer, where it has nothing to share).
+# parallelism hints, and values transformers derives itself (head_dim, qk_head_dim under MLA).
 HARMLESS = (
     "_name_or_path",
     "architectures",
@@ -49,7 +48,6 @@ HARMLESS = (
     "ep_size",
     "pretraining_tp",
     "qk_head_dim",
-    "index_share_for_mtp_iteration",
 )
 # Keys whose value must be one our model computes: key -> (allowed values, why).
 _REQUIRED_VALUES = {
@@ -75,8 +73,6 @@ _MAPPED = (
     "head_dim",
     "indexer_types",
     "index_topk_pattern",
-    "index_topk_freq",
-    "index_skip_topk_offset",
     "mlp_layer_types",
     "layer_types",
     "rope_interleave",
@@ -147,7 +143,6 @@ _GLM_MOE_DSA_DEFAULTS = dict(
     pad_token_id=None,
 )
 _DEFAULT_THETA = 10000.0
-_RENAMED = {"n_dense_layers": "first_k_dense_replace", "num_mtp_layers": "num_nextn_predict_layers"}
 _MLA_KEYS = (
     "q_lora_rank",
     "kv_lora_rank",
@@ -224,20 +219,55 @@ def config_to_hf(config: GLMConfig, dtype: torch.dtype = torch.float32) -> dict:
             "transformers layout; set index_topk (with index_n_heads, index_head_dim)"
         )
     n = c.num_hidden_layers
+    types = [c.layer_indexer_type(i) for i in range(n)]
+    freq, offset = _index_share_keys(c, types)
     out.update(
         architectures=["GlmMoeDsaForCausalLM"],
         model_type="glm_moe_dsa",
         **{k: getattr(c, k) for k in _MLA_KEYS},
         head_dim=c.qk_rope_head_dim,  # transformers sets it to the rotary width
-        indexer_types=[c.layer_indexer_type(i) for i in range(n)],
+        qk_head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+        indexer_types=types,
+        # What xtuner's Glm52MoEConfig.from_hf reads besides (it fails without them).
+        index_topk_freq=freq,
+        index_skip_topk_offset=offset,
+        index_topk_pattern=None,  # indexer_types, read first, carries the schedule
+        index_share_for_mtp_iteration=c.index_share_for_mtp_iteration,
+        layer_types=["indexed_attention"] * n,
         mlp_layer_types=["dense"] * c.n_dense_layers + ["sparse"] * (n - c.n_dense_layers),
         mlp_bias=False,
+        moe_layer_freq=1,
         rope_interleave=True,
         indexer_rope_interleave=True,
         scoring_func="sigmoid",
         topk_method="noaux_tc",
+        ep_size=1,
+        pretraining_tp=1,
     )
     return out
+
+
+def _index_share_keys(c: GLMConfig, types: list[str]) -> tuple[int | None, int | None]:
+    """(index_topk_freq, index_skip_topk_offset) for config.json: the config's own, else
+    `schedule_of(types)`."""
+    if c.index_topk_freq is not None:
+        return c.index_topk_freq, c.index_skip_topk_offset
+    return schedule_of(types)
+
+
+def schedule_of(types: list[str]) -> tuple[int | None, int | None]:
+    """The first IndexShare (freq, offset) whose schedule is `types` (transformers' defaults
+    1, 2 when every layer is full), else (None, None): no schedule gives them, and
+    indexer_types alone says what runs. An import keeps a config.json's own pair only when it
+    is not this one, so a round trip writes back what it read."""
+    if "shared" not in types:
+        return 1, 2
+    n = len(types)
+    for freq in range(2, n + 1):
+        for offset in range(n + 1):
+            if index_share_types(n, freq, offset) == types:
+                return freq, offset
+    return None, None
 
 
 def _indexer_types(hf: dict, n: int) -> list[str]:
@@ -250,7 +280,8 @@ def _indexer_types(hf: dict, n: int) -> list[str]:
     if pattern is not None:
         letters = {"F": "full", "S": "shared"}
         return [letters[p] for p in pattern] if isinstance(pattern, str) else list(pattern)
-    return index_share_types(n, hf.get("index_topk_freq", 1), hf.get("index_skip_topk_offset", 2))
+    freq, offset = hf.get("index_topk_freq"), hf.get("index_skip_topk_offset")
+    return index_share_types(n, 1 if freq is None else freq, 2 if offset is None else offset)
 
 
 def _refuse_unsupported(hf: dict, model_type: str) -> None:
@@ -304,6 +335,7 @@ def config_from_hf(hf: dict) -> GLMConfig:
         raise ValueError(
             f"config.json model_type must be one of {_MODEL_TYPES}, got {model_type!r}"
         )
+    check_json_types(hf)
     _refuse_unsupported(hf, model_type)
     dsa = model_type == "glm_moe_dsa"
     defaults = _GLM_MOE_DSA_DEFAULTS if dsa else _GLM4_MOE_DEFAULTS
@@ -324,7 +356,7 @@ def config_from_hf(hf: dict) -> GLMConfig:
             hf["n_routed_experts"] = hf[alias]
     kwargs = {}
     for name in GLMConfig.__dataclass_fields__:
-        key = _RENAMED.get(name, name)
+        key = RENAMED.get(name, name)
         if name in TRAINING_ONLY or name in ("attention", "rope_scaling", "indexer_types"):
             continue
         if key in hf:
@@ -345,12 +377,27 @@ def config_from_hf(hf: dict) -> GLMConfig:
                 f"(then 'sparse', {n} entries)"
             )
         kwargs["n_dense_layers"] = dense
+    for key, allowed, why in (
+        ("partial_rotary_factor", 1.0, "the rotary channels are the qk_rope_head_dim slice"),
+        ("use_qk_norm", False, "GLM-5 normalizes its latents instead"),
+    ):
+        if kwargs.get(key, allowed) != allowed:
+            raise ValueError(
+                f"config.json {key} must be {json.dumps(allowed)} for glm_moe_dsa ({why}), "
+                f"got {kwargs[key]!r}"
+            )
+    types = _indexer_types(hf, n)
+    if (kwargs.get("index_topk_freq"), kwargs.get("index_skip_topk_offset")) in (
+        (None, None),
+        schedule_of(types),
+    ):  # nothing indexer_types does not say: the config does not carry them
+        kwargs.update(index_topk_freq=None, index_skip_topk_offset=None)
     kwargs.update(
         attention="mla",
         head_dim=None,  # transformers' head_dim is the rotary width, qk_rope_head_dim
         partial_rotary_factor=1.0,
         use_qk_norm=False,
-        indexer_types=canonical_indexer_types(_indexer_types(hf, n)),
+        indexer_types=canonical_indexer_types(types),
     )
     return GLMConfig(**kwargs)
 

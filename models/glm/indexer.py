@@ -31,7 +31,7 @@ from torch import nn
 
 from models.glm.config import GLMConfig
 from models.glm.layers import apply_interleaved_rope
-from models.glm.sparse_attention import gather_rows, query_chunk
+from models.glm.sparse_attention import gather_rows, query_chunk, query_chunks
 
 # The indexer key norm's eps is fixed in GLM-5 (transformers hard-codes it too), independent of
 # rms_norm_eps.
@@ -85,11 +85,17 @@ class Indexer(nn.Module):
         with torch.set_grad_enabled(self.trained and torch.is_grad_enabled()):
             q_BTMC, k_BTC, w_BTM = self.project(x_BTD, q_BTQ, cos_TR, sin_TR)
         B, T, M, C = q_BTMC.shape
-        topk_BTK = select_topk(q_BTMC, k_BTC, w_BTM, self.topk, self._chunk(B * M * T * 4 * 2))
+        K = min(self.topk, T)
+        # A query row's temporaries (float32): scores [M, S] and their head sum [S], the future
+        # mask [S], the top-k values and positions [K] (S <= T keys).
+        topk_BTK = select_topk(
+            q_BTMC, k_BTC, w_BTM, self.topk, self._chunk(B * (T * (4 * M + 5) + 12 * K))
+        )
         if not self.trained:
             return topk_BTK, None
-        K = topk_BTK.shape[-1]
-        chunk = self._chunk(B * K * 4 * (C + 3 * M))
+        # _KeptScores' backward, its larger pass: the flat positions [K] (int64), the gathered
+        # keys [K, C] and their gradient, the logits [M, K] and a ReLU'd copy, dq's [M, C].
+        chunk = self._chunk(B * (K * (8 + 8 * C + 8 * M) + 4 * M * C))
         return topk_BTK, _KeptScores.apply(q_BTMC, k_BTC, w_BTM, topk_BTK, chunk)
 
     def _chunk(self, row_bytes: int) -> int:
@@ -97,9 +103,11 @@ class Indexer(nn.Module):
 
 
 def _chunk_scores(q_BJMC, k_BSC, w_BJM) -> torch.Tensor:
-    """Index scores [B, J, S] of a chunk of queries over keys k (no causal mask)."""
-    relu_BJMS = torch.matmul(q_BJMC, k_BSC[:, None].transpose(-1, -2)).relu_()
-    return torch.matmul(w_BJM[:, :, None], relu_BJMS).squeeze(2)
+    """Index scores [B, J, S] of a chunk of queries over keys k (no causal mask). One batched
+    product over [J * M, C] x [C, S]: broadcasting k over the J queries would copy it J times."""
+    B, J, M, C = q_BJMC.shape
+    relu_BJMS = torch.bmm(q_BJMC.reshape(B, J * M, C), k_BSC.transpose(1, 2)).relu_()
+    return torch.matmul(w_BJM[:, :, None], relu_BJMS.view(B, J, M, -1)).squeeze(2)
 
 
 @torch.no_grad()
@@ -112,8 +120,7 @@ def select_topk(q_BTMC, k_BTC, w_BTM, topk: int, chunk: int) -> torch.Tensor:
     K = min(topk, T)
     out_BTK = torch.empty(B, T, K, dtype=torch.long, device=k_BTC.device)
     keys_S = torch.arange(T, device=k_BTC.device)
-    for t0 in range(0, T, chunk):
-        t1 = min(T, t0 + chunk)
+    for t0, t1 in query_chunks(T, chunk):
         end = max(t1, K)  # at least K candidates per row
         s_BJS = _chunk_scores(q_BTMC[:, t0:t1].detach(), k_BTC[:, :end].detach(), w_BTM[:, t0:t1])
         future_JS = keys_S[None, :end] > keys_S[t0:t1, None]
@@ -130,8 +137,7 @@ class _KeptScores(torch.autograd.Function):
         base_B11 = (torch.arange(B, device=idx_BTK.device) * T)[:, None, None]
         out_BTK = torch.empty(idx_BTK.shape, dtype=torch.float32, device=q_BTMC.device)
         k_F = k_BTC.reshape(B * T, C)
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
+        for t0, t1 in query_chunks(T, chunk):
             kg_BJKC = gather_rows(k_F, idx_BTK[:, t0:t1] + base_B11)
             relu_BJMK = torch.einsum("bjmc,bjkc->bjmk", q_BTMC[:, t0:t1], kg_BJKC).relu_()
             out_BTK[:, t0:t1] = torch.einsum("bjm,bjmk->bjk", w_BTM[:, t0:t1], relu_BJMK)
@@ -147,14 +153,14 @@ class _KeptScores(torch.autograd.Function):
         k_F = k_BTC.reshape(B * T, C)
         dq, dw = torch.empty_like(q_BTMC), torch.empty_like(w_BTM)
         dk_F = torch.zeros_like(k_F)
-        for t0 in range(0, T, ctx.chunk):
-            t1 = min(T, t0 + ctx.chunk)
+        for t0, t1 in query_chunks(T, ctx.chunk):
             flat_BJK = idx_BTK[:, t0:t1] + base_B11
             kg_BJKC = gather_rows(k_F, flat_BJK)
             q, w, g = q_BTMC[:, t0:t1], w_BTM[:, t0:t1], g_BTK[:, t0:t1]
             logit_BJMK = torch.einsum("bjmc,bjkc->bjmk", q, kg_BJKC)
             dw[:, t0:t1] = torch.einsum("bjk,bjmk->bjm", g, logit_BJMK.relu())
-            dl_BJMK = (g[:, :, None] * w[..., None]).masked_fill_(logit_BJMK <= 0, 0.0)
+            # In place: 1[logit > 0] w g, the values of (g w) masked (one product either way).
+            dl_BJMK = logit_BJMK.gt_(0).mul_(w[..., None]).mul_(g[:, :, None])
             dq[:, t0:t1] = torch.einsum("bjmk,bjkc->bjmc", dl_BJMK, kg_BJKC)
             dkg = torch.einsum("bjmk,bjmc->bjkc", dl_BJMK, q)
             dk_F.index_add_(0, flat_BJK.reshape(-1), dkg.reshape(-1, C))

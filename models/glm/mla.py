@@ -95,7 +95,8 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         with_kl: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(output [B, T, D], the kept keys [B, T, K] for a following "shared" layer (None when
-        dense), the indexer's KL loss when `with_kl` and this layer has a trained indexer)."""
+        dense), the indexer's KL loss when `with_kl` and this layer ran a trained indexer).
+        `topk_BTK`: kept keys to attend instead of running the indexer, or None."""
         B, T, _ = x_BTD.shape
         N, P, R = self.n_heads, self.nope, self.rope
         if hasattr(self, "q_proj"):
@@ -137,8 +138,10 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         return out_BTD, (topk_BTK if self.sparse else None), kl
 
     def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK):
-        """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None)."""
-        if self.indexer is not None:
+        """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None):
+        `topk_BTK` when given (a "shared" layer, or an MTP depth reusing depth 1's keys), else
+        this layer's indexer's."""
+        if self.indexer is not None and topk_BTK is None:
             return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR)
         if self.sparse and topk_BTK is None:
             raise ValueError("a 'shared' DSA layer needs the kept keys of a previous layer")
@@ -177,7 +180,16 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         q_lat_BTNL = torch.einsum("btnp,npl->btnl", q_nope_BTNP, w_NWL[:, :P])
         q_BTNE = torch.cat([q_lat_BTNL, q_rope_BTNR], -1)
         k_BS1E = torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1).unsqueeze(2)
-        rows = attention_row_bytes(q_BTNE.shape[0], N, 1, k_BS1E.shape[-1], topk_BTK.shape[-1])
+        rows = attention_row_bytes(
+            q_BTNE.shape[0],
+            N,
+            1,
+            k_BS1E.shape[-1],
+            L,
+            topk_BTK.shape[-1],
+            separate_values=False,
+            itemsize=q_BTNE.element_size(),
+        )
         o_BTNL, probs_BTK, max_N = sparse_attention(
             q_BTNE,
             k_BS1E,
@@ -197,7 +209,16 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         """Sparse attention gathering each head's own key and value (N x the latent form's
         gathered bytes): (output [B, T, N, V], the KL target [B, T, K] or None)."""
         B, _, N, E = q_BTNE.shape
-        rows = attention_row_bytes(B, N, N, max(E, v_BSNV.shape[-1]), topk_BTK.shape[-1])
+        rows = attention_row_bytes(
+            B,
+            N,
+            N,
+            E,
+            v_BSNV.shape[-1],
+            topk_BTK.shape[-1],
+            separate_values=True,
+            itemsize=q_BTNE.element_size(),
+        )
         o_BTNV, probs_BTK, max_N = sparse_attention(
             q_BTNE,
             k_BSNE,

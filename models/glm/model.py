@@ -1,19 +1,22 @@
 """GLM-MoE decoder-only causal language model (single-device code; see parallelize.py).
 
 Attention is grouped-query (GLM-4.5) or multi-head latent with optional DeepSeek Sparse Attention
-(GLM-5), per `GLMConfig.attention`. Multi-token prediction (DeepSeek-V3, depth k = 1..D): MTP
-layer k reads the hidden state h^{k-1} of the previous depth (h^0: the main model's final-normed
-output, what lm_head reads; h^k: MTP layer k's output before its shared_head.norm, as vLLM
-chains its MTP steps) and the embedding of the token k positions ahead,
-    h^k = Layer_k(eh_proj(cat(enorm(embed(t_{i+k})), hnorm(h^{k-1}))))
+(GLM-5), per `GLMConfig.attention`. Multi-token prediction (depth k = 1..D), chained as InternLM
+xtuner's GLM-5.2 `MTPBlock` chains its depths (`xtuner/v1/module/mtp/mtp_block.py`,
+`mtp_layer.py`): depth 1 reads the main stack's last hidden state before the final norm, h^0;
+depth k reads the embedding of the token k positions ahead and h^{k-1},
+    h^k = shared_head.norm(Layer_k(eh_proj(cat(enorm(embed(t_{i+k})), hnorm(h^{k-1})))))
 (the embedding first, as vLLM's and SGLang's GLM / DeepSeek MTP modules and Megatron-LM read
-`eh_proj`), and predicts t_{i+k+1} through shared_head.norm and the shared lm_head. Layer_k is
-MTP layer k - 1, or, with one MTP layer and `mtp_depths` D > 1, that one layer at every depth
-(GLM-5 trains three depths on one layer); each depth re-runs its indexer. The MTP loss is the
-mean over depths of their cross-entropies; `losses` returns it next to the next-token loss,
-with D > 1 also each depth's own (`mtp_loss/depth_k`, detached: for the logs).
-Every cross-entropy runs over `loss_chunk_tokens` tokens at a time (`chunked_cross_entropy`), so
-a long sequence never holds its [T, V] float32 logits at once.
+`eh_proj`); the normed h^k feeds both the shared lm_head, which predicts t_{i+k+1}, and the
+next depth. Layer_k is MTP layer k - 1, or, with one MTP layer and `mtp_depths` D > 1, that one
+layer at every depth (GLM-5 trains three depths on one layer); there, under DSA with
+`index_share_for_mtp_iteration` (xtuner's `Glm52MoEConfig` default), depths >= 2 attend the keys
+depth 1's indexer kept, as xtuner's `dsa_topk_sharing.py` reuses them. The MTP loss is the mean
+over depths of their cross-entropies; `losses` returns it next to the next-token loss, with
+D > 1 also each depth's own (`mtp_loss/depth_k`, detached: for the logs).
+Every cross-entropy runs over `loss_chunk_tokens` tokens at a time (`models.glm.loss_head`), so
+a long sequence never holds its [T, V] float32 logits at once; labels outside [0, V) other than
+-100 are refused before any layer runs.
 
 Shape legend: B batch, T sequence, D hidden, V vocab, E experts, K kept keys (DSA).
 """
@@ -31,12 +34,11 @@ from models.glm import eager, init
 from models.glm.config import GLMConfig
 from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
 from models.glm.local import local_tensor
+from models.glm.loss_head import IGNORE_INDEX, check_labels, chunked_cross_entropy
 from models.glm.mla import MLAttention
 from models.glm.moe import FusedExperts, MoE, Router
 from models.glm.qk_clip import clip_attention_
 from models.glm.recompute import recomputing
-
-IGNORE_INDEX = -100  # labels of tokens without a target (cross_entropy's default ignore_index)
 
 
 class DecoderLayer(nn.Module):
@@ -67,9 +69,16 @@ class DecoderLayer(nn.Module):
         eager.mark()
         self._compiled_block = torch.compile(self._block)
 
+    @property
+    def reads_topk(self) -> bool:
+        """Whether the layer attends keys an earlier layer's indexer kept (a "shared" DSA layer)
+        rather than running its own indexer."""
+        return self.mla and self.self_attn.sparse and self.self_attn.indexer is None
+
     def forward(self, h_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False):
         """(h [B, T, D], the kept keys [B, T, K] under DSA else None, the indexer KL or None).
-        `topk_BTK`: the previous layer's kept keys (a "shared" DSA layer reuses them)."""
+        `topk_BTK`: kept keys to attend instead of running the layer's own indexer (a "shared"
+        layer's: the previous layer's), or None."""
         block = self._compiled_block or self._block
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(
@@ -104,7 +113,8 @@ class SharedHead(nn.Module):
 
 class MTPLayer(DecoderLayer):
     """A multi-token-prediction MoE layer with the parameters of the public GLM checkpoints
-    (enorm, hnorm, eh_proj [D, 2D], shared_head.norm); its attention runs its own indexer."""
+    (enorm, hnorm, eh_proj [D, 2D], shared_head.norm; xtuner's `final_layernorm`); its
+    attention runs its own indexer unless handed the kept keys of an earlier depth."""
 
     def __init__(self, config: GLMConfig, layer: int) -> None:
         super().__init__(config, is_moe=True, layer=layer)
@@ -114,13 +124,14 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.shared_head = SharedHead(config)
 
-    def forward(self, h_BTD, emb_BTD, cos_TR, sin_TR, with_kl: bool = False):
-        """(this depth's hidden state for the next depth, its shared_head-normed output for
-        lm_head, the indexer KL or None) from the previous depth's h and the shifted tokens'
-        embeddings."""
+    def forward(self, h_BTD, emb_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False):
+        """(this depth's shared_head-normed output, for lm_head and the next depth; the kept
+        keys [B, T, K] under DSA else None; the indexer KL or None) from the previous depth's
+        h and the shifted tokens' embeddings; `topk_BTK`: an earlier depth's kept keys to
+        attend instead of running the indexer, or None."""
         x_BTD = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
-        h_BTD, _, kl = super().forward(x_BTD, cos_TR, sin_TR, None, with_kl)
-        return h_BTD, self.shared_head.norm(h_BTD), kl
+        h_BTD, topk_BTK, kl = super().forward(x_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+        return self.shared_head.norm(h_BTD), topk_BTK, kl
 
 
 class GLMModel(nn.Module):
@@ -128,7 +139,11 @@ class GLMModel(nn.Module):
 
     def __init__(self, config: GLMConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The pad row takes no gradient (and starts at zero, `init_weights`), as transformers'
+        # and xtuner's GLM embeddings build it (`padding_idx=pad_token_id`).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, is_moe=i >= config.n_dense_layers, layer=i)
             for i in range(config.num_hidden_layers)
@@ -159,13 +174,20 @@ class GLMForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, with_mtp: bool = True
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        with_mtp: bool = True,
+        labels_checked: bool = False,
     ):
         """Logits [B, T, V] for input_ids [B, T] (causal attention, positions 0..T-1); with
         `labels` [B, T] (next tokens, -100 ignored) the dict of float32 scalars `loss` (the
         next-token cross-entropy), `mtp_loss` (when MTP layers exist and `with_mtp`) and
-        `indexer_kl` (under DSA with indexer_training "kl"). Everything runs inside forward so
-        that FSDP2's hooks on the root module cover the shared embedding and lm_head."""
+        `indexer_kl` (under DSA with indexer_training "kl"). Labels outside [0, V) other than
+        -100 are refused before any layer runs (one host read; `labels_checked`: the caller
+        has run `models.glm.loss_head.check_labels` on them, on the host). Everything runs
+        inside forward so that FSDP2's hooks on the root module cover the shared embedding
+        and lm_head."""
         c = self.config
         seq_len = input_ids.shape[1]
         if seq_len > c.max_position_embeddings:
@@ -173,6 +195,8 @@ class GLMForCausalLM(nn.Module):
                 f"sequence length {seq_len} exceeds max_position_embeddings "
                 f"({c.max_position_embeddings})"
             )
+        if labels is not None and not labels_checked:
+            check_labels(labels, c.vocab_size)
         with_kl = labels is not None and c.uses_dsa and c.indexer_training == "kl"
         h_BTD = self.model.embed_tokens(input_ids)
         cos_TR, sin_TR = rope_cos_sin(
@@ -180,27 +204,16 @@ class GLMForCausalLM(nn.Module):
         )
         topk_BTK, kls = None, []
         for layer in self.model.layers:
-            h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+            reused = topk_BTK if layer.reads_topk else None
+            h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, reused, with_kl)
             kls += [kl] if kl is not None else []
-        h_BTD = self.model.norm(h_BTD)
+        normed_BTD = self.model.norm(h_BTD)
         if labels is None:
-            return self.lm_head(h_BTD)
-        out = {"loss": self._head_loss(h_BTD, labels)}
+            return self.lm_head(normed_BTD)
+        out = {"loss": self._head_loss(normed_BTD, labels)}
         depths = c.mtp_depths_resolved if with_mtp else 0
         if depths:
-            mtp = []
-            for k in range(1, depths + 1):
-                # GLM-5's depths share one layer (num_mtp_layers 1), else layer k - 1.
-                layer = self.model.mtp_layers[0 if len(self.model.mtp_layers) == 1 else k - 1]
-                # Position i reads token t_{i+k} = input_ids[i + k] and predicts labels[i + k];
-                # the last k positions have no target (the wrapped ids there are never seen by
-                # an earlier position: attention is causal).
-                emb_BTD = self.model.embed_tokens(input_ids.roll(-k, dims=1))
-                h_BTD, normed_BTD, kl = layer(h_BTD, emb_BTD, cos_TR, sin_TR, with_kl)
-                kls += [kl] if kl is not None else []
-                target = labels.roll(-k, dims=1)
-                target[:, seq_len - k :] = IGNORE_INDEX
-                mtp.append(self._head_loss(normed_BTD, target))
+            mtp = self._mtp_losses(h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls)
             out["mtp_loss"] = torch.stack(mtp).mean()
             if depths > 1:  # each depth's own, for the logs (the objective uses the mean)
                 out.update({f"mtp_loss/depth_{k}": v.detach() for k, v in enumerate(mtp, 1)})
@@ -208,8 +221,33 @@ class GLMForCausalLM(nn.Module):
             out["indexer_kl"] = torch.stack(kls).mean()
         return out
 
+    def _mtp_losses(self, h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls):
+        """Each depth's cross-entropy (module doc: xtuner's chaining) from the main stack's
+        hidden state before the final norm; appends the depths' indexer KLs to `kls`."""
+        c, seq_len = self.config, input_ids.shape[1]
+        one_layer = len(self.model.mtp_layers) == 1
+        share_topk = one_layer and c.uses_dsa and c.index_share_for_mtp_iteration
+        losses, first_topk_BTK = [], None
+        for k in range(1, c.mtp_depths_resolved + 1):
+            # GLM-5's depths share one layer (num_mtp_layers 1), else layer k - 1.
+            layer = self.model.mtp_layers[0 if one_layer else k - 1]
+            # Position i reads token t_{i+k} = input_ids[i + k] and predicts labels[i + k];
+            # the last k positions have no target (the wrapped ids there are never seen by
+            # an earlier position: attention is causal).
+            emb_BTD = self.model.embed_tokens(input_ids.roll(-k, dims=1))
+            reused = first_topk_BTK if share_topk else None
+            h_BTD, topk_BTK, kl = layer(h_BTD, emb_BTD, cos_TR, sin_TR, reused, with_kl)
+            first_topk_BTK = topk_BTK if k == 1 else first_topk_BTK
+            kls += [kl] if kl is not None else []
+            target = labels.roll(-k, dims=1)
+            target[:, seq_len - k :] = IGNORE_INDEX
+            losses.append(self._head_loss(h_BTD, target))
+        return losses
+
     def _head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        return chunked_cross_entropy(self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens)
+        return chunked_cross_entropy(
+            self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens, check=False
+        )
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
@@ -326,6 +364,7 @@ class GLMForCausalLM(nn.Module):
                     fill(module.bias, at + "bias", "zeros")
             elif isinstance(module, nn.Embedding):
                 fill(module.weight, at + "weight", "normal")
+                _zero_pad_row(module)
             elif isinstance(module, nn.LayerNorm):
                 fill(module.weight, at + "weight", "ones")
                 fill(module.bias, at + "bias", "zeros")
@@ -340,59 +379,12 @@ class GLMForCausalLM(nn.Module):
         return drawn
 
 
-class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Summed cross-entropy of logits h W^T (float32) over the non-ignored rows of h [N, D],
-    `chunk` rows at a time in forward and again in backward, where each chunk's gradient
-    softmax(z) - onehot(y) is formed in place; only h, W and the labels are saved."""
-
-    @staticmethod
-    def forward(ctx, h_ND, weight_VD, labels_N, chunk: int):
-        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
-        for lo in range(0, h_ND.shape[0], chunk):
-            z_CV = (h_ND[lo : lo + chunk] @ weight_VD.T).float()
-            y_C = labels_N[lo : lo + chunk]
-            keep_C = y_C != IGNORE_INDEX
-            picked_C = z_CV.gather(1, y_C.clamp(min=0)[:, None])[:, 0]
-            total += ((torch.logsumexp(z_CV, dim=-1) - picked_C) * keep_C).sum()
-            del z_CV  # before the next chunk's logits exist
-        ctx.save_for_backward(h_ND, weight_VD, labels_N)
-        ctx.chunk = chunk
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        h_ND, weight_VD, labels_N = ctx.saved_tensors
-        grad_h_ND = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
-        grad_w_VD = torch.zeros_like(weight_VD) if ctx.needs_input_grad[1] else None
-        for lo in range(0, h_ND.shape[0], ctx.chunk):
-            h_CD, y_C = h_ND[lo : lo + ctx.chunk], labels_N[lo : lo + ctx.chunk]
-            g_CV = (h_CD @ weight_VD.T).float()
-            g_CV.sub_(g_CV.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
-            g_CV.div_(g_CV.sum(dim=-1, keepdim=True))
-            keep_C = y_C != IGNORE_INDEX
-            g_CV.scatter_add_(1, y_C.clamp(min=0)[:, None], -keep_C[:, None].to(g_CV.dtype))
-            g_CV.mul_((grad_total * keep_C)[:, None])
-            g_CV = g_CV.to(weight_VD.dtype)
-            if grad_h_ND is not None:
-                torch.mm(g_CV, weight_VD, out=grad_h_ND[lo : lo + ctx.chunk])
-            if grad_w_VD is not None:
-                grad_w_VD.addmm_(g_CV.T, h_CD)
-            del g_CV  # before the next chunk's logits exist
-        return grad_h_ND, grad_w_VD, None, None
-
-
-def chunked_cross_entropy(
-    head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk_tokens: int
-) -> torch.Tensor:
-    """Mean float32 cross-entropy of `head(h)` (the bias-free lm_head) against labels [B, T]
-    (-100 ignored; 0 when every label is ignored, the sum over no tokens), `chunk_tokens`
-    tokens at a time: a chunk's [chunk, V] logits exist during its forward and again during
-    its backward (`_ChunkedCrossEntropySum`), never [B*T, V]. Equal to the unchunked
-    cross-entropy up to float32 rounding (tests/unit/test_loss_head.py derives the bound)."""
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("chunked_cross_entropy needs a head without bias (the lm_head has none)")
-    h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
-    labels_N = labels_BT.reshape(-1)
-    total = _ChunkedCrossEntropySum.apply(h_ND, head.weight, labels_N, chunk_tokens)
-    count = (labels_N != IGNORE_INDEX).sum().clamp(min=1)
-    return total / count
+def _zero_pad_row(embedding: nn.Embedding) -> None:
+    """Zero the pad row in this rank's rows of the weight (transformers' init of
+    `padding_idx`); a no-op without a pad id or on meta."""
+    pad, p = embedding.padding_idx, embedding.weight
+    if pad is None or p.is_meta:
+        return
+    first, count = init.local_rows(p)
+    if first <= pad < first + count:
+        local_tensor(p)[pad - first].zero_()

@@ -20,6 +20,8 @@ V value width, K kept keys per query, C a chunk of queries.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from models.glm.precision import work_dtype
@@ -31,11 +33,36 @@ def query_chunk(budget_bytes: int, row_bytes: int) -> int:
     return max(1, budget_bytes // max(1, row_bytes))
 
 
-def attention_row_bytes(batch: int, heads: int, key_heads: int, width: int, topk: int) -> int:
-    """float32 bytes one query row of a chunk holds at once: its gathered keys and values
-    (at most 2 x width per key head) and four [N, K] score-sized tensors (scores,
-    probabilities and, in backward, their gradients)."""
-    return batch * topk * 4 * (2 * key_heads * width + 4 * heads)
+def query_chunks(T: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """The (first, end) queries of each chunk of `chunk` queries out of T: the one loop every
+    chunked DSA function runs (its temporaries live within one step of it)."""
+    for t0 in range(0, T, chunk):
+        yield t0, min(T, t0 + chunk)
+
+
+def attention_row_bytes(
+    batch: int,
+    heads: int,
+    key_heads: int,
+    key_width: int,
+    value_width: int,
+    topk: int,
+    *,
+    separate_values: bool,
+    itemsize: int,
+) -> int:
+    """Bytes one query row of a chunk holds at once in the backward, the larger pass (the
+    forward holds a subset): the flat positions [K] (int64) and masks, the gathered keys (and
+    values) in their dtype and in float32, their float32 gradients, the [N, K] scores and
+    their gradient, the scaled query, the output gradient and dq ([N, E], [N, V]); with a key
+    per head, einsum's permuted copy of the gathered keys and values too."""
+    N, H, E, V, K = heads, key_heads, key_width, value_width, topk
+    gathered = K * H * (E + (V if separate_values else 0))
+    cast = itemsize if itemsize < 4 else 0  # the gather in the input dtype, then float32
+    row = 10 * K + gathered * (cast + 4) + 4 * K * H * (E + V) + 8 * N * K + 4 * N * (2 * E + V)
+    if H > 1:
+        row += 4 * gathered
+    return batch * row
 
 
 def gather_rows(x_BSF: torch.Tensor, flat_BCK: torch.Tensor) -> torch.Tensor:
@@ -67,8 +94,7 @@ class _SparseAttention(torch.autograd.Function):
         lse_BTN = torch.empty(B, T, N, dtype=w, device=q_BTNE.device)
         probs_BTK = torch.empty(B, T, K if want_probs else 0, dtype=w, device=q_BTNE.device)
         max_N = torch.full((N,), -torch.inf, dtype=w, device=q_BTNE.device)
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
+        for t0, t1 in query_chunks(T, chunk):
             kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
             q_s = q_BTNE[:, t0:t1].to(w) * scale  # the scale on [C, N, E], not [C, N, K]
             s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
@@ -102,8 +128,7 @@ class _SparseAttention(torch.autograd.Function):
         dv_F = None if v_BSHV is None else torch.zeros_like(dk_F[:, : H * value_dim])
         # D = rowsum(dO * O): the softmax backward's per-row term
         delta_BTN = (do_BTNV.to(w) * o_BTNV.to(w)).sum(-1)
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
+        for t0, t1 in query_chunks(T, chunk):
             kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
             q_s = q_BTNE[:, t0:t1].to(w) * scale
             do = do_BTNV[:, t0:t1].to(w)

@@ -4,11 +4,15 @@ T > K and T <= K, in chunks of any size; the chunked indexer against the plain a
 formula ([B, T, M, S] scores, top-k, KL over the masked [B, T, S] rows); the whole mla_tiny
 model (a shared layer, an MTP layer) under every `dsa_impl`, kl and frozen."""
 
+import sys
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.glm import GLMForCausalLM, get_preset
-from models.glm.indexer import Indexer, indexer_kl, kept_mask, select_topk, sparse_mask
+from models.glm.indexer import Indexer, MiB, indexer_kl, kept_mask, select_topk, sparse_mask
 from models.glm.sparse_attention import sparse_attention
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
@@ -199,3 +203,87 @@ def test_model_sparse_equals_masked(impl, seq, training):
     for name, g in ref_grads.items():
         scale = g.abs().max().item()
         torch.testing.assert_close(grads[name], g, rtol=bound, atol=bound * scale, msg=name)
+
+
+class _ChunkPeaks(TorchDispatchMode):
+    """The bytes each step of every chunk loop (`query_chunks`) makes and holds at once, by
+    the loop's site: op outputs counted once per storage until freed, from the step's start
+    (what it writes into buffers made before the loop adds nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.window = 0
+        self.refs: dict[int, int] = {}
+        self.peaks: dict[str, int] = {}
+
+    def _release(self, ptr, n):
+        self.refs[ptr] -= 1
+        if not self.refs[ptr]:
+            del self.refs[ptr]
+            self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if not isinstance(t, torch.Tensor) or not t.untyped_storage().nbytes():
+                continue
+            ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            if ptr not in self.refs:
+                self.live += n
+                self.window = max(self.window, self.live)
+            self.refs[ptr] = self.refs.get(ptr, 0) + 1
+            weakref.finalize(t, self._release, ptr, n)
+        return out
+
+    def chunks(self, original):
+        def counted(T, chunk):
+            caller = sys._getframe(1).f_code
+            site = f"{caller.co_filename.rsplit('/', 1)[-1]}:{caller.co_name}"
+            for t0, t1 in original(T, chunk):
+                start = self.window = self.live
+                yield t0, t1
+                self.peaks[site] = max(self.peaks.get(site, 0), self.window - start)
+
+        return counted
+
+
+@pytest.mark.parametrize("impl", ["latent", "per_head"])
+def test_chunk_peaks_stay_within_dsa_chunk_mib(impl, monkeypatch):
+    """dsa_chunk_mib 1 at T = 256 (each loop runs several chunks): the measured peak of one
+    chunk's temporaries in every loop, forward and backward (the indexer's top-k and kept
+    scores, the sparse attention), is within 1.25x of the budget."""
+    import models.glm.indexer as indexer_mod
+    import models.glm.sparse_attention as sparse_mod
+
+    peaks = _ChunkPeaks()
+    wrapped = peaks.chunks(sparse_mod.query_chunks)
+    monkeypatch.setattr(sparse_mod, "query_chunks", wrapped)
+    monkeypatch.setattr(indexer_mod, "query_chunks", wrapped)
+    config = get_preset(
+        "mla_tiny",
+        dsa_impl=impl,
+        dsa_chunk_mib=1,
+        index_topk=64,
+        num_mtp_layers=0,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        kv_lora_rank=64,
+        q_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        index_n_heads=8,
+        index_head_dim=32,
+    )
+    model = GLMForCausalLM(config)
+    model.init_weights(0)
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))
+    with peaks:
+        terms = model(ids, ids.roll(-1, 1))
+        (terms["loss"] + terms["indexer_kl"]).backward()
+    sites = {"indexer.py:select_topk", "indexer.py:forward", "indexer.py:backward"}
+    sites |= {"sparse_attention.py:forward", "sparse_attention.py:backward"}
+    assert set(peaks.peaks) == sites
+    for site, peak in peaks.peaks.items():
+        assert peak <= 1.25 * MiB, (site, peak / MiB)

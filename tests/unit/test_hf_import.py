@@ -238,7 +238,7 @@ def test_glm_moe_dsa_config_mapping():
         assert hf["model_type"] == "glm_moe_dsa" and hf["head_dim"] == config.qk_rope_head_dim
         assert config_from_hf(json.loads(json.dumps(hf))) == config
     hf = config_to_hf(get_preset("mla_tiny", indexer_types=["full", "shared", "shared"]))
-    del hf["indexer_types"]
+    del hf["indexer_types"], hf["layer_types"]  # per layer: 3 entries
     hf.update(index_topk_freq=2, index_skip_topk_offset=1, num_hidden_layers=5)
     hf["mlp_layer_types"] = ["dense"] + ["sparse"] * 4
     transformers = pytest.importorskip("transformers")

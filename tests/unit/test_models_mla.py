@@ -2,6 +2,8 @@
 GlmMoeDsaForCausalLM (the in-memory state dict loaded in-process), the sparsity matters, and
 bad MLA / DSA combinations fail at construction naming the field."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,6 +69,7 @@ def _theirs(c: GLMConfig):
         max_position_embeddings=c.max_position_embeddings,
         rope_parameters=rope,
         rms_norm_eps=c.rms_norm_eps,
+        pad_token_id=c.pad_token_id,
     )
     hf._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -206,3 +209,29 @@ def test_dense_mla_without_q_lora():
     assert model.num_parameters() == config.expected_num_parameters()
     assert hasattr(model.model.layers[0].self_attn, "q_proj")
     assert model(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, 256)
+
+
+def test_pad_row_as_transformers_builds_it():
+    """With pad_token_id set (GLM-5.2: its first eos id) the embedding's pad row starts at zero
+    and takes no gradient, in our model as in transformers' GlmMoeDsaForCausalLM; the other
+    rows the batch reads do."""
+    pad = 7
+    config = dataclasses.replace(_ours(), pad_token_id=pad)
+    theirs = _theirs(config)
+    ours = GLMForCausalLM(config)
+    ours.init_weights(0)
+    assert not ours.model.embed_tokens.weight[pad].any()
+    ids = torch.randint(0, config.vocab_size, (2, T), generator=torch.Generator().manual_seed(3))
+    ids[:, ::3] = pad
+    their_embed = transformers.GlmMoeDsaForCausalLM(theirs.config).model.embed_tokens
+    assert their_embed.padding_idx == pad and not their_embed.weight[pad].any()
+    _load_theirs(ours, theirs)
+    for model in (ours, theirs):
+        model.zero_grad()
+        out = model(ids)
+        (out if isinstance(out, torch.Tensor) else out.logits).square().mean().backward()
+    for model in (ours, theirs):
+        grad = model.model.embed_tokens.weight.grad
+        assert not grad[pad].any() and grad[ids[0, 1]].abs().max() > 0
+    with pytest.raises(ValueError, match=r"GLMConfig\.pad_token_id \(256\) must be < vocab"):
+        dataclasses.replace(config, pad_token_id=256)

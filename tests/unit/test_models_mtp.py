@@ -5,8 +5,11 @@ the KL and leaves the main model's gradients as in frozen mode."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.glm import GLMForCausalLM, get_preset
+from models.glm.layers import RMSNorm, rope_cos_sin
+from models.glm.model import IGNORE_INDEX, DecoderLayer
 from muon import Muon, param_groups
 
 SEQ = 40  # > mla_tiny's index_topk (16): the attention is sparse
@@ -155,11 +158,12 @@ def test_kl_mode_lowers_kl_and_keeps_main_gradients():
 
 
 def test_mtp_depths_share_one_layer_like_separate_copies():
-    """mtp_depths 3 on one MTP layer (GLM-5's training) against three MTP layers holding the
+    """mtp_depths 3 on one MTP layer without top-k reuse against three MTP layers holding the
     same weights: the same per-depth losses, and the shared layer's gradient is the sum of
     the three copies' (float32: equal up to the order of that 3-term sum and of the
     accumulations into shared tensors, bounded by 8 ulps of the largest entry)."""
-    shared = _model("mla_tiny", num_mtp_layers=1, mtp_depths=3)
+    # Each depth runs its own indexer, as each copy does (no top-k reuse across depths).
+    shared = _model("mla_tiny", num_mtp_layers=1, mtp_depths=3, index_share_for_mtp_iteration=False)
     copies = _model("mla_tiny", num_mtp_layers=3)
     assert len(shared.model.mtp_layers) == 1
     state = {k: v for k, v in shared.state_dict().items() if "mtp_layers" not in k}
@@ -196,3 +200,89 @@ def test_mtp_depths_need_one_layer_or_one_per_depth():
         get_preset("mla_tiny", num_mtp_layers=2, mtp_depths=3)
     assert get_preset("mla_tiny", num_mtp_layers=2).mtp_depths_resolved == 2
     assert get_preset("mla_tiny", num_mtp_layers=0).mtp_depths_resolved == 0
+
+
+def _xtuner_order_terms(model: GLMForCausalLM, x, y) -> dict[str, torch.Tensor]:
+    """The objective's terms written out in the order of InternLM xtuner's GLM-5.2 forward
+    (b934f4620: `moe.py` hands the MTP block the hidden state before the final norm;
+    `mtp_layer.py` ends each depth with `final_layernorm`, our shared_head.norm; `mtp_block.py`
+    feeds that output to the next depth; `dsa_topk_sharing.py` reuses depth 1's top-k at the
+    later depths of the one shared layer), from the model's modules and the plain
+    cross-entropy over the full logits."""
+    c, m = model.config, model.model
+    T = x.shape[1]
+    cos, sin = rope_cos_sin(T, c.rotary_dim, c.rope_theta, x.device, c.rope_scaling)
+    h, topk, kls = m.embed_tokens(x), None, []
+    for layer in m.layers:
+        h, topk, kl = layer(h, cos, sin, topk if layer.self_attn.indexer is None else None, True)
+        kls += [kl] if kl is not None else []
+
+    def ce(hidden, target):
+        logits = model.lm_head(hidden).flatten(0, 1)
+        return F.cross_entropy(logits, target.flatten(), ignore_index=IGNORE_INDEX)
+
+    terms = {"loss": ce(m.norm(h), y)}
+    mtp, layer, depth1_topk = [], m.mtp_layers[0], None
+    for k in range(1, c.mtp_depths_resolved + 1):
+        emb = m.embed_tokens(x.roll(-k, dims=1))
+        proj = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], -1))
+        out, topk, kl = DecoderLayer.forward(layer, proj, cos, sin, depth1_topk, True)
+        depth1_topk = topk if k == 1 else depth1_topk
+        kls += [kl] if kl is not None else []
+        h = layer.shared_head.norm(out)  # final_layernorm: to lm_head and to the next depth
+        target = y.roll(-k, dims=1)
+        target[:, T - k :] = IGNORE_INDEX
+        mtp.append(ce(h, target))
+    terms["mtp_loss"] = torch.stack(mtp).mean()
+    terms.update({f"mtp_loss/depth_{k}": v for k, v in enumerate(mtp, 1)})
+    terms["indexer_kl"] = torch.stack(kls).mean()
+    return terms
+
+
+def test_mtp_depths_chain_as_xtuner_share_weights():
+    """Three depths on GLM-5.2's one MTP layer (`index_share_for_mtp_iteration`, the default)
+    against the xtuner-order reference above: every loss term and every parameter's gradient.
+    float64, with norm weights away from 1 (as trained ones are, so that a norm left out or
+    applied twice shows): the two sides run the same operations except the cross-entropy's
+    (chunked vs over the full [T, V] logits: sums of at most V + T terms in another order,
+    <= (V + T) 2^-53 relative each, below 1e-13 here), so they agree within 1e-12."""
+    model = _model("mla_tiny", num_mtp_layers=1, mtp_depths=3, loss_chunk_tokens=16).double()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=g) + 0.5)
+    x, y = _batch(6)
+    assert model.config.index_topk < SEQ  # depth 1's kept keys are a real choice
+    grads = []
+    for terms_of in (lambda: model(x, y), lambda: _xtuner_order_terms(model, x, y)):
+        model.zero_grad()
+        terms = terms_of()
+        _objective(terms, 0.3).backward()
+        grads.append((terms, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ours, g_ours), (ref, g_ref) = grads
+    for key in ("loss", "mtp_loss", "indexer_kl", *(f"mtp_loss/depth_{k}" for k in (1, 2, 3))):
+        torch.testing.assert_close(ours[key], ref[key].detach(), rtol=1e-12, atol=0, msg=key)
+    for name, grad in g_ref.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(g_ours[name], grad, rtol=0, atol=1e-12 * scale, msg=name)
+
+
+def test_later_mtp_depths_attend_depth_1s_keys():
+    """With top-k reuse the MTP layer's indexer runs once (depth 1) and every depth attends
+    the same kept keys; without it, it runs at every depth and picks other keys (T > K)."""
+    x, y = _batch(7)
+    picked = {}
+    for share in (True, False):
+        model = _model(
+            "mla_tiny", num_mtp_layers=1, mtp_depths=3, index_share_for_mtp_iteration=share
+        )
+        attn, runs, seen = model.model.mtp_layers[0].self_attn, [], []
+        attn.indexer.register_forward_hook(lambda mod, args, out, runs=runs: runs.append(out))
+        attn.register_forward_hook(lambda mod, args, out, seen=seen: seen.append(out[1]))
+        with torch.no_grad():
+            model(x, y)
+        assert len(runs) == (1 if share else 3) and len(seen) == 3
+        picked[share] = seen
+    assert all(torch.equal(t, picked[True][0]) for t in picked[True])
+    assert not torch.equal(picked[False][1], picked[False][0])

@@ -113,7 +113,7 @@ def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
         h = torch.randn(B, T, config.hidden_size, dtype=dtype, requires_grad=True)
         out = []
 
-        def run(layer=layer, h=h, topk=topk, out=out):
+        def run(layer=layer, h=h, topk=topk if layer.reads_topk else None, out=out):
             out.append(layer(h, cos, sin, topk, kl))
 
         got = _saved_bytes(run, params)
@@ -127,7 +127,7 @@ def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
 
     def mtp_step():
         emb = model.model.embed_tokens(ids)
-        _, normed, _ = mtp(h, emb, cos, sin, kl)
+        normed, _, _ = mtp(h, emb, cos, sin, None, kl)
         chunked_cross_entropy(model.lm_head, normed, target, chunk_tokens=20)
 
     got = _saved_bytes(mtp_step, params)
@@ -156,7 +156,7 @@ def test_gqa_mtp_layer_bytes_match_autograd(dtype):
 
     def mtp():
         emb = model.model.embed_tokens(ids[:, :-1].roll(-1, dims=1))
-        _, normed, _ = model.model.mtp_layers[0](h, emb, cos, sin)
+        normed, _, _ = model.model.mtp_layers[0](h, emb, cos, sin)
         chunked_cross_entropy(model.lm_head, normed, ids[:, 1:].reshape(B, T), chunk_tokens=20)
 
     got = _saved_bytes(mtp, [*model.parameters(), cos, sin])
@@ -170,7 +170,11 @@ def test_gqa_mtp_layer_bytes_match_autograd(dtype):
 def test_planner_counts_one_mtp_run_and_head_per_depth():
     """mtp_depths 3 on one MTP layer: three runs of that layer and four loss heads (one
     cross-entropy chunk recomputed at a time), against one depth."""
-    from recipes.step_memory import estimate_step_memory, layer_activation_bytes
+    from recipes.step_memory import (
+        estimate_step_memory,
+        indexer_kl_bytes_per_token,
+        layer_activation_bytes,
+    )
 
     def estimate(**overrides):
         model = GLMForCausalLM(get_preset("mla_tiny", **overrides))
@@ -185,8 +189,13 @@ def test_planner_counts_one_mtp_run_and_head_per_depth():
     _, three = estimate(mtp_depths=3)
     N = config.num_hidden_layers
     mtp_layer = layer_activation_bytes(config, N, True, 2, 1, 2, 32)
+    # Depths 2 and 3 attend depth 1's kept keys (index_share_for_mtp_iteration): they run no
+    # indexer, so they save none of its KL's tensors.
+    reused = mtp_layer - 64 * indexer_kl_bytes_per_token(config, 2, 32)
     got = three.parts["activations (all layers)"] - one.parts["activations (all layers)"]
-    assert got == 2 * mtp_layer
+    assert got == 2 * reused
     assert three.parts["loss head activations"] * 2 == one.parts["loss head activations"] * 4
     chunk = "loss head chunk (recomputed)"
-    assert three.parts[chunk] == one.parts[chunk] == 64 * config.vocab_size * (4 + 2)
+    # One chunk's logits (bf16 and float32) and the float32 sum of lm_head's weight gradient.
+    want = 64 * config.vocab_size * (4 + 2) + 4 * config.vocab_size * config.hidden_size
+    assert three.parts[chunk] == one.parts[chunk] == want
