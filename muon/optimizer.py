@@ -65,6 +65,7 @@ from muon.validate import (
     ADJUST_LR,
     MUON_ONLY_KEYS,
     NS_DTYPES,
+    PER_BLOCK_STATE,
     check_group_keys,
     check_loaded_groups,
     check_options,
@@ -76,6 +77,17 @@ from muon.validate import (
 )
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
+
+
+def _without_per_block_state(state_dict: dict) -> tuple[dict, dict]:
+    """`state_dict` without its per-block state tensors (`muon.validate.PER_BLOCK_STATE`), and
+    those tensors by saved parameter id; the input is not changed."""
+    kept: dict = {}
+    state = {}
+    for i, st in state_dict.get("state", {}).items():
+        kept[i] = {k: v for k, v in st.items() if k in PER_BLOCK_STATE and torch.is_tensor(v)}
+        state[i] = {k: v for k, v in st.items() if k not in kept[i]}
+    return {**state_dict, "state": state}, kept
 
 
 class Muon(torch.optim.Optimizer):
@@ -235,7 +247,15 @@ class Muon(torch.optim.Optimizer):
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
         loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)
+        # torch's load casts floating state to the parameter's dtype; per-block state (NorMuon's
+        # moments) is float32 whatever the parameters': loaded apart, at its own dtype
+        state_dict, kept = _without_per_block_state(state_dict)
         super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            for key, value in kept.get(i, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
         for g, checked in zip(self.param_groups, loaded, strict=True):
             # what was checked is what is loaded: saved values over current ones, normalized
             g.clear()
