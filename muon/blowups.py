@@ -78,7 +78,7 @@ class GramBlowups:
             if not count or b in self.demoted:
                 continue
             self.demoted.add(b)
-            names = [_name(*params[i], param_groups) for i in b.param_indices]
+            names = [param_name(*params[i], param_groups) for i in b.param_indices]
             warnings.warn(
                 f"Muon: Gram Newton-Schulz left its band on {count} block(s) of shape "
                 f"{b.block_shape} of the batch of {', '.join(names)}; the update of the "
@@ -89,7 +89,7 @@ class GramBlowups:
             )
 
 
-def _name(p: torch.Tensor, gi: int, param_groups: list[dict]) -> str:
+def param_name(p: torch.Tensor, gi: int, param_groups: list[dict]) -> str:
     """A parameter's name when its group lists names, else its shape."""
     g = param_groups[gi]
     names = g.get("param_names")

@@ -47,10 +47,11 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from muon import normuon, phases, update
 from muon.blocks import orthogonalize as _orthogonalize
-from muon.blowups import GramBlowups
+from muon.blowups import GramBlowups, param_name as _name
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
@@ -88,6 +89,32 @@ def _without_per_block_state(state_dict: dict) -> tuple[dict, dict]:
         kept[i] = {k: v for k, v in st.items() if k in PER_BLOCK_STATE and torch.is_tensor(v)}
         state[i] = {k: v for k, v in st.items() if k not in kept[i]}
     return {**state_dict, "state": state}, kept
+
+
+def _warn_refused(names: list[str], why: str) -> None:
+    """One warning for one step's refused updates (`muon.guard`: what a refusal leaves)."""
+    warnings.warn(
+        f"Muon: the update of {', '.join(names)} {why} and was refused on every rank: the "
+        "parameter kept its value, its optimizer state moved; the step is marked skipped",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _verdict_groups(plan) -> dict:
+    """Per sharded mesh plan, the process group whose ranks hold every shard of its parameters
+    and agree on their verdicts (`muon.phases.check`): the FSDP group, or with an EP dim the
+    whole mesh, which is the default group (every rank is in every parameter's mesh,
+    `muon.planner`). None (no agreement needed: every rank holds the whole parameter) for
+    unsharded meshes and a single process."""
+    ranks = dist.is_initialized() and dist.get_world_size() > 1
+    if not ranks or dist.get_backend() == "fake":
+        return {}
+    return {
+        mp: dist.group.WORLD if mp.ep_mesh_dim is not None else plan.groups[(mp, 0)]
+        for mp, _ in plan.plans
+        if mp.sharded
+    }
 
 
 class Muon(torch.optim.Optimizer):
@@ -210,6 +237,7 @@ class Muon(torch.optim.Optimizer):
         self.memory_budget = memory_budget
         super().__init__(params, defaults)
         self._skipped_on_host = 0  # steps the census skipped, and update skips already read
+        self._refused_on_host = 0  # parameter updates refused, learnt so far
         self._census_skipped = False
         self._unfit: SkipFlag | None = None  # this step's update verdict, still on the device
         self._unfit_earlier: torch.Tensor | None = None  # earlier steps' verdicts, summed
@@ -371,6 +399,9 @@ class Muon(torch.optim.Optimizer):
         self._census = GradCensus()
         self._chunks = prepare_chunks(self.plan, self.param_groups)
         self._blowups = GramBlowups(self.plan)
+        self._verdict_groups = _verdict_groups(self.plan)
+        #: the last update's (batch, chunk, written verdicts), read by the next census
+        self._refusals: list[tuple] = []
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -394,10 +425,16 @@ class Muon(torch.optim.Optimizer):
                 prior = self._unfit_earlier
                 self._unfit_earlier = flag if prior is None else prior + flag
             self._unfit = None
-        # the census also carries the previous step's Gram blow-up counts (`muon.blowups`)
-        counters = self._blowups.counts
-        finite, self._gradless, blown = self._census(self.param_groups, counters)
-        self._blowups.demote(blown, self.param_groups, self.plan.params)
+        # the census also carries the previous update's Gram blow-up counts (`muon.blowups`)
+        # and its refusals, one flag per parameter position of every chunk
+        counters = [self._blowups.counts] if self._blowups.counts is not None else []
+        refusals, self._refusals = self._refusals, []
+        counters += [(~ok).to(torch.int32) for _, _, ok in refusals]
+        extra = torch.cat(counters) if counters else None
+        finite, self._gradless, counts = self._census(self.param_groups, extra)
+        n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
+        self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params)
+        self._learn_refusals(refusals, counts[n_blown:])
         self._census_skipped = not finite
         if not finite:
             self._skipped_on_host += 1
@@ -407,6 +444,32 @@ class Muon(torch.optim.Optimizer):
         self._unfit = SkipFlag(self._updates_ok, self._adamw_unfit)
         return loss
 
+    @property
+    def refused_updates(self) -> int:
+        """Parameter updates refused so far (`muon.guard`: each parameter of each step whose
+        update could not be written, on every rank holding it). The next step's census learns
+        them without a read of its own (and warns, naming them); asked before that, the last
+        update's are read here (one read: the verdicts were agreed on every rank holding each
+        parameter, so this rank's are the parameters'). AdamW's are counted at once."""
+        if self._refusals:
+            refusals, self._refusals = self._refusals, []
+            flags = torch.cat([(~ok).to(torch.int32) for _, _, ok in refusals])
+            self._learn_refusals(refusals, flags.tolist())
+        return self._refused_on_host
+
+    def _learn_refusals(self, refusals: list, counts: list[int]) -> None:
+        """Count and name the parameters the previous update refused (`counts`, the census's
+        all-reduced flags, one per position of each of its chunks), in one warning."""
+        names, flat = [], iter(counts)
+        for b, chunk, _ in refusals:
+            for j in chunk.positions:
+                if next(flat):
+                    names.append(_name(*self.plan.params[b.param_indices[j]], self.param_groups))
+        if names:
+            self._refused_on_host += len(names)
+            why = "could not be written in its dtype, or a Gram Newton-Schulz block left its band"
+            _warn_refused(names, why)
+
     @torch.no_grad()
     def update(self, *, timed: bool = True) -> None:
         """The step after the census, on the gradients as they are: AdamW groups, then every
@@ -415,6 +478,7 @@ class Muon(torch.optim.Optimizer):
         timing events, which a graph cannot record: `step_stats` then times on the host). The
         verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
         self._updates_ok: list[torch.Tensor] = []
+        self._refusals = []
         self._adamw_unfit = False
         self._blowups.reset()
         for g in self.param_groups:
@@ -434,6 +498,15 @@ class Muon(torch.optim.Optimizer):
         big = {p.dtype for p in params if g["lr"] / (1 - beta1) > torch.finfo(p.dtype).max}
         if big:
             self._adamw_unfit = True  # the same on every rank: hyperparameters and dtypes
+            names = g.get("param_names") or [f"shape {tuple(p.shape)}" for p in g["params"]]
+            refused = [
+                n
+                for p, n in zip(g["params"], names, strict=True)
+                if p.grad is not None and p.dtype in big
+            ]
+            self._refused_on_host += len(refused)
+            why = f"(AdamW, lr / (1 - beta1) = {g['lr'] / (1 - beta1):.3g}) cannot be written"
+            _warn_refused(refused, why)
             params = [p for p in params if p.dtype not in big]
         update.adamw_group_(
             params,
@@ -489,13 +562,19 @@ class Muon(torch.optim.Optimizer):
             yield
             stats.wait(ex.work)
             ex.work = None
-        # 5. apply the returned shards
+        # 5. check the returned shards; the ranks holding the parameters' shards agree
         shards = path.returned(b, ex, slots)
         stacked = partial(path.stacked, b, ex)
-        gradless, verdicts = self._gradless, self._updates_ok
-        phases.apply_(
-            params, shards, b, chunk, r, stacked=stacked, gradless=gradless, verdicts=verdicts
-        )
+        pending = phases.check(params, shards, b, chunk, stacked=stacked, gradless=self._gradless)
+        del shards
+        agree = self._verdict_groups.get(mp)
+        if agree is not None:
+            work = dist.all_reduce(pending.bad, op=dist.ReduceOp.MAX, group=agree, async_op=True)
+            yield
+            stats.wait(work)
+        # 6. write them, or none of a parameter refused on any rank
+        phases.write_(pending, b, chunk, r, self._updates_ok)
+        self._refusals.append((b, chunk, self._updates_ok[-1]))
 
     def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
