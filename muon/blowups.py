@@ -58,6 +58,26 @@ class GramBlowups:
         if self.counts is not None:
             self.counts.zero_()
 
+    def restore(self, param_groups: list[dict], params: list, state) -> None:
+        """Demote the batches holding a parameter whose state says `gram_demoted` (a loaded
+        state dict's, or one learnt under an earlier plan): one read of the flags, at planning
+        or load, never in a step. Silent: the warning was given when it was learnt."""
+        if not self.batches:
+            return
+        flags = [
+            state[params[i][0]].get("gram_demoted") for b in self.batches for i in b.param_indices
+        ]
+        known = [f for f in flags if f is not None]
+        if not known:
+            return
+        values = iter(torch.stack([f.to(self.counts.device) for f in known]).tolist())
+        marked = [f is not None and next(values) for f in flags]
+        at = 0
+        for b in self.batches:
+            if any(marked[at : at + len(b.param_indices)]):
+                self.demoted.add(b)
+            at += len(b.param_indices)
+
     def algorithm(self, b, algorithm: str) -> str:
         """The iteration batch `b` asks Newton-Schulz for: "standard" once it was demoted."""
         return "standard" if b in self.demoted else algorithm
@@ -71,13 +91,16 @@ class GramBlowups:
             return None
         return self._views[k]
 
-    def demote(self, counts: list[int], param_groups: list[dict], params: list) -> None:
+    def demote(self, counts: list[int], param_groups: list[dict], params: list, state) -> None:
         """Demote the batches whose count (summed over ranks: `counts`, read by the census) is
-        not 0, warning once for each; `params` is the plan's (parameter, group index) list."""
+        not 0, warning once for each, and mark their parameters' state `gram_demoted` (so a
+        state dict keeps it); `params` is the plan's (parameter, group index) list."""
         for b, count in zip(self.batches, counts, strict=True):
             if not count or b in self.demoted:
                 continue
             self.demoted.add(b)
+            for i in b.param_indices:
+                state[params[i][0]]["gram_demoted"].fill_(True)
             names = [param_name(*params[i], param_groups) for i in b.param_indices]
             warnings.warn(
                 f"Muon: Gram Newton-Schulz left its band on {count} block(s) of shape "

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from muon import normuon, phases, update
 from muon.blocks import orthogonalize as _orthogonalize
-from muon.blowups import GramBlowups, param_name as _name
+from muon.blowups import GramBlowups, param_name
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
@@ -66,7 +66,7 @@ from muon.validate import (
     ADJUST_LR,
     MUON_ONLY_KEYS,
     NS_DTYPES,
-    PER_BLOCK_STATE,
+    OWN_DTYPE_STATE,
     check_group_keys,
     check_loaded_groups,
     check_options,
@@ -80,13 +80,13 @@ from muon.validate import (
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
 
 
-def _without_per_block_state(state_dict: dict) -> tuple[dict, dict]:
-    """`state_dict` without its per-block state tensors (`muon.validate.PER_BLOCK_STATE`), and
-    those tensors by saved parameter id; the input is not changed."""
+def _without_own_dtype_state(state_dict: dict) -> tuple[dict, dict]:
+    """`state_dict` without its state tensors of their own dtype (`muon.validate.
+    OWN_DTYPE_STATE`), and those tensors by saved parameter id; the input is not changed."""
     kept: dict = {}
     state = {}
     for i, st in state_dict.get("state", {}).items():
-        kept[i] = {k: v for k, v in st.items() if k in PER_BLOCK_STATE and torch.is_tensor(v)}
+        kept[i] = {k: v for k, v in st.items() if k in OWN_DTYPE_STATE and torch.is_tensor(v)}
         state[i] = {k: v for k, v in st.items() if k not in kept[i]}
     return {**state_dict, "state": state}, kept
 
@@ -275,21 +275,25 @@ class Muon(torch.optim.Optimizer):
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
         loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)
-        # torch's load casts floating state to the parameter's dtype; per-block state (NorMuon's
-        # moments) is float32 whatever the parameters': loaded apart, at its own dtype
-        state_dict, kept = _without_per_block_state(state_dict)
+        # torch's load casts every state tensor to the parameter's dtype; NorMuon's moments
+        # (float32) and the demotion flags (bool) keep theirs: loaded apart
+        state_dict, kept = _without_own_dtype_state(state_dict)
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params, strict=True):
             for key, value in kept.get(i, {}).items():
-                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+                dtype = OWN_DTYPE_STATE[key]
+                self.state[p][key] = value.to(device=local(p).device, dtype=dtype, copy=True)
         for g, checked in zip(self.param_groups, loaded, strict=True):
             # what was checked is what is loaded: saved values over current ones, normalized
             g.clear()
             g.update(checked)
+        self._init_state()  # keys an older state dict lacks
         if plan_keys(self.param_groups) != before:
             self._plan()
+        else:  # the loaded demotions (`muon.blowups`)
+            self._blowups.restore(self.param_groups, self.plan.params, self.state)
 
     def _check_params_unchanged(self) -> None:
         """Parameters appended to (or removed from) a group's list after planning would be
@@ -347,11 +351,14 @@ class Muon(torch.optim.Optimizer):
         """Create every parameter's state now, so all ranks have the same checkpoint keys."""
         for g in self.param_groups:
             for p in g["params"]:
-                st = self.state[p]
+                st, device = self.state[p], local(p).device
                 if g["algorithm"] == "muon":
                     st.setdefault("momentum_buffer", torch.zeros_like(p))
+                    # learnt by the census (`muon.blowups`); a plain tensor, the same on every
+                    # rank, so it reshards with the rest of the state
+                    st.setdefault("gram_demoted", torch.zeros((), dtype=torch.bool, device=device))
                 else:  # on the parameter's device, as torch.optim's fused AdamW keeps it
-                    st.setdefault("step", torch.zeros((), device=local(p).device))
+                    st.setdefault("step", torch.zeros((), device=device))
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))
 
@@ -399,6 +406,7 @@ class Muon(torch.optim.Optimizer):
         self._census = GradCensus()
         self._chunks = prepare_chunks(self.plan, self.param_groups)
         self._blowups = GramBlowups(self.plan)
+        self._blowups.restore(self.param_groups, self.plan.params, self.state)
         self._verdict_groups = _verdict_groups(self.plan)
         #: the last update's (batch, chunk, written verdicts), read by the next census
         self._refusals: list[tuple] = []
@@ -433,7 +441,7 @@ class Muon(torch.optim.Optimizer):
         extra = torch.cat(counters) if counters else None
         finite, self._gradless, counts = self._census(self.param_groups, extra)
         n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
-        self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params)
+        self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params, self.state)
         self._learn_refusals(refusals, counts[n_blown:])
         self._census_skipped = not finite
         if not finite:
@@ -464,7 +472,8 @@ class Muon(torch.optim.Optimizer):
         for b, chunk, _ in refusals:
             for j in chunk.positions:
                 if next(flat):
-                    names.append(_name(*self.plan.params[b.param_indices[j]], self.param_groups))
+                    p, gi = self.plan.params[b.param_indices[j]]
+                    names.append(param_name(p, gi, self.param_groups))
         if names:
             self._refused_on_host += len(names)
             why = "could not be written in its dtype, or a Gram Newton-Schulz block left its band"

@@ -98,8 +98,9 @@ def check(
         for k, flag in zip(members, unfit.unbind(), strict=True):
             flags[k] = flag
     device = local(params[0][0]).device
-    if all(f is None for f in flags):
-        return Pending(torch.zeros(len(params), dtype=torch.uint8, device=device), groups, False, None)
+    if all(f is None for f in flags):  # nothing written here: nothing bad here
+        bad = torch.zeros(len(params), dtype=torch.uint8, device=device)
+        return Pending(bad, groups, False, None)
     none = torch.zeros((), dtype=torch.bool, device=device)
     bad = torch.stack([none if f is None else f for f in flags]).to(torch.uint8)
     return Pending(bad, groups, False, None)

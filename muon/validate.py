@@ -311,6 +311,11 @@ def _normalize_splits(g: dict, labels: list[str]) -> None:
 
 #: optimizer state kept per block rather than per element (`muon.normuon`)
 PER_BLOCK_STATE: tuple[str, ...] = ("normuon_v",)
+#: optimizer state of one value per parameter: whether its batch was demoted from Gram
+#: Newton-Schulz to the standard iteration (`muon.blowups`)
+SCALAR_STATE: tuple[str, ...] = ("gram_demoted",)
+#: state whose dtype is its own, not the parameter's (torch's load would cast it): its dtype
+OWN_DTYPE_STATE: dict[str, torch.dtype] = {"normuon_v": torch.float32, "gram_demoted": torch.bool}
 #: group keys the step plan is built from (`muon.planner.build_step_plan`)
 PLAN_KEYS: tuple[str, ...] = (
     "algorithm",
@@ -393,6 +398,8 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
                 if key == "step" or not torch.is_tensor(value):
                     continue
                 expected, what = tuple(p.shape), "the parameter"
+                if key in SCALAR_STATE:
+                    expected, what = (), "one value per parameter"
                 if key in PER_BLOCK_STATE:  # one row per block, not the parameter's shape
                     expected = normuon_state_shape(tuple(p.shape), group)
                     what = (
