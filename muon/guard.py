@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from muon.planner import comm_device
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def fit(alpha: float, dtype: torch.dtype) -> float:
     """`alpha` clamped to the range of `dtype`, so that torch accepts it as a scale. Only a
@@ -51,17 +53,25 @@ def slot_peaks(U_S: torch.Tensor) -> torch.Tensor:
 
 def fits(X: list, u_peaks: torch.Tensor, lr: float, decay: float) -> torch.Tensor:
     """Whether each parameter of `X` (one dtype) can be written as `X * decay - lr * U` with
-    `U`'s largest magnitudes `u_peaks`: bool `[len(X)]`. The value written is bounded by
-    max|X| * decay + lr * max|U| (in float32, as the check is made), which must not pass the
-    dtype's largest value, so no entry written is ever infinite (a float16 parameter at 40000
-    with lr * |U| = 65000 is refused, though lr * |U| alone fits); NaN anywhere fails. An lr
-    past the dtype's range cannot scale a non-zero update in that dtype (`fit` would clamp it
-    and write a smaller update): such an update is refused, a zero one passes."""
-    top = torch.finfo(X[0].dtype).max
-    x_peaks = peaks(X)
-    if abs(lr) > top:
-        return (u_peaks == 0) & (x_peaks * decay <= top)
-    return x_peaks * decay + u_peaks * abs(lr) <= top
+    `U`'s largest magnitudes `u_peaks`: bool `[len(X)]`; NaN fails. float16 (largest value
+    65504, which a weight can reach): the value written, bounded by max|X| * decay + lr * max|U|
+    in float32, must fit, so no entry written is ever infinite (a parameter at 40000 with
+    lr * |U| = 65000 is refused, though lr * |U| alone fits). Wider dtypes (3.4e38, beyond any
+    weight): lr * max|U| must fit (reading every parameter for its largest entry would cost
+    the step a pass over the weights). An lr past the dtype's range cannot scale a non-zero
+    update in that dtype (`fit` would clamp it and write a smaller update): such an update is
+    refused, a zero one passes."""
+    top, lr = torch.finfo(X[0].dtype).max, abs(lr)
+    if X[0].dtype == torch.float16:
+        x_peaks = peaks(X)
+        if lr > top:
+            return (u_peaks == 0) & (x_peaks * decay <= top)
+        return torch.add(u_peaks * lr, x_peaks, alpha=decay) <= top
+    if lr > top:
+        return u_peaks == 0
+    # u * lr <= top in one compare; at most float32's largest value, so inf (and NaN) fail
+    # even where lr * inf would be NaN (lr 0)
+    return u_peaks <= (min(top / lr, FLOAT32_MAX) if lr else FLOAT32_MAX)
 
 
 def decay_(X: list, ok: torch.Tensor, decay: float) -> None:
@@ -73,10 +83,10 @@ def decay_(X: list, ok: torch.Tensor, decay: float) -> None:
     0.99609, twice the decay, and 0.9999 to 1.0, none.)"""
     if decay == 1.0:
         return
-    math_dtype = torch.float64 if X[0].dtype == torch.float64 else torch.float32
-    factor = torch.full_like(ok, decay, dtype=math_dtype)
-    scale = torch.where(ok, factor, 1.0).view(-1, 1).unbind()
-    torch._foreach_mul_(X, list(scale))
+    scale = torch.where(ok, decay, 1.0)  # float32: Python scalars take the default dtype
+    if X[0].dtype == torch.float64:
+        scale = torch.where(ok, torch.tensor(decay, dtype=torch.float64), 1.0)
+    torch._foreach_mul_(X, list(scale.view(-1, 1).unbind()))
 
 
 def zero_unfit_(U: list, ok: torch.Tensor) -> None:
@@ -87,9 +97,9 @@ def zero_unfit_(U: list, ok: torch.Tensor) -> None:
         u.masked_fill_(unfit, 0)
 
 
-def zero_unfit_slots_(U_S: torch.Tensor, ok_S: torch.Tensor) -> None:
-    """Zeros in place of the slots of `U_S` that are not `ok_S` (`[S]`), in one op."""
-    U_S.masked_fill_(~ok_S.view(-1, *(1 for _ in U_S.shape[1:])), 0)
+def zero_unfit_slots_(U_S: torch.Tensor, unfit_S: torch.Tensor) -> None:
+    """Zeros in place of the slots of `U_S` that `unfit_S` (`[S]`) marks, in one op."""
+    U_S.masked_fill_(unfit_S.view(-1, *(1 for _ in U_S.shape[1:])), 0)
 
 
 class SkipFlag:

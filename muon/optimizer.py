@@ -437,12 +437,13 @@ class Muon(torch.optim.Optimizer):
         # and its refusals, one flag per parameter position of every chunk
         counters = [self._blowups.counts] if self._blowups.counts is not None else []
         refusals, self._refusals = self._refusals, []
-        counters += [(~ok).to(torch.int32) for _, _, ok in refusals]
+        counters += [ok for _, _, ok in refusals]  # bool, widened by the cat
         extra = torch.cat(counters) if counters else None
         finite, self._gradless, counts = self._census(self.param_groups, extra)
         n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
         self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params, self.state)
-        self._learn_refusals(refusals, counts[n_blown:])
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        self._learn_refusals(refusals, counts[n_blown:], ranks)
         self._census_skipped = not finite
         if not finite:
             self._skipped_on_host += 1
@@ -461,17 +462,17 @@ class Muon(torch.optim.Optimizer):
         parameter, so this rank's are the parameters'). AdamW's are counted at once."""
         if self._refusals:
             refusals, self._refusals = self._refusals, []
-            flags = torch.cat([(~ok).to(torch.int32) for _, _, ok in refusals])
-            self._learn_refusals(refusals, flags.tolist())
+            self._learn_refusals(refusals, torch.cat([ok for _, _, ok in refusals]).tolist(), 1)
         return self._refused_on_host
 
-    def _learn_refusals(self, refusals: list, counts: list[int]) -> None:
-        """Count and name the parameters the previous update refused (`counts`, the census's
-        all-reduced flags, one per position of each of its chunks), in one warning."""
-        names, flat = [], iter(counts)
+    def _learn_refusals(self, refusals: list, written: list[int], ranks: int) -> None:
+        """Count and name the parameters the previous update refused, in one warning:
+        `written`, one count per position of each of its chunks, is how many of `ranks` wrote
+        it (the census's sum of the agreed verdicts: all of them, or none)."""
+        names, flat = [], iter(written)
         for b, chunk, _ in refusals:
             for j in chunk.positions:
-                if next(flat):
+                if next(flat) < ranks:
                     p, gi = self.plan.params[b.param_indices[j]]
                     names.append(param_name(p, gi, self.param_groups))
         if names:
@@ -578,12 +579,13 @@ class Muon(torch.optim.Optimizer):
         del shards
         agree = self._verdict_groups.get(mp)
         if agree is not None:
-            work = dist.all_reduce(pending.bad, op=dist.ReduceOp.MAX, group=agree, async_op=True)
+            work = dist.all_reduce(pending.ok, op=dist.ReduceOp.MIN, group=agree, async_op=True)
             yield
             stats.wait(work)
         # 6. write them, or none of a parameter refused on any rank
-        phases.write_(pending, b, chunk, r, self._updates_ok)
-        self._refusals.append((b, chunk, self._updates_ok[-1]))
+        phases.write_(pending, b, chunk, r)
+        self._updates_ok.append(pending.ok)
+        self._refusals.append((b, chunk, pending.ok))
 
     def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the

@@ -48,15 +48,14 @@ def momentum_(params: list, slots: list, shard_dim: int, state, gradless: set[in
 @dataclass
 class Pending:
     """One chunk's returned updates, checked on this rank and not yet written (`check`):
-    `bad` (uint8 `[len(params)]`, 1 where this rank's shard of the parameter at that position
-    cannot be written) is what the ranks holding the parameter's other shards all-reduce (MAX)
+    `ok` (bool `[len(params)]`, False where this rank's shard of the parameter at that position
+    cannot be written) is what the ranks holding the parameter's other shards all-reduce (MIN)
     before `write_`, so that a parameter is written on every rank or on none."""
 
-    bad: torch.Tensor
+    ok: torch.Tensor
     #: per (lr, adjust_lr, rows, cols, weight_decay, dtype): (parameters, updates, positions)
     groups: dict
     #: the one group holds every parameter: its updates are the stacked tensor's
-    whole: bool
     stacked: torch.Tensor | None
 
 
@@ -66,7 +65,7 @@ def check(
     """The update check of batch `b`'s returned `shards` (views of `stacked()`, in slots
     `chunk.slots`: `muon.paths.Path.stacked`) on this rank: decoupled weight decay then the
     update at the per-block lr must fit each parameter's dtype (`muon.guard.fits`). Writes
-    nothing. A parameter without a grad anywhere, or without rows here, is never bad here."""
+    nothing. A parameter without a grad anywhere, or without rows here, is never unfit here."""
     if len(b.global_shape) > 2:  # each dim-0 slice is a block
         rows, cols = b.block_shape
     groups: dict[tuple, tuple[list, list, list]] = {}
@@ -83,42 +82,35 @@ def check(
         out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
         out[2].append(k)
     whole = len(groups) == 1 and len(next(iter(groups.values()))[0]) == len(params)
-    U_S = stacked() if whole else None
     flags: list = [None] * len(params)
     for (lr, mode, rows, cols, wd, _), (X, U, members) in groups.items():
         top = max(adjusted_lr(lr, mode, h, cols) for h in b.split_sizes or (rows,))
-        if whole:
-            by_slot = guard.slot_peaks(U_S).unbind()
-            peaks = torch.stack([by_slot[s] for s in chunk.slots])
-        else:
-            peaks = guard.peaks(U)
-        unfit = ~guard.fits(X, peaks, top, 1 - lr * wd)
-        if whole:
-            return Pending(unfit.to(torch.uint8), groups, True, U_S)
-        for k, flag in zip(members, unfit.unbind(), strict=True):
+        if whole:  # the peaks of the stacked tensor's slots, taken in position order
+            U_S = stacked()
+            peaks = guard.slot_peaks(U_S).index_select(0, chunk.slot_index)
+            return Pending(guard.fits(X, peaks, top, 1 - lr * wd), groups, U_S)
+        ok = guard.fits(X, guard.peaks(U), top, 1 - lr * wd)
+        for k, flag in zip(members, ok.unbind(), strict=True):
             flags[k] = flag
     device = local(params[0][0]).device
-    if all(f is None for f in flags):  # nothing written here: nothing bad here
-        bad = torch.zeros(len(params), dtype=torch.uint8, device=device)
-        return Pending(bad, groups, False, None)
-    none = torch.zeros((), dtype=torch.bool, device=device)
-    bad = torch.stack([none if f is None else f for f in flags]).to(torch.uint8)
-    return Pending(bad, groups, False, None)
+    if all(f is None for f in flags):  # nothing written here: nothing unfit here
+        return Pending(torch.ones(len(params), dtype=torch.bool, device=device), groups, None)
+    fine = torch.ones((), dtype=torch.bool, device=device)
+    return Pending(torch.stack([fine if f is None else f for f in flags]), groups, None)
 
 
-def write_(pending: Pending, b, chunk: Chunk, r: int, verdicts: list) -> None:
+def write_(pending: Pending, b, chunk: Chunk, r: int) -> None:
     """The apply phase (`muon.update.muon_apply_`) of batch `b` on FSDP rank `r`, once every
-    rank holding a shard agreed on `pending.bad`: decoupled weight decay (`muon.guard.decay_`),
+    rank holding a shard agreed on `pending.ok`: decoupled weight decay (`muon.guard.decay_`),
     then the orthogonalized update at the per-block lr, per (lr, adjust_lr) group; neither for
-    a parameter bad on any rank (its update zeroed, its value kept). Appends the chunk's
-    bool verdicts (`[len(params)]`, True: written) to `verdicts`."""
-    ok = pending.bad == 0
-    verdicts.append(ok)
-    by_position = None if pending.whole else ok.unbind()
+    a parameter unfit on any rank (its update zeroed, its value kept)."""
+    ok, U_S = pending.ok, pending.stacked
+    by_position = None if U_S is not None else ok.unbind()
     for (lr, mode, rows, cols, wd, dtype), (X, U, members) in pending.groups.items():
-        if pending.whole:
-            U_S, group_ok = pending.stacked, ok
-            guard.zero_unfit_slots_(U_S, _by_slot(ok, chunk.slots, U_S.size(0)))
+        if U_S is not None:
+            group_ok = ok
+            unfit_S = ok.new_zeros(U_S.size(0)).index_copy_(0, chunk.slot_index, ~ok)
+            guard.zero_unfit_slots_(U_S, unfit_S)
             U = _widened(U_S, X, chunk.slots, b.shard_tensor_dim) or U
         else:
             group_ok = torch.stack([by_position[k] for k in members])
@@ -132,17 +124,6 @@ def write_(pending: Pending, b, chunk: Chunk, r: int, verdicts: list) -> None:
         else:
             alpha = guard.fit(adjusted_lr(lr, mode, rows, cols), dtype)
             update.muon_apply_(X, U, decay=1.0, lr=alpha)
-
-
-def _by_slot(ok: torch.Tensor, slots: list[int], S: int) -> torch.Tensor:
-    """`ok` (per position) as a verdict per slot of a stacked tensor of `S` slots, position k
-    in slot `slots[k]`; a slot of no parameter holds zeros, its verdict True."""
-    if slots == list(range(S)):
-        return ok
-    where = {s: k for k, s in enumerate(slots)}
-    parts = ok.unbind()
-    fill = torch.ones((), dtype=torch.bool, device=ok.device) if len(where) < S else None
-    return torch.stack([parts[where[s]] if s in where else fill for s in range(S)])
 
 
 def _widened(U_S: torch.Tensor, X: list, slots: list, shard_dim: int) -> list | None:

@@ -60,7 +60,7 @@ def test_the_stacked_check_writes_what_the_per_parameter_check_writes(dtype, dec
     by_slot = guard.slot_peaks(U_S).unbind()
     ok = guard.fits(X, torch.stack([by_slot[s] for s in slots]), lr, decay)
     ok_S = torch.stack([ok[slots.index(s)] if s in slots else torch.tensor(True) for s in range(S)])
-    guard.zero_unfit_slots_(U_S, ok_S)
+    guard.zero_unfit_slots_(U_S, ~ok_S)
     guard.decay_(X, ok, decay)
     assert ref.tolist() == ok.tolist() == [True, False, False, True]
     for k, s in enumerate(slots):
