@@ -3,18 +3,20 @@
 In bf16 the Gram iteration can lose a block whose singular values span a wide range; its
 output check (`muon.newton_schulz`) flags such a block on the device. Reading the flags in the
 step would cost a host sync per Gram call, so the optimizer does not: the blown-up block's
-output becomes NaN (`muon.blocks.refuse_blown_up`), which the update guard (`muon.guard`)
-refuses on every rank holding a shard of the parameter (its value and weight decay unchanged,
-the step marked skipped), and the count joins a per-batch counter on the device. The next
-step's gradient census carries the counters in its one all-reduce and read (`muon.census`);
-a batch whose Gram output blew up on any rank then runs the standard iteration from that step
-on, on every rank, with one warning naming its parameters. A new plan (`add_param_group`, a
-load that changes planning keys) forgets the demotions, and so does a run resumed from a
-checkpoint (they are not state: a batch that blows up again is demoted again). So a blow-up
-costs the parameter one step's update, once, and never a read in the step. Every rank has the
-same counters (the plan, `ns_algorithm` and `ns_steps` included, is fingerprinted across ranks
-at construction, `muon.plan.fingerprint`), so the census's all-reduce has one length. A loop
-that runs `Muon.update` alone (a captured CUDA graph) still refuses such updates; learning
+output becomes NaN (`muon.blocks.refuse_blown_up`), which the update check (`muon.guard`)
+refuses for the whole parameter on every rank holding a shard of it (its value and weight
+decay unchanged, the step marked skipped), and the count joins a per-batch counter on the
+device. The next step's gradient census carries the counters in its one all-reduce and read
+(`muon.census`); a batch whose Gram output blew up on any rank then runs the standard
+iteration from that step on, on every rank, with one warning naming its parameters. The
+demotion is each of those parameters' state (`gram_demoted`, a bool the same on every rank, so
+a state dict keeps it and DCP reshards it with the rest): a new plan (`add_param_group`, a load
+that changes planning keys) and a resumed run demote the batches holding such a parameter
+again (`restore`, one read at planning or load). So a blow-up costs the parameter one step's
+update, once, and never a read in the step. Every rank has the same counters (the plan,
+`ns_algorithm` and `ns_steps` included, is fingerprinted across ranks at construction,
+`muon.plan.fingerprint`), so the census's all-reduce has one length. A loop that runs
+`Muon.update` alone (a captured CUDA graph) still refuses such updates; learning
 from the counts, the demotion, is the census's, i.e. `Muon.step`'s.
 """
 

@@ -1,20 +1,30 @@
-"""The fit check of a step's updates: an update that does not fit its parameter's dtype is not
-applied, and the step is marked skipped on every rank, without a host read in the step.
+"""The update check of a step, and the one definition of a skipped step.
 
-Finite gradients and validated hyperparameters can still give an update that is not finite:
-a float16 parameter overflows at 65504, so an lr large enough for `lr * O` to pass it (or a
-coefficient schedule whose outputs leave the band) would write infinities. The updates of a
-batch are checked together on the device: when they are the slots of one stacked tensor, as
-the exchange returns them (`guard_stacked`, the usual case), in one max and one min over it,
-one compare, one `torch.where` for the decay and one `masked_fill_` of the unfit slots, however
-many parameters the batch has; otherwise (parameters of several groups, or some without a
-grad, in one batch: `guard_batch`) with a foreach max-norm and a `masked_fill_` per parameter.
-A parameter whose update fails keeps its value and its weight decay is not applied. The step's
-verdict stays on the device (`SkipFlag`): all-reduced asynchronously across ranks, read by the
-host only when someone asks (`last_step_skipped`, `skipped_steps`). An AdamW update whose scale
-lr / (1 - beta1^t) passes the dtype's largest value is not written either; that is decided on
-the host from the hyperparameters alone (`muon.optimizer.Muon._adamw_group`).
-"""
+A step is skipped when some update of it was not written (`Muon.last_step_skipped`, counted by
+`Muon.skipped_steps`); two kinds, by what they leave moved:
+- a non-finite gradient on any rank (`muon.census`): nothing moves (parameters, momentum,
+  NorMuon's moments, AdamW's state), on every rank;
+- a refused update: a parameter whose written value `p * decay - lr * U` could pass its dtype
+  (`fits`: float16 overflows at 65504; an lr large enough, or a coefficient schedule whose
+  outputs leave the band, would write infinities) or holds NaN (a Gram Newton-Schulz block
+  that left its band, `muon.blowups`) keeps its value on every rank holding a shard of it (no
+  weight decay either): the ranks agree on each parameter's verdict in a device all-reduce
+  before anything of it is written (`muon.phases.check`), so no shard moves if one is refused.
+  Every other parameter and the AdamW groups are updated; the refused parameter's momentum and
+  NorMuon moments have moved (keeping them would hold a copy of every batch's momentum until
+  its verdict; they took in a finite gradient). Each refusal is counted
+  (`Muon.refused_updates`) and warned once, naming the parameter, at the next census.
+An AdamW update whose scale lr / (1 - beta1^t) passes the dtype's largest value is refused as
+well, decided on the host from the hyperparameters alone (`muon.optimizer.Muon._adamw_group`).
+
+The updates of a batch are checked together on the device: when they are the slots of one
+stacked tensor, as the exchange returns them (the usual case), in one max and one min over it
+and one compare (`slot_peaks`, `fits`), however many parameters the batch has; otherwise
+(parameters of several groups, or some without a grad, in one batch) with a foreach max-norm.
+After the agreement the refused updates are zeroed (`zero_unfit_slots_`, `zero_unfit_`) and
+the decay applied to the others (`decay_`). The step's verdict stays on the device
+(`SkipFlag`): all-reduced asynchronously across ranks, read by the host only when someone asks
+(`last_step_skipped`, `skipped_steps`)."""
 
 from __future__ import annotations
 

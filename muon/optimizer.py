@@ -16,19 +16,16 @@ Update (per Muon parameter, on local shards; matches torch.optim.Muon):
 with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols)),
 "match_rms_adamw" lr * 0.2 * sqrt(max(rows, cols)), "none" lr.
 
-Non-finite gradients: if any gradient of any parameter on any rank holds a NaN or Inf, the whole
-step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
-`skipped_steps` counts it.
-
-Updates that do not fit: finite gradients can still give an update whose `lr * O` overflows
-the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps its value (its
-momentum has moved), the others are updated, and the step is marked skipped on every rank
-(`last_step_skipped`, `skipped_steps`).
-
-Gram Newton-Schulz blow-ups: the parameter holding a block whose bf16 Gram output leaves the
-band is not updated, as one whose update does not fit (the block reaches the guard as NaN); the
-blow-up is counted on the device and learnt by the next census, which demotes its batch to the
-standard iteration (`muon.blowups`).
+Skipped steps and refused updates (one definition, `muon.guard`): a non-finite gradient on
+any rank skips the whole step on every rank (nothing moves); an update that cannot be written
+in its parameter's dtype, or holds NaN (a Gram Newton-Schulz block that left its band, the
+block reaching the check as NaN), is refused for the whole parameter on every rank holding a
+shard of it (its value kept, its momentum and NorMuon moments moved), while the others are
+updated. Both mark the step skipped (`last_step_skipped`, `skipped_steps`); refusals are
+counted (`refused_updates`) and warned once, naming the parameters. A Gram blow-up is counted
+on the device and learnt by the next census, which demotes its batch to the standard
+iteration (`muon.blowups`); the demotion is the parameters' state (`gram_demoted`), kept by a
+state dict.
 
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
