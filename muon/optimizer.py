@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from muon import normuon, phases, update
 from muon.blocks import orthogonalize as _orthogonalize
-from muon.blowups import GramBlowups, param_name
+from muon.blowups import GramBlowups
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
@@ -57,6 +57,7 @@ from muon.layout import local, moved_shape
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
+from muon.refusals import refusals_learnt, verdict_groups, warn_refused, without_own_dtype_state
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
 from muon.validate import (
@@ -75,43 +76,6 @@ from muon.validate import (
 )
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
-
-
-def _without_own_dtype_state(state_dict: dict) -> tuple[dict, dict]:
-    """`state_dict` without its state tensors of their own dtype (`muon.validate.
-    OWN_DTYPE_STATE`), and those tensors by saved parameter id; the input is not changed."""
-    kept: dict = {}
-    state = {}
-    for i, st in state_dict.get("state", {}).items():
-        kept[i] = {k: v for k, v in st.items() if k in OWN_DTYPE_STATE and torch.is_tensor(v)}
-        state[i] = {k: v for k, v in st.items() if k not in kept[i]}
-    return {**state_dict, "state": state}, kept
-
-
-def _warn_refused(names: list[str], why: str) -> None:
-    """One warning for one step's refused updates (`muon.guard`: what a refusal leaves)."""
-    warnings.warn(
-        f"Muon: the update of {', '.join(names)} {why} and was refused on every rank: the "
-        "parameter kept its value, its optimizer state moved; the step is marked skipped",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-
-def _verdict_groups(plan) -> dict:
-    """Per sharded mesh plan, the process group whose ranks hold every shard of its parameters
-    and agree on their verdicts (`muon.phases.check`): the FSDP group, or with an EP dim the
-    whole mesh, which is the default group (every rank is in every parameter's mesh,
-    `muon.planner`). None (no agreement needed: every rank holds the whole parameter) for
-    unsharded meshes and a single process."""
-    ranks = dist.is_initialized() and dist.get_world_size() > 1
-    if not ranks or dist.get_backend() == "fake":
-        return {}
-    return {
-        mp: dist.group.WORLD if mp.ep_mesh_dim is not None else plan.groups[(mp, 0)]
-        for mp, _ in plan.plans
-        if mp.sharded
-    }
 
 
 class Muon(torch.optim.Optimizer):
@@ -274,7 +238,7 @@ class Muon(torch.optim.Optimizer):
         before = plan_keys(self.param_groups)
         # torch's load casts every state tensor to the parameter's dtype; NorMuon's moments
         # (float32) and the demotion flags (bool) keep theirs: loaded apart
-        state_dict, kept = _without_own_dtype_state(state_dict)
+        state_dict, kept = without_own_dtype_state(state_dict)
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -404,7 +368,7 @@ class Muon(torch.optim.Optimizer):
         self._chunks = prepare_chunks(self.plan, self.param_groups)
         self._blowups = GramBlowups(self.plan)
         self._blowups.restore(self.param_groups, self.plan.params, self.state)
-        self._verdict_groups = _verdict_groups(self.plan)
+        self._verdict_groups = verdict_groups(self.plan)
         #: the last update's (batch, chunk, written verdicts), read by the next census
         self._refusals: list[tuple] = []
 
@@ -440,7 +404,7 @@ class Muon(torch.optim.Optimizer):
         n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
         self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params, self.state)
         ranks = dist.get_world_size() if dist.is_initialized() else 1
-        self._learn_refusals(refusals, counts[n_blown:], ranks)
+        self._refused_on_host += refusals_learnt(self, refusals, counts[n_blown:], ranks)
         self._census_skipped = not finite
         if not finite:
             self._skipped_on_host += 1
@@ -459,23 +423,9 @@ class Muon(torch.optim.Optimizer):
         parameter, so this rank's are the parameters'). AdamW's are counted at once."""
         if self._refusals:
             refusals, self._refusals = self._refusals, []
-            self._learn_refusals(refusals, torch.cat([ok for _, _, ok in refusals]).tolist(), 1)
+            written = torch.cat([ok for _, _, ok in refusals]).tolist()
+            self._refused_on_host += refusals_learnt(self, refusals, written, 1)
         return self._refused_on_host
-
-    def _learn_refusals(self, refusals: list, written: list[int], ranks: int) -> None:
-        """Count and name the parameters the previous update refused, in one warning:
-        `written`, one count per position of each of its chunks, is how many of `ranks` wrote
-        it (the census's sum of the agreed verdicts: all of them, or none)."""
-        names, flat = [], iter(written)
-        for b, chunk, _ in refusals:
-            for j in chunk.positions:
-                if next(flat) < ranks:
-                    p, gi = self.plan.params[b.param_indices[j]]
-                    names.append(param_name(p, gi, self.param_groups))
-        if names:
-            self._refused_on_host += len(names)
-            why = "could not be written in its dtype, or a Gram Newton-Schulz block left its band"
-            _warn_refused(names, why)
 
     @torch.no_grad()
     def update(self, *, timed: bool = True) -> None:
@@ -513,7 +463,7 @@ class Muon(torch.optim.Optimizer):
             ]
             self._refused_on_host += len(refused)
             why = f"(AdamW, lr / (1 - beta1) = {g['lr'] / (1 - beta1):.3g}) cannot be written"
-            _warn_refused(refused, why)
+            warn_refused(refused, why)
             params = [p for p in params if p.dtype not in big]
         update.adamw_group_(
             params,
