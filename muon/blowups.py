@@ -3,18 +3,20 @@
 In bf16 the Gram iteration can lose a block whose singular values span a wide range; its
 output check (`muon.newton_schulz`) flags such a block on the device. Reading the flags in the
 step would cost a host sync per Gram call, so the optimizer does not: the blown-up block's
-output becomes NaN (`muon.blocks.refuse_blown_up`), which the update guard (`muon.guard`)
-refuses on every rank holding a shard of the parameter (its value and weight decay unchanged,
-the step marked skipped), and the count joins a per-batch counter on the device. The next
-step's gradient census carries the counters in its one all-reduce and read (`muon.census`);
-a batch whose Gram output blew up on any rank then runs the standard iteration from that step
-on, on every rank, with one warning naming its parameters. A new plan (`add_param_group`, a
-load that changes planning keys) forgets the demotions, and so does a run resumed from a
-checkpoint (they are not state: a batch that blows up again is demoted again). So a blow-up
-costs the parameter one step's update, once, and never a read in the step. Every rank has the
-same counters (the plan, `ns_algorithm` and `ns_steps` included, is fingerprinted across ranks
-at construction, `muon.plan.fingerprint`), so the census's all-reduce has one length. A loop
-that runs `Muon.update` alone (a captured CUDA graph) still refuses such updates; learning
+output becomes NaN (`muon.blocks.refuse_blown_up`), which the update check (`muon.guard`)
+refuses for the whole parameter on every rank holding a shard of it (its value and weight
+decay unchanged, the step marked skipped), and the count joins a per-batch counter on the
+device. The next step's gradient census carries the counters in its one all-reduce and read
+(`muon.census`); a batch whose Gram output blew up on any rank then runs the standard
+iteration from that step on, on every rank, with one warning naming its parameters. The
+demotion is each of those parameters' state (`gram_demoted`, a bool the same on every rank, so
+a state dict keeps it and DCP reshards it with the rest): a new plan (`add_param_group`, a load
+that changes planning keys) and a resumed run demote the batches holding such a parameter
+again (`restore`, one read at planning or load). So a blow-up costs the parameter one step's
+update, once, and never a read in the step. Every rank has the same counters (the plan,
+`ns_algorithm` and `ns_steps` included, is fingerprinted across ranks at construction,
+`muon.plan.fingerprint`), so the census's all-reduce has one length. A loop that runs
+`Muon.update` alone (a captured CUDA graph) still refuses such updates; learning
 from the counts, the demotion, is the census's, i.e. `Muon.step`'s.
 """
 
@@ -58,6 +60,26 @@ class GramBlowups:
         if self.counts is not None:
             self.counts.zero_()
 
+    def restore(self, param_groups: list[dict], params: list, state) -> None:
+        """Demote the batches holding a parameter whose state says `gram_demoted` (a loaded
+        state dict's, or one learnt under an earlier plan): one read of the flags, at planning
+        or load, never in a step. Silent: the warning was given when it was learnt."""
+        if not self.batches:
+            return
+        flags = [
+            state[params[i][0]].get("gram_demoted") for b in self.batches for i in b.param_indices
+        ]
+        known = [f for f in flags if f is not None]
+        if not known:
+            return
+        values = iter(torch.stack([f.to(self.counts.device) for f in known]).tolist())
+        marked = [f is not None and next(values) for f in flags]
+        at = 0
+        for b in self.batches:
+            if any(marked[at : at + len(b.param_indices)]):
+                self.demoted.add(b)
+            at += len(b.param_indices)
+
     def algorithm(self, b, algorithm: str) -> str:
         """The iteration batch `b` asks Newton-Schulz for: "standard" once it was demoted."""
         return "standard" if b in self.demoted else algorithm
@@ -71,14 +93,17 @@ class GramBlowups:
             return None
         return self._views[k]
 
-    def demote(self, counts: list[int], param_groups: list[dict], params: list) -> None:
+    def demote(self, counts: list[int], param_groups: list[dict], params: list, state) -> None:
         """Demote the batches whose count (summed over ranks: `counts`, read by the census) is
-        not 0, warning once for each; `params` is the plan's (parameter, group index) list."""
+        not 0, warning once for each, and mark their parameters' state `gram_demoted` (so a
+        state dict keeps it); `params` is the plan's (parameter, group index) list."""
         for b, count in zip(self.batches, counts, strict=True):
             if not count or b in self.demoted:
                 continue
             self.demoted.add(b)
-            names = [_name(*params[i], param_groups) for i in b.param_indices]
+            for i in b.param_indices:
+                state[params[i][0]]["gram_demoted"].fill_(True)
+            names = [param_name(*params[i], param_groups) for i in b.param_indices]
             warnings.warn(
                 f"Muon: Gram Newton-Schulz left its band on {count} block(s) of shape "
                 f"{b.block_shape} of the batch of {', '.join(names)}; the update of the "
@@ -89,7 +114,7 @@ class GramBlowups:
             )
 
 
-def _name(p: torch.Tensor, gi: int, param_groups: list[dict]) -> str:
+def param_name(p: torch.Tensor, gi: int, param_groups: list[dict]) -> str:
     """A parameter's name when its group lists names, else its shape."""
     g = param_groups[gi]
     names = g.get("param_names")

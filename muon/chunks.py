@@ -43,6 +43,8 @@ class Chunk:
     row_scales: dict
     #: per position, the slot of the path's stacked returned tensor (`Path.slot_of`)
     slots: list
+    #: `slots` as a device index (the update check reads the stacked tensor by position)
+    slot_index: torch.Tensor | None = None
 
 
 def prepare_chunks(plan, param_groups: list[dict]) -> dict[tuple[int, int], list[Chunk]]:
@@ -67,7 +69,8 @@ def prepare_chunks(plan, param_groups: list[dict]) -> dict[tuple[int, int], list
                     heights = [b.block_heights[i] for _, f, c in units for i in range(f, f + c)]
                     split = split_groups(heights, device)
                 slots = PATHS[b.path].slot_of(b, r, positions)
-                chunks.append(Chunk(positions, units, split, scales, slots))
+                index = torch.tensor(slots, dtype=torch.long, device=device)
+                chunks.append(Chunk(positions, units, split, scales, slots, index))
             out[(mi, bi)] = chunks
     return out
 

@@ -16,19 +16,16 @@ Update (per Muon parameter, on local shards; matches torch.optim.Muon):
 with adjusted_lr from the per-block shape: "original" lr * sqrt(max(1, rows/cols)),
 "match_rms_adamw" lr * 0.2 * sqrt(max(rows, cols)), "none" lr.
 
-Non-finite gradients: if any gradient of any parameter on any rank holds a NaN or Inf, the whole
-step is skipped on every rank: no parameter or state changes, `last_step_skipped` is True and
-`skipped_steps` counts it.
-
-Updates that do not fit: finite gradients can still give an update whose `lr * O` overflows
-the parameter's dtype (float16 at 65504, `muon.guard`). Such a parameter keeps its value (its
-momentum has moved), the others are updated, and the step is marked skipped on every rank
-(`last_step_skipped`, `skipped_steps`).
-
-Gram Newton-Schulz blow-ups: the parameter holding a block whose bf16 Gram output leaves the
-band is not updated, as one whose update does not fit (the block reaches the guard as NaN); the
-blow-up is counted on the device and learnt by the next census, which demotes its batch to the
-standard iteration (`muon.blowups`).
+Skipped steps and refused updates (one definition, `muon.guard`): a non-finite gradient on
+any rank skips the whole step on every rank (nothing moves); an update that cannot be written
+in its parameter's dtype, or holds NaN (a Gram Newton-Schulz block that left its band, the
+block reaching the check as NaN), is refused for the whole parameter on every rank holding a
+shard of it (its value kept, its momentum and NorMuon moments moved), while the others are
+updated. Both mark the step skipped (`last_step_skipped`, `skipped_steps`); refusals are
+counted (`refused_updates`) and warned once, naming the parameters. A Gram blow-up is counted
+on the device and learnt by the next census, which demotes its batch to the standard
+iteration (`muon.blowups`); the demotion is the parameters' state (`gram_demoted`), kept by a
+state dict.
 
 Missing gradients: a parameter whose `.grad` is None on every rank is left untouched, state
 included, as in torch.optim.Muon and torch.optim.AdamW (in an exchange its slot travels as
@@ -47,6 +44,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from muon import normuon, phases, update
 from muon.blocks import orthogonalize as _orthogonalize
@@ -59,12 +57,14 @@ from muon.layout import local, moved_shape
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
+from muon.refusals import refusals_learnt, verdict_groups, warn_refused, without_own_dtype_state
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
 from muon.validate import (
     ADJUST_LR,
     MUON_ONLY_KEYS,
     NS_DTYPES,
+    OWN_DTYPE_STATE,
     check_group_keys,
     check_loaded_groups,
     check_options,
@@ -198,6 +198,7 @@ class Muon(torch.optim.Optimizer):
         self.memory_budget = memory_budget
         super().__init__(params, defaults)
         self._skipped_on_host = 0  # steps the census skipped, and update skips already read
+        self._refused_on_host = 0  # parameter updates refused, learnt so far
         self._census_skipped = False
         self._unfit: SkipFlag | None = None  # this step's update verdict, still on the device
         self._unfit_earlier: torch.Tensor | None = None  # earlier steps' verdicts, summed
@@ -235,13 +236,25 @@ class Muon(torch.optim.Optimizer):
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
         loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)
+        # torch's load casts every state tensor to the parameter's dtype; NorMuon's moments
+        # (float32) and the demotion flags (bool) keep theirs: loaded apart
+        state_dict, kept = without_own_dtype_state(state_dict)
         super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            for key, value in kept.get(i, {}).items():
+                dtype = OWN_DTYPE_STATE[key]
+                self.state[p][key] = value.to(device=local(p).device, dtype=dtype, copy=True)
         for g, checked in zip(self.param_groups, loaded, strict=True):
             # what was checked is what is loaded: saved values over current ones, normalized
             g.clear()
             g.update(checked)
+        self._init_state()  # keys an older state dict lacks
         if plan_keys(self.param_groups) != before:
             self._plan()
+        else:  # the loaded demotions (`muon.blowups`)
+            self._blowups.restore(self.param_groups, self.plan.params, self.state)
 
     def _check_params_unchanged(self) -> None:
         """Parameters appended to (or removed from) a group's list after planning would be
@@ -299,11 +312,14 @@ class Muon(torch.optim.Optimizer):
         """Create every parameter's state now, so all ranks have the same checkpoint keys."""
         for g in self.param_groups:
             for p in g["params"]:
-                st = self.state[p]
+                st, device = self.state[p], local(p).device
                 if g["algorithm"] == "muon":
                     st.setdefault("momentum_buffer", torch.zeros_like(p))
+                    # learnt by the census (`muon.blowups`); a plain tensor, the same on every
+                    # rank, so it reshards with the rest of the state
+                    st.setdefault("gram_demoted", torch.zeros((), dtype=torch.bool, device=device))
                 else:  # on the parameter's device, as torch.optim's fused AdamW keeps it
-                    st.setdefault("step", torch.zeros((), device=local(p).device))
+                    st.setdefault("step", torch.zeros((), device=device))
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))
 
@@ -351,6 +367,10 @@ class Muon(torch.optim.Optimizer):
         self._census = GradCensus()
         self._chunks = prepare_chunks(self.plan, self.param_groups)
         self._blowups = GramBlowups(self.plan)
+        self._blowups.restore(self.param_groups, self.plan.params, self.state)
+        self._verdict_groups = verdict_groups(self.plan)
+        #: the last update's (batch, chunk, written verdicts), read by the next census
+        self._refusals: list[tuple] = []
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -374,10 +394,17 @@ class Muon(torch.optim.Optimizer):
                 prior = self._unfit_earlier
                 self._unfit_earlier = flag if prior is None else prior + flag
             self._unfit = None
-        # the census also carries the previous step's Gram blow-up counts (`muon.blowups`)
-        counters = self._blowups.counts
-        finite, self._gradless, blown = self._census(self.param_groups, counters)
-        self._blowups.demote(blown, self.param_groups, self.plan.params)
+        # the census also carries the previous update's Gram blow-up counts (`muon.blowups`)
+        # and its refusals, one flag per parameter position of every chunk
+        counters = [self._blowups.counts] if self._blowups.counts is not None else []
+        refusals, self._refusals = self._refusals, []
+        counters += [ok for _, _, ok in refusals]  # bool, widened by the cat
+        extra = torch.cat(counters) if counters else None
+        finite, self._gradless, counts = self._census(self.param_groups, extra)
+        n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
+        self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params, self.state)
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        self._refused_on_host += refusals_learnt(self, refusals, counts[n_blown:], ranks)
         self._census_skipped = not finite
         if not finite:
             self._skipped_on_host += 1
@@ -387,6 +414,19 @@ class Muon(torch.optim.Optimizer):
         self._unfit = SkipFlag(self._updates_ok, self._adamw_unfit)
         return loss
 
+    @property
+    def refused_updates(self) -> int:
+        """Parameter updates refused so far (`muon.guard`: each parameter of each step whose
+        update could not be written, on every rank holding it). The next step's census learns
+        them without a read of its own (and warns, naming them); asked before that, the last
+        update's are read here (one read: the verdicts were agreed on every rank holding each
+        parameter, so this rank's are the parameters'). AdamW's are counted at once."""
+        if self._refusals:
+            refusals, self._refusals = self._refusals, []
+            written = torch.cat([ok for _, _, ok in refusals]).tolist()
+            self._refused_on_host += refusals_learnt(self, refusals, written, 1)
+        return self._refused_on_host
+
     @torch.no_grad()
     def update(self, *, timed: bool = True) -> None:
         """The step after the census, on the gradients as they are: AdamW groups, then every
@@ -395,6 +435,7 @@ class Muon(torch.optim.Optimizer):
         timing events, which a graph cannot record: `step_stats` then times on the host). The
         verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
         self._updates_ok: list[torch.Tensor] = []
+        self._refusals = []
         self._adamw_unfit = False
         self._blowups.reset()
         for g in self.param_groups:
@@ -414,6 +455,15 @@ class Muon(torch.optim.Optimizer):
         big = {p.dtype for p in params if g["lr"] / (1 - beta1) > torch.finfo(p.dtype).max}
         if big:
             self._adamw_unfit = True  # the same on every rank: hyperparameters and dtypes
+            names = g.get("param_names") or [f"shape {tuple(p.shape)}" for p in g["params"]]
+            refused = [
+                n
+                for p, n in zip(g["params"], names, strict=True)
+                if p.grad is not None and p.dtype in big
+            ]
+            self._refused_on_host += len(refused)
+            why = f"(AdamW, lr / (1 - beta1) = {g['lr'] / (1 - beta1):.3g}) cannot be written"
+            warn_refused(refused, why)
             params = [p for p in params if p.dtype not in big]
         update.adamw_group_(
             params,
@@ -469,13 +519,20 @@ class Muon(torch.optim.Optimizer):
             yield
             stats.wait(ex.work)
             ex.work = None
-        # 5. apply the returned shards
+        # 5. check the returned shards; the ranks holding the parameters' shards agree
         shards = path.returned(b, ex, slots)
         stacked = partial(path.stacked, b, ex)
-        gradless, verdicts = self._gradless, self._updates_ok
-        phases.apply_(
-            params, shards, b, chunk, r, stacked=stacked, gradless=gradless, verdicts=verdicts
-        )
+        pending = phases.check(params, shards, b, chunk, stacked=stacked, gradless=self._gradless)
+        del shards
+        agree = self._verdict_groups.get(mp)
+        if agree is not None:
+            work = dist.all_reduce(pending.ok, op=dist.ReduceOp.MIN, group=agree, async_op=True)
+            yield
+            stats.wait(work)
+        # 6. write them, or none of a parameter refused on any rank
+        phases.write_(pending, b, chunk, r)
+        self._updates_ok.append(pending.ok)
+        self._refusals.append((b, chunk, pending.ok))
 
     def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the

@@ -65,8 +65,11 @@ def local_rows(b, r: int) -> int:
 
 def local_chunks(b, r: int, batch_bytes: int = BATCH_BYTES) -> list[range]:
     """The local path orthogonalizes its parameters stacked, in chunks whose NS input, output and
-    workspace stay within about `batch_bytes` (one parameter at least)."""
-    shard = local_rows(b, r) * b.other_numel * b.wire_itemsize
+    workspace stay within about `batch_bytes` (one parameter at least). Sized by the largest
+    shard of the FSDP group, so that every rank cuts the same chunks: each chunk's verdicts are
+    agreed in one collective of the group (`muon.phases.check`)."""
+    rows = max(b.shard_sizes) if b.fsdp_size > 1 else local_rows(b, r)
+    shard = rows * b.other_numel * b.wire_itemsize
     n = max(1, batch_bytes // max(1, 3 * shard))
     return [range(i, min(i + n, b.size)) for i in range(0, b.size, n)]
 

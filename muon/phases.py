@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from muon import update
+from muon import guard, update
 from muon.chunks import Chunk, adjusted_lr, row_scales
-from muon.guard import fit, guard_batch, guard_stacked
 from muon.layout import from_rows, local
 
 
@@ -45,26 +45,31 @@ def momentum_(params: list, slots: list, shard_dim: int, state, gradless: set[in
         update.muon_momentum_(M, G, target, momentum=mu, nesterov=nesterov)
 
 
-def apply_(
-    params: list,
-    shards: list,
-    b,
-    chunk: Chunk,
-    r: int,
-    *,
-    stacked: Callable[[], torch.Tensor],
-    gradless: set[int],
-    verdicts: list,
-) -> None:
-    """The apply phase (`muon.update.muon_apply_`) of batch `b` on FSDP rank `r`: decoupled
-    weight decay, then the orthogonalized update at the per-block lr, per (lr, adjust_lr)
-    group; neither for a parameter whose update does not fit its dtype (`muon.guard`, which
-    applies the decay and appends its verdicts to `verdicts`). `shards` are the returned
-    updates, views of `stacked()` (`muon.paths.Path.stacked`, in slots `chunk.slots`)."""
+@dataclass
+class Pending:
+    """One chunk's returned updates, checked on this rank and not yet written (`check`):
+    `ok` (bool `[len(params)]`, False where this rank's shard of the parameter at that position
+    cannot be written) is what the ranks holding the parameter's other shards all-reduce (MIN)
+    before `write_`, so that a parameter is written on every rank or on none."""
+
+    ok: torch.Tensor
+    #: per (lr, adjust_lr, rows, cols, weight_decay, dtype): (parameters, updates, positions)
+    groups: dict
+    #: the one group holds every parameter: its updates are the stacked tensor's
+    stacked: torch.Tensor | None
+
+
+def check(
+    params: list, shards: list, b, chunk: Chunk, *, stacked: Callable[[], torch.Tensor], gradless
+) -> Pending:
+    """The update check of batch `b`'s returned `shards` (views of `stacked()`, in slots
+    `chunk.slots`: `muon.paths.Path.stacked`) on this rank: decoupled weight decay then the
+    update at the per-block lr must fit each parameter's dtype (`muon.guard.fits`). Writes
+    nothing. A parameter without a grad anywhere, or without rows here, is never unfit here."""
     if len(b.global_shape) > 2:  # each dim-0 slice is a block
         rows, cols = b.block_shape
-    lists: dict[tuple, tuple[list, list]] = {}
-    for (p, g), o in zip(params, shards, strict=True):
+    groups: dict[tuple, tuple[list, list, list]] = {}
+    for k, ((p, g), o) in enumerate(zip(params, shards, strict=True)):
         x = local(p)
         if id(p) in gradless or not x.numel():  # no grad anywhere, or nothing here
             continue
@@ -72,26 +77,52 @@ def apply_(
             rows, cols = b.global_shape[0] // g["num_blocks"], b.block_cols
         key = (g["lr"], g["adjust_lr"], rows, cols, g["weight_decay"], x.dtype)
         same = b.shard_tensor_dim == 0 and o.shape == x.shape
-        out = lists.setdefault(key, ([], []))
+        out = groups.setdefault(key, ([], [], []))
         out[0].append(x)
         out[1].append(o if same else from_rows(o, x, b.shard_tensor_dim))
-    # one group holding every parameter: its updates are all of the stacked tensor's updates
-    whole = len(lists) == 1 and len(next(iter(lists.values()))[0]) == len(params)
-    for (lr, mode, rows, cols, wd, dtype), (X, U) in lists.items():
+        out[2].append(k)
+    whole = len(groups) == 1 and len(next(iter(groups.values()))[0]) == len(params)
+    flags: list = [None] * len(params)
+    for (lr, mode, rows, cols, wd, _), (X, U, members) in groups.items():
         top = max(adjusted_lr(lr, mode, h, cols) for h in b.split_sizes or (rows,))
-        if whole:
+        if whole:  # the peaks of the stacked tensor's slots, taken in position order
             U_S = stacked()
-            guard_stacked(X, U_S, chunk.slots, top, 1 - lr * wd, verdicts)
+            peaks = guard.slot_peaks(U_S).index_select(0, chunk.slot_index)
+            return Pending(guard.fits(X, peaks, top, 1 - lr * wd), groups, U_S)
+        ok = guard.fits(X, guard.peaks(U), top, 1 - lr * wd)
+        for k, flag in zip(members, ok.unbind(), strict=True):
+            flags[k] = flag
+    device = local(params[0][0]).device
+    if all(f is None for f in flags):  # nothing written here: nothing unfit here
+        return Pending(torch.ones(len(params), dtype=torch.bool, device=device), groups, None)
+    fine = torch.ones((), dtype=torch.bool, device=device)
+    return Pending(torch.stack([fine if f is None else f for f in flags]), groups, None)
+
+
+def write_(pending: Pending, b, chunk: Chunk, r: int) -> None:
+    """The apply phase (`muon.update.muon_apply_`) of batch `b` on FSDP rank `r`, once every
+    rank holding a shard agreed on `pending.ok`: decoupled weight decay (`muon.guard.decay_`),
+    then the orthogonalized update at the per-block lr, per (lr, adjust_lr) group; neither for
+    a parameter unfit on any rank (its update zeroed, its value kept)."""
+    ok, U_S = pending.ok, pending.stacked
+    by_position = None if U_S is not None else ok.unbind()
+    for (lr, mode, rows, cols, wd, dtype), (X, U, members) in pending.groups.items():
+        if U_S is not None:
+            group_ok = ok
+            unfit_S = ok.new_zeros(U_S.size(0)).index_copy_(0, chunk.slot_index, ~ok)
+            guard.zero_unfit_slots_(U_S, unfit_S)
             U = _widened(U_S, X, chunk.slots, b.shard_tensor_dim) or U
         else:
-            U = guard_batch(X, U, top, 1 - lr * wd, verdicts)
+            group_ok = torch.stack([by_position[k] for k in members])
+            guard.zero_unfit_(U, group_ok)
+        guard.decay_(X, group_ok, 1 - lr * wd)
         if b.split_sizes:  # blocks of unequal heights: each height its own lr, per row
             if mode not in chunk.row_scales:  # adjust_lr changed since planning: made once
                 chunk.row_scales.update(row_scales(b, r, [mode], X[0].device))
             scale = chunk.row_scales[mode]
-            update.muon_apply_(X, U, decay=1.0, lr=fit(lr, dtype), row_scale=scale)
+            update.muon_apply_(X, U, decay=1.0, lr=guard.fit(lr, dtype), row_scale=scale)
         else:
-            alpha = fit(adjusted_lr(lr, mode, rows, cols), dtype)
+            alpha = guard.fit(adjusted_lr(lr, mode, rows, cols), dtype)
             update.muon_apply_(X, U, decay=1.0, lr=alpha)
 
 

@@ -132,10 +132,14 @@ def _check_bool(g: dict, key: str) -> None:
         raise ValueError(f"{key}: must be a bool (True or False), got {g[key]!r}")
 
 
-def _check_common(g: dict) -> None:
-    """lr, weight_decay and param_names, shared by both algorithms."""
-    if not _number(g, "lr") > 0:
-        raise ValueError(f"lr: must be > 0, got {g['lr']}")
+def _check_common(g: dict, loaded: bool = False) -> None:
+    """lr, weight_decay and param_names, shared by both algorithms. A `loaded` group (a state
+    dict's) may hold lr 0: a scheduler writes it (LambdaLR's warm-up from 0, CosineAnnealingLR's
+    default eta_min, a decay to `train.min_lr_ratio=0`) and the optimizer saves what it holds;
+    a new group's lr must be > 0."""
+    lr = _number(g, "lr")
+    if not (lr >= 0 if loaded else lr > 0):
+        raise ValueError(f"lr: must be {'>= 0' if loaded else '> 0'}, got {g['lr']}")
     if _number(g, "weight_decay") < 0:
         raise ValueError(f"weight_decay: must be >= 0, got {g['weight_decay']}")
     if g["lr"] * g["weight_decay"] > 1:  # the decay factor 1 - lr * wd would flip every sign
@@ -170,13 +174,14 @@ def check_options(*, enable_all2all, expert_aware, max_inflight, memory_budget) 
         raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget!r}")
 
 
-def validate_group(g: dict) -> None:
-    """Check the values of a group whose defaults are filled in; raises ValueError naming the key.
+def validate_group(g: dict, loaded: bool = False) -> None:
+    """Check the values of a group whose defaults are filled in; raises ValueError naming the key
+    (`loaded`: a state dict's group, whose lr may be 0, `_check_common`).
 
     Normalizes `ns_dtype` to its name and `split_sizes` to a tuple (or None, with `num_blocks`
     counting equal blocks); a scheduler's `momentum` in an AdamW group becomes its beta1
     (`fold_adamw_momentum`). These are the only changes it makes."""
-    _check_common(g)
+    _check_common(g, loaded)
     if g["algorithm"] == "adamw":
         fold_adamw_momentum(g)
         betas = g["betas"]
@@ -207,6 +212,12 @@ def validate_group(g: dict) -> None:
             raise ValueError(
                 f"Muon group holds a {p.ndim}-D parameter ({label}); Muon needs matrices, "
                 "put vectors in an algorithm='adamw' group"
+            )
+        if not p.numel():  # torch.optim.Muon steps it as a no-op; the plan has no block to cut
+            raise ValueError(
+                f"Muon group holds a zero-sized parameter ({label}, shape {tuple(p.shape)}): "
+                "it has no matrix to orthogonalize; leave it out of the optimizer or put it in "
+                "an algorithm='adamw' group"
             )
     _normalize_splits(g, labels)
     for p, label in zip(g["params"], labels, strict=True):
@@ -300,6 +311,11 @@ def _normalize_splits(g: dict, labels: list[str]) -> None:
 
 #: optimizer state kept per block rather than per element (`muon.normuon`)
 PER_BLOCK_STATE: tuple[str, ...] = ("normuon_v",)
+#: optimizer state of one value per parameter: whether its batch was demoted from Gram
+#: Newton-Schulz to the standard iteration (`muon.blowups`)
+SCALAR_STATE: tuple[str, ...] = ("gram_demoted",)
+#: state whose dtype is its own, not the parameter's (torch's load would cast it): its dtype
+OWN_DTYPE_STATE: dict[str, torch.dtype] = {"normuon_v": torch.float32, "gram_demoted": torch.bool}
 #: group keys the step plan is built from (`muon.planner.build_step_plan`)
 PLAN_KEYS: tuple[str, ...] = (
     "algorithm",
@@ -370,7 +386,7 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
         if group.get("param_names", ()) is None:  # no names: the key absent, as torch keeps it
             del group["param_names"]
         try:
-            validate_group(group)
+            validate_group(group, loaded=True)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
         loaded.append(group)
@@ -382,6 +398,8 @@ def check_loaded_groups(groups: list[dict], state_dict: dict) -> list[dict]:
                 if key == "step" or not torch.is_tensor(value):
                     continue
                 expected, what = tuple(p.shape), "the parameter"
+                if key in SCALAR_STATE:
+                    expected, what = (), "one value per parameter"
                 if key in PER_BLOCK_STATE:  # one row per block, not the parameter's shape
                     expected = normuon_state_shape(tuple(p.shape), group)
                     what = (

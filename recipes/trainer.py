@@ -10,8 +10,10 @@ One optimizer step:
   4. The optimizer step. Non-finite gradients skip it on every rank, whichever the optimizer:
      Muon checks and skips by itself (`step_skipped`: its update guard's verdict stays on the
      device, the router-bias rate is scaled by it there and it is read with the logged
-     figures); for AdamW the loop does, from the same all-reduced norm. A skipped step changes
-     no parameter, optimizer state or router bias; the schedule and the data stream move on,
+     figures); for AdamW the loop does, from the same all-reduced norm. A skipped step (one
+     definition, `muon.guard`) leaves the router bias alone; one skipped for a non-finite
+     gradient changes no parameter or optimizer state, one with a refused Muon update keeps
+     that parameter's value and updates the others. The schedule and the data stream move on,
      and `skipped_steps` counts it.
   5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
 The step's losses, gradient norms and attention logits stay on the device; on a step that is

@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh OUT_DIR [--only PART[,PART...]] [--budget SECONDS] [--dry-run]
 #
 # Parts, in the order they run (each one a function below, runnable alone with --only):
-#   pytest  `pytest -m gpu` over tests/ (junit XML), but for the graph part's test
+#   pytest  `pytest -m gpu` over tests/ (junit XML), but for the graph part's test; among them
+#           tests/gpu/test_muon_decay_cuda.py: Muon's weight decay exact in bf16/fp16 on CUDA
 #   graph   tests/gpu/test_muon_graph.py: the Muon step (local path + AdamW groups) captured
 #           in a CUDA graph and replayed equals the eager step
 #   bench   scripts/bench_newton_schulz.py on GLM-4.5-Air, GLM-5.2 and 8192x6144 blocks, bf16:

@@ -155,11 +155,14 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     cut, then the same command again (with
     `checkpoint.async_mode=true`, which does not change what is trained): the losses and final
     parameters equal an uninterrupted run's (2 ranks, ep=1: resharding across world sizes is
-    tests/distributed/test_checkpoint.py's)."""
+    tests/distributed/test_checkpoint.py's). The schedule decays to `train.min_lr_ratio=0`, so
+    the last checkpoint holds lr 0: the same command once more loads it (a ValueError before)."""
     args = [
         "mesh.world_size=2",
         "mesh.ep=1",
         "train.steps=4",
+        "train.warmup_steps=1",
+        "train.min_lr_ratio=0",
         "checkpoint.every=2",
         "logger=none",
         *_small(cache),
@@ -207,6 +210,11 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     for name, tensor in exported.items():
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
+    # the finished run saved lr 0 (its schedule's end): the same command again resumes from it
+    groups = checkpoint.read_optimizer_state(final[1])["param_groups"]
+    assert {g["lr"] for g in groups} == {0.0}, [g["lr"] for g in groups]
+    again = _finish(_train_py([*args, "run.name=resumed"], tmp_path))
+    assert "resumed from" in again, again[-2000:]
 
 
 def _steps_logged(root: Path, name: str = "default") -> int:

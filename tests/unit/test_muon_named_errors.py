@@ -72,6 +72,16 @@ def test_adamw_update_that_cannot_be_written_is_skipped():
         assert opt.last_step_skipped and torch.equal(b, torch.ones(4, dtype=dtype))
 
 
+def test_zero_sized_parameter_is_an_error_naming_it():
+    """A `(0, N)` matrix has no block to plan (it raised a bare ZeroDivisionError)."""
+    for build in (
+        lambda: Muon([{"params": [_w(0, 8)], "param_names": ["empty.weight"]}]),
+        lambda: Muon([_w(8, 4)]).add_param_group({"params": [_w(4, 0)]}),
+    ):
+        with pytest.raises(ValueError, match=r"zero-sized parameter .*shape \("):
+            build()
+
+
 # ------------------------------------------------------------------ split_sizes
 
 
@@ -194,6 +204,7 @@ def test_split_sizes_saved_as_a_list_loads_and_steps():
         ("eps", 1e300),
         ("eps", math.nan),
         ("lr", math.inf),
+        ("lr", 0.0),  # a new group's lr is > 0 (a loaded one may be 0: test_muon_resume)
         ("lr", True),
         ("lr", "0.02"),
         ("momentum", math.nan),
