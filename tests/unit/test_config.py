@@ -397,7 +397,8 @@ def test_run_dir_passes_back_as_an_override_value():
 
 
 def test_choice_lists_are_the_libraries_own():
-    """The config enums are muon's and models' own constants: one source for every choice."""
+    """The config enums list muon's and models' own constants, in their order (the schema
+    spells them out: importing those packages imports torch, which the config must not)."""
     from models.glm.presets import PRESET_NAMES
     from muon.groups import ROUTER_CHOICES
     from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
