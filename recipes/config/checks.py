@@ -377,6 +377,8 @@ def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
         if key not in hints:
             names = [f.name for f in dataclasses.fields(cls)]
             value = OmegaConf.select(node, str(key))
+            if prefix == "optim." and (elsewhere := other_option_key(str(key), cls)):
+                raise ConfigError(f"{path}={value}: {elsewhere}")
             hint = nearest_key(path, [f"{prefix}{n}" for n in names])
             raise ConfigError(
                 f"{path}={value}: not in the schema; {hint}allowed: {', '.join(names)}"
@@ -384,6 +386,24 @@ def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
         child = OmegaConf.get_type(node, str(key)) if key == "optim" else hints[key]
         if dataclasses.is_dataclass(child) and isinstance(node[key], DictConfig):
             _schema_keys(node[key], child, f"{path}.")
+
+
+def other_option_key(key: str, composed: type) -> str | None:
+    """`a key of optim=<option>; ...` when `key` is a field of another optimizer option's
+    schema than the `composed` one (its keys listed), else None."""
+    names = [f.name for f in dataclasses.fields(composed)]
+    options = [
+        name
+        for name, cls in OPTIM_SCHEMAS.items()
+        if key in {f.name for f in dataclasses.fields(cls)}
+    ]
+    current = next((name for name, cls in OPTIM_SCHEMAS.items() if cls is composed), None)
+    if not options or current is None:
+        return None
+    return (
+        f"a key of {' and '.join(f'optim={o}' for o in options)}; this command composes "
+        f"optim={current}, whose keys are: {', '.join(names)}"
+    )
 
 
 def _finite(node: Any, prefix: str = "") -> None:
