@@ -61,13 +61,20 @@ def _drop_empty_run_dir() -> None:
             run_dir.parent.rmdir()  # the run family's dir, when this was its only run
 
 
-if __name__ == "__main__":
-    try:  # before torch loads: a bad override's one line within a second (docs/training.md)
-        preflight(sys.argv[1:])
+def cli(argv: list[str]) -> None:
+    """train.py's command line: the checks that need no torch (`preflight`), then the local
+    world's fork server (its torch import runs on another core while Hydra composes), then
+    Hydra's run (`main`, which reads sys.argv itself)."""
+    try:  # a bad override's one line within a second (docs/training.md)
+        preflight(argv)
     except _config.ConfigError as err:
         sys.exit(f"train.py: config error: {err}")
-    if _starts_a_local_world(sys.argv[1:]):
+    if _starts_a_local_world(argv):
         from recipes.world import start_fork_server
 
-        start_fork_server()  # the ranks' torch import runs on another core while Hydra composes
+        start_fork_server()
     main()
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

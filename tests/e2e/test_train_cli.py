@@ -37,7 +37,7 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ),
         (
             "optim=adamw +optim.ns_steps=3",
-            "optim.ns_steps=3: not in the schema; did you mean optim.eps?",
+            "optim.ns_steps=3: a key of optim=muon; this command composes optim=adamw, whose keys",
         ),
     ],
 )
