@@ -8,8 +8,8 @@ error comes before the ranks' fork server starts. Hydra's own messages (`Could n
 ...` with a `+` hint that may lead nowhere, `Error merging override ...` with OmegaConf's
 multi-line detail) become `hydra_error`'s one line: a value of the wrong type names the key's
 type; a key missing from the composed config names the config group option that has it
-(`optim=adamw optim.remainder_strategy=agrs`: a key of optim=muon) or, under a mapping that
-starts empty (`model.overrides`), the `+` that adds it.
+(`optim=adamw optim.remainder_strategy=agrs`: a key of optim=muon) or, under a mapping
+of keys (`model.overrides`), the `+` that adds one.
 """
 
 import dataclasses
@@ -133,7 +133,7 @@ def _missing_key(key: str, line: str | None, object_type: str | None) -> ConfigE
     field_type = _field_type(parent, object_type) if parent else None
     if typing.get_origin(field_type) is dict or field_type is dict:
         return ConfigError(
-            f"{shown}: {parent} starts empty, so a key is added to it with '+': +{shown} "
+            f"{shown}: a key is added to the mapping {parent} with '+': +{shown} "
             f"({parent}: {key_help(parent)})"
         )
     return unknown_key(key, [])

@@ -40,7 +40,7 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ("data.batch_size=0.5", "data.batch_size=0.5: expected an integer (data.batch_size: "),
         (
             "model.overrides.num_hidden_layers=2",
-            "model.overrides.num_hidden_layers=2: model.overrides starts empty, so a key is added",
+            "model.overrides.num_hidden_layers=2: a key is added to the mapping model.overrides",
         ),
         (
             "optim=adamw optim.remainder_strategy=agrs",

@@ -59,8 +59,8 @@ ADAMW_KEYS = "name, lr, weight_decay, betas, eps, qk_clip_tau, qk_clip_alpha"
         ),
         (
             ["model.overrides.num_hidden_layers=2"],
-            "model.overrides.num_hidden_layers=2: model.overrides starts empty, so a key is "
-            "added to it with '+': +model.overrides.num_hidden_layers=2 "
+            "model.overrides.num_hidden_layers=2: a key is added to the mapping model.overrides "
+            "with '+': +model.overrides.num_hidden_layers=2 "
             f"(model.overrides: {HELP['model.overrides']})",
         ),
         (
@@ -75,7 +75,7 @@ ADAMW_KEYS = "name, lr, weight_decay, betas, eps, qk_clip_tau, qk_clip_alpha"
         ),
         (
             ["-m", "model.overrides.num_hidden_layers=2"],
-            "model.overrides.num_hidden_layers=2: model.overrides starts empty",
+            "model.overrides.num_hidden_layers=2: a key is added to the mapping model.overrides",
         ),
         (["train.steps=[1]"], "train.steps=[1]: expected an integer (train.steps: "),
         (
