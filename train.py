@@ -1,13 +1,24 @@
 """Train a GLM-style MoE with distributed Muon: `python train.py [hydra overrides]`.
 
-Composes `conf/` (typed by recipes/config/), validates it, then joins the launcher's world
-(torchrun / SLURM env) or starts a local one of `mesh.world_size` ranks. See README.md.
+Composes `conf/` (typed by recipes/config/) and checks it without torch
+(`recipes.config.compose.preflight`: unknown keys, Hydra's errors as one line, the torch-free
+checks); then starts the local world's fork server (its torch import runs beside Hydra's
+composition), validates the model, and joins the launcher's world (torchrun / SLURM env) or
+starts a local one of `mesh.world_size` ranks. See README.md.
 """
 
 import contextlib
 import os
 import sys
 from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+# torch-free (recipes/config/): registers the schema and the run-dir resolver
+from recipes import config as _config
+from recipes.config.compose import preflight
+from recipes.config.preflight import check_path_overrides
 
 _HYDRA_ONLY = ("-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "-sc", "--shell-completion")
 
@@ -19,17 +30,6 @@ def _starts_a_local_world(argv: list[str]) -> bool:
     asked = any(a in _HYDRA_ONLY or a.startswith("hydra/launcher=") for a in argv)
     return not (launched or asked)
 
-
-if __name__ == "__main__" and _starts_a_local_world(sys.argv[1:]):
-    from recipes.world import start_fork_server
-
-    start_fork_server()  # the ranks' torch import runs on another core while this one composes
-
-import hydra  # noqa: E402 - after the fork server's start
-from omegaconf import DictConfig  # noqa: E402
-
-from recipes import config as _config  # noqa: E402 - registers the schema and the run-dir resolver
-from recipes.config.preflight import check_path_overrides  # noqa: E402
 
 if os.environ.get("RANK", "0") != "0" and __name__ == "__main__":
     # Under torchrun/SLURM every rank runs this file; only rank 0 writes Hydra's output.
@@ -62,10 +62,21 @@ def _drop_empty_run_dir() -> None:
             run_dir.parent.rmdir()  # the run family's dir, when this was its only run
 
 
-if __name__ == "__main__":
-    try:  # Hydra's own error for an unknown key would suggest `+key=...`, which trains nowhere
-        _config.check_command_line(sys.argv[1:])
-        check_path_overrides(sys.argv[1:])  # before Hydra makes a run dir from run.name
+def cli(argv: list[str]) -> None:
+    """train.py's command line: the checks that need no torch (`preflight`), then the local
+    world's fork server (its torch import runs on another core while Hydra composes), then
+    Hydra's run (`main`, which reads sys.argv itself)."""
+    try:  # a bad override's one line within a second (docs/training.md)
+        check_path_overrides(argv)  # sweeps too, before Hydra makes a run dir from run.name
+        preflight(argv)
     except _config.ConfigError as err:
         sys.exit(f"train.py: config error: {err}")
+    if _starts_a_local_world(argv):
+        from recipes.world import start_fork_server
+
+        start_fork_server()
     main()
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

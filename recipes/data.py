@@ -20,20 +20,23 @@ continues the same stream.
 import hashlib
 import json
 import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from recipes.data_files import (  # noqa: F401 - re-exported: the file layout lives there
+    META_FILE,
+    PREPARED_FILES,
+    TOKEN_DTYPES,
+    is_prepared,
+    read_meta,
+    stdlib_dir,
+    stdlib_files,
+)
+
 _SEPARATOR = b"\n\n"
-#: the files of a prepared token directory (`scripts/prepare_data.py`); meta.json is written
-#: last, so a directory without it is not a finished one
-PREPARED_FILES = {"train": "train.bin", "val": "val.bin"}
-META_FILE = "meta.json"
-#: the token dtypes a file may use, smallest first, with the number of ids each holds
-TOKEN_DTYPES = {"uint8": 2**8, "uint16": 2**16, "uint32": 2**32}
 
 
 @dataclass(frozen=True)
@@ -44,23 +47,6 @@ class TokenFiles:
     train: Path
     val: Path | None
     bytes_per_token: float | None
-
-
-def stdlib_dir() -> Path:
-    """The running Python's standard library directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path) -> list[Path]:
-    """The .py files under `root` in a fixed order, installed packages left out."""
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = []
-    # a walk that never enters the skipped directories (installed packages hold far more
-    # files than the library itself); like Path.rglob, it does not follow directory symlinks
-    for parent, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in skip]
-        files += [Path(parent, n) for n in names if n.endswith(".py")]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def split_files(files: list[Path], root: Path, val_fraction: float) -> dict[str, list[Path]]:
@@ -117,27 +103,6 @@ def build_stdlib_tokens(
             write_tokens(path, np.frombuffer(corpus, dtype=np.uint8))
         out[split] = path
     return out
-
-
-def read_meta(directory: Path) -> dict:
-    """The meta.json of a prepared token directory, checked for the keys training reads."""
-    path = Path(directory) / META_FILE
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable meta.json ({err})") from None
-    missing = {"vocab_size", "dtype", "splits"} - meta.keys()
-    if missing or meta["dtype"] not in TOKEN_DTYPES:
-        raise ValueError(
-            f"{path}: needs vocab_size, dtype (one of {', '.join(TOKEN_DTYPES)}) and splits; "
-            f"missing {sorted(missing)}, dtype {meta.get('dtype')!r}"
-        )
-    return meta
-
-
-def is_prepared(path: str | Path) -> bool:
-    """A directory holding a finished `scripts/prepare_data.py` output (its meta.json)."""
-    return (Path(path).expanduser() / META_FILE).is_file()
 
 
 def token_files(data_cfg) -> TokenFiles:

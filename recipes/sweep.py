@@ -22,10 +22,13 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from recipes.config import ConfigError, validate
+from recipes.config.compose import hydra_error
 
 EXCLUDE_KEYS = "hydra.job.config.override_dirname.exclude_keys"
 _BASIC_SWEEPER = f"{BasicSweeper.__module__}.{BasicSweeper.__name__}"
@@ -50,10 +53,17 @@ def job_dir(job_config: DictConfig) -> Path:
 
 
 def job_configs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
-    """(overrides, composed config) of every job of the sweep, in the sweeper's order."""
+    """(overrides, composed config) of every job of the sweep, in the sweeper's order; a job
+    Hydra cannot compose raises ConfigError naming it."""
     loader = GlobalHydra.instance().config_loader()
     (jobs,) = BasicSweeper.split_arguments(_overrides(config), None)  # one batch of all jobs
-    return [(job, loader.load_sweep_config(config, job)) for job in jobs]
+    composed = []
+    for job in jobs:
+        try:
+            composed.append((job, loader.load_sweep_config(config, job)))
+        except (HydraException, OmegaConfBaseException) as err:  # Hydra's: one line
+            raise ConfigError(f"sweep job [{' '.join(job)}]: {hydra_error(err, job)}") from None
+    return composed
 
 
 def check_jobs(config: DictConfig) -> None:

@@ -65,6 +65,10 @@ from recipes.stop_signal import StopSignal
 
 log = logging.getLogger("recipes")
 
+_HF_RANDOM_INIT = (
+    "model=hf without checkpoint.init_from: the weights start from a seeded random init "
+    "(train.seed=%d), model.path=%s gives the config only; checkpoint.init_from=%s loads them"
+)
 _MEMORY_KEYS = ("step_peak_mib", "step_peak_delta_mib", "optim_peak_mib", "optim_peak_delta_mib")
 
 
@@ -173,9 +177,12 @@ class Trainer:
                 log.warning(_batch_change(state["world_size"], self.world, self.samples_per_step))
 
     def _init_from(self) -> None:
-        """A fresh run with `checkpoint.init_from`: every rank reads its shards of the weights."""
+        """A fresh run with `checkpoint.init_from`: every rank reads its shards of the weights
+        (without it, a model=hf run warns that its weights are not model.path's)."""
         path = self.cfg.checkpoint.init_from
         if path is None:
+            if self.rank == 0 and str(self.cfg.model.preset) == "hf":  # its config.json only
+                log.warning(_HF_RANDOM_INIT, self.cfg.train.seed, *[self.cfg.model.path] * 2)
             return
         from recipes.hf import init_from
 

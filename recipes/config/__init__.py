@@ -8,7 +8,10 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 
 One module per purpose, every public name re-exported here (`from recipes.config import X`):
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
-- `checks`: `validate` of a composed config;
+- `checks`: `validate` of a composed config, its torch-free first stage `validate_config`;
+- `model_checks`: its second stage, `validate_model` (imports models/ and torch when run);
+- `compose`: the command's config composed before Hydra's run, Hydra's errors as one line
+  (`compose_command`, `hydra_error`);
 - `preflight`: checks of the run's surroundings any caller may run on their own (`run.name`
   inside `run.root`, on the command line too; token ids below `data.vocab_size`);
 - `describe`: the schema as text, one renderer (`schema_lines`, `describe`, `key_help`);
@@ -21,9 +24,10 @@ One module per purpose, every public name re-exported here (`from recipes.config
 Importing the package registers the schema (`register()`).
 """
 
-from recipes.config.checks import validate
+from recipes.config.checks import validate, validate_config
 from recipes.config.describe import describe, key_help
 from recipes.config.keys import check_command_line, known_keys, nearest_key
+from recipes.config.model_checks import validate_model
 from recipes.config.run_dir import (
     RUN_ID_MAX,
     SAME_RUN_GROUPS,
@@ -127,6 +131,8 @@ __all__ = [
     "slurm_tasks",
     "to_plain",
     "validate",
+    "validate_config",
+    "validate_model",
 ]
 
 register()

@@ -1,16 +1,19 @@
 """What types cannot say about a composed config, checked before any rank starts.
 
-`validate` checks finite numbers, ranges, divisibility, the data files and their meta.json,
-the model config and its layout on the mesh, the checkpoint to start from, the run name and
-the token ids (`preflight`); every failure is a
-`ConfigError` naming the key, the value, the rule and the key's help.
+`validate` runs two stages. `validate_config`, here, imports neither torch nor models/ (nor
+numpy): finite numbers, ranges, divisibility, the data files and their meta.json, the
+directories a run writes to, the model's and the checkpoint's paths, the run name
+(`preflight.check_run_name`); train.py runs it before the ranks' fork server starts, so a bad
+override's error comes in well under a second. `model_checks.validate_model` then checks the
+model config, its layout on the mesh, the checkpoint to start from and the token ids
+(`preflight.check_token_ids`, numpy). Every failure is a `ConfigError` naming the key, the
+value, the rule and the key's help.
 """
 
 import dataclasses
 import json
 import math
 import os
-import re
 import typing
 from collections.abc import Sequence
 from enum import Enum
@@ -21,13 +24,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.config.describe import key_help
 from recipes.config.keys import nearest_key
-from recipes.config.preflight import check_run_name, check_token_ids
+from recipes.config.preflight import check_run_name
 from recipes.config.schema import (
     OPTIM_SCHEMAS,
     ConfigError,
     ConfigSchema,
     DataSource,
-    Device,
     ModelPreset,
     OptimName,
 )
@@ -51,10 +53,24 @@ def validate(
     check_devices: bool = True,
     overrides: Sequence[str] = (),
 ) -> None:
-    """Check what the types cannot: finite numbers, ranges, divisibility, files, the model
-    config and its layout on the mesh, and the command's `overrides` (`check_overrides`).
-    Raises ConfigError naming the key. Fills `data.vocab_size` and `data.dtype` from a
-    prepared token directory's meta.json."""
+    """Every check before any rank starts: `validate_config` (the config itself, no torch),
+    then `model_checks.validate_model` (the model the ranks would build: imports models and
+    torch). Raises ConfigError naming the key."""
+    validate_config(cfg, env_world_size, overrides=overrides)
+    from recipes.config.model_checks import validate_model  # it imports this module
+
+    validate_model(cfg, env_world_size, check_devices=check_devices)
+
+
+def validate_config(
+    cfg: DictConfig, env_world_size: int | None = None, *, overrides: Sequence[str] = ()
+) -> None:
+    """Check what the types cannot, with neither torch nor the model code: finite numbers,
+    ranges, divisibility, the command's `overrides` (`check_overrides`), the data files, the
+    directories a run writes to, the model's path and the checkpoint's. Raises ConfigError
+    naming the key. Fills `data.vocab_size` and `data.dtype` from a prepared token directory's
+    meta.json. A new check that needs neither torch nor models/ belongs here; one that needs
+    them, in `model_checks.validate_model`."""
     check_overrides(overrides)
     _finite(cfg)
     _validate_data(cfg)
@@ -105,20 +121,9 @@ def validate(
             cfg.data.vocab_size,
             f"does not fit data.dtype={cfg.data.dtype.value} (max {max_token})",
         )
-    _validate_model(cfg)
-    _validate_checkpoint(cfg)
+    _validate_stream_length(cfg)
+    _validate_paths(cfg)
     check_run_name(cfg.run.name)
-    check_token_ids(cfg)  # after meta.json filled data.vocab_size and data.dtype
-    if check_devices and mesh.device == Device.cuda:
-        import torch
-
-        if torch.cuda.device_count() < (1 if env_world_size else mesh.world_size):
-            raise _fail(
-                "mesh.device",
-                "cuda",
-                f"needs {mesh.world_size} CUDA devices; "
-                f"this machine has {torch.cuda.device_count()}; allowed: auto, cpu, cuda",
-            )
 
 
 def _validate_optim_option(cfg: DictConfig) -> None:
@@ -171,6 +176,14 @@ def _validate_data(cfg: DictConfig) -> None:
             "neither a scripts/prepare_data.py directory (train.bin, val.bin, meta.json) "
             "nor a token file",
         )
+    elif (what := _not_token_file(Path(os.path.expanduser(data.path)))) is not None:
+        raise _fail(
+            "data.path",
+            data.path,
+            f"{what}, not raw token ids: pass a scripts/prepare_data.py directory, or a flat "
+            "file of data.dtype ids (recipes.data.write_tokens writes one, with the .json "
+            "beside it that names its dtype)",
+        )
     elif cfg.eval.every:
         raise _fail(
             "eval.every",
@@ -189,7 +202,7 @@ def _validate_data(cfg: DictConfig) -> None:
 
 
 def _resolve_prepared(cfg: DictConfig) -> None:
-    from recipes.data import is_prepared, read_meta
+    from recipes.data_files import is_prepared, read_meta
 
     data = cfg.data
     if not is_prepared(data.path):
@@ -228,75 +241,10 @@ def _resolve_prepared(cfg: DictConfig) -> None:
         )
 
 
-def _validate_model(cfg: DictConfig) -> None:
-    """The model the ranks would build, and its layout on the mesh, without building it."""
-    from models.glm import GLMConfig
-    from models.glm.parallelize import check_layout
-    from recipes.parallel import model_config
-
-    model = cfg.model
-    chosen = str(cfg.train.indexer_training)
-    if str(model.overrides.get("indexer_training", chosen)) != chosen:
-        raise _fail(
-            "model.overrides.indexer_training",
-            model.overrides.indexer_training,
-            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
-        )
-    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
-    for key in model.overrides:
-        if key not in allowed:
-            raise _fail(
-                f"model.overrides.{key}",
-                model.overrides[key],
-                f"not a GLMConfig field; allowed: {', '.join(allowed)}",
-            )
-    from_hf = str(model.preset) == ModelPreset.hf
-    if from_hf:
-        _validate_model_path(model.path)
-    elif model.path is not None:
-        raise _fail("model.path", model.path, "is read by model=hf only; drop it or use model=hf")
-    try:
-        config = model_config(cfg)
-    except (TypeError, ValueError) as err:
-        raise _model_error(cfg, str(err)) from None
-    if from_hf and cfg.data.vocab_size > config.vocab_size:
-        raise _fail(
-            "data.vocab_size",
-            cfg.data.vocab_size,
-            f"token ids must fit the vocabulary of {model.path}/config.json "
-            f"(vocab_size {config.vocab_size}): <= {config.vocab_size}",
-        )
-    try:
-        check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
-    except ValueError as err:
-        raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
-    _validate_seq_len(cfg, config.max_position_embeddings)
-
-
-def _validate_seq_len(cfg: DictConfig, max_positions: int) -> None:
-    """`data.seq_len` fits the model's positions and the token stream (file sizes only)."""
-    seq_len = cfg.data.seq_len
-    if seq_len > max_positions:
-        raise _fail(
-            "data.seq_len",
-            seq_len,
-            f"exceeds the model's max_position_embeddings={max_positions} "
-            f"(model.preset={cfg.model.preset.value}; "
-            "+model.overrides.max_position_embeddings=N raises it)",
-        )
-    count = _token_count(cfg.data)
-    if count is not None and count < seq_len + 1:
-        raise _fail(
-            "data.seq_len",
-            seq_len,
-            f"a sample is seq_len + 1 tokens; data.path={cfg.data.path} holds {count}",
-        )
-
-
 def _token_count(data: DictConfig) -> int | None:
     """Tokens the stream will hold, from file sizes; None for this Python's own standard
     library (tens of millions of bytes, and summing them costs a second per check)."""
-    from recipes.data import stdlib_files
+    from recipes.data_files import stdlib_files
 
     if data.source == DataSource.stdlib:
         if data.path is None:
@@ -307,7 +255,7 @@ def _token_count(data: DictConfig) -> int | None:
         return sum(p.stat().st_size for p in files) + 2 * max(len(files) - 1, 0)  # b"\n\n"
     path = Path(os.path.expanduser(data.path))
     if path.is_dir():  # a prepare_data.py directory: its training split
-        from recipes.data import PREPARED_FILES
+        from recipes.data_files import PREPARED_FILES
 
         path = path / PREPARED_FILES["train"]
     itemsize = {"uint8": 1, "uint16": 2, "uint32": 4}[data.dtype.value]
@@ -324,30 +272,74 @@ def _token_count(data: DictConfig) -> int | None:
     return size // itemsize
 
 
+def _not_token_file(path: Path) -> str | None:
+    """What a flat `data.path` file is when its first bytes name another format; a file that
+    recipes.data.write_tokens wrote (its .json sidecar names the dtype) is not asked."""
+    from recipes.data_files import not_tokens
+
+    if path.with_suffix(".json").is_file():
+        return None
+    return not_tokens(path)
+
+
+def _validate_stream_length(cfg: DictConfig) -> None:
+    """A sample (`data.seq_len` + 1 tokens) fits the token stream (file sizes only)."""
+    count = _token_count(cfg.data)
+    if count is not None and count < cfg.data.seq_len + 1:
+        raise _fail(
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"a sample is seq_len + 1 tokens; data.path={cfg.data.path} holds {count}",
+        )
+
+
+def _validate_paths(cfg: DictConfig) -> None:
+    """The model's and the checkpoint's directories, and the directories a run writes to."""
+    model = cfg.model
+    chosen = str(cfg.train.indexer_training)
+    if str(model.overrides.get("indexer_training", chosen)) != chosen:
+        raise _fail(
+            "model.overrides.indexer_training",
+            model.overrides.indexer_training,
+            f"train.indexer_training={chosen} picks it; set that instead (kl or frozen)",
+        )
+    if str(model.preset) == ModelPreset.hf:
+        _validate_model_path(model.path)
+    elif model.path is not None:
+        raise _fail("model.path", model.path, "is read by model=hf only; drop it or use model=hf")
+    _positive(cfg, "checkpoint.hf_max_shard_gib")
+    path = cfg.checkpoint.init_from
+    if path is not None and not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
+    _writable(cfg, "run.root", Path(cfg.run.root) / cfg.run.name)
+    cache = Path(os.path.expanduser(cfg.data.cache_dir))
+    if cfg.data.source == DataSource.stdlib and not any(cache.glob("stdlib-*.bin")):
+        _writable(cfg, "data.cache_dir", cache)  # a cache holding built files is only read
+
+
+def _writable(cfg: DictConfig, key: str, path: Path) -> None:
+    """`path` can be made and written: its nearest existing ancestor is a writable directory
+    (os.access: permissions and read-only file systems). A run made there later would fail
+    inside Hydra (a traceback) or a rank (after the world started)."""
+    path = Path(os.path.expanduser(path)).absolute()
+    existing = next(p for p in (path, *path.parents) if os.path.exists(p) or p == p.parent)
+    where = " (the working directory)" if existing == Path.cwd() else ""
+    if not existing.is_dir():
+        raise _fail(key, OmegaConf.select(cfg, key), f"{existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _fail(
+            key,
+            OmegaConf.select(cfg, key),
+            f"{existing}{where} is not writable (no permission, or a read-only file system); "
+            "pass a writable directory",
+        )
+
+
 def _validate_model_path(path: str | None) -> None:
     if path is None:
         raise _fail("model.path", None, "model=hf needs a transformers directory (model.preset=hf)")
     if not (Path(os.path.expanduser(path)) / "config.json").is_file():
         raise _fail("model.path", path, "not a transformers directory (no config.json)")
-
-
-def _model_error(cfg: DictConfig, message: str) -> ConfigError:
-    """Name the key the user set that the model's message mentions first (else the preset)."""
-    keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
-    from_hf = str(cfg.model.preset) == ModelPreset.hf
-    if not from_hf:  # model=hf takes the vocabulary of its config.json
-        keys["data.vocab_size"] = "vocab_size"
-    found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
-    if found:
-        key = min(found)[1]
-        return _fail(key, OmegaConf.select(cfg, key), message)
-    if from_hf:
-        return _fail("model.path", cfg.model.path, message)
-    return _fail("model.preset", cfg.model.preset.value, message)
-
-
-def _word(name: str, text: str) -> re.Match | None:
-    return re.search(rf"\b{re.escape(name)}\b", text)
 
 
 def _bool_keys(cls: type, prefix: str = "") -> set[str]:
@@ -390,6 +382,8 @@ def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
         if key not in hints:
             names = [f.name for f in dataclasses.fields(cls)]
             value = OmegaConf.select(node, str(key))
+            if prefix == "optim." and (elsewhere := other_option_key(str(key), cls)):
+                raise ConfigError(f"{path}={value}: {elsewhere}")
             hint = nearest_key(path, [f"{prefix}{n}" for n in names])
             raise ConfigError(
                 f"{path}={value}: not in the schema; {hint}allowed: {', '.join(names)}"
@@ -397,6 +391,24 @@ def _schema_keys(node: DictConfig, cls: type, prefix: str = "") -> None:
         child = OmegaConf.get_type(node, str(key)) if key == "optim" else hints[key]
         if dataclasses.is_dataclass(child) and isinstance(node[key], DictConfig):
             _schema_keys(node[key], child, f"{path}.")
+
+
+def other_option_key(key: str, composed: type) -> str | None:
+    """`a key of optim=<option>; ...` when `key` is a field of another optimizer option's
+    schema than the `composed` one (its keys listed), else None."""
+    names = [f.name for f in dataclasses.fields(composed)]
+    options = [
+        name
+        for name, cls in OPTIM_SCHEMAS.items()
+        if key in {f.name for f in dataclasses.fields(cls)}
+    ]
+    current = next((name for name, cls in OPTIM_SCHEMAS.items() if cls is composed), None)
+    if not options or current is None:
+        return None
+    return (
+        f"a key of {' and '.join(f'optim={o}' for o in options)}; this command composes "
+        f"optim={current}, whose keys are: {', '.join(names)}"
+    )
 
 
 def _finite(node: Any, prefix: str = "") -> None:
@@ -409,30 +421,3 @@ def _finite(node: Any, prefix: str = "") -> None:
             _finite(value, path)
         elif isinstance(value, float) and not math.isfinite(value):
             raise _fail(path, value, "must be a finite number")
-
-
-def _validate_checkpoint(cfg: DictConfig) -> None:
-    _positive(cfg, "checkpoint.hf_max_shard_gib")
-    from models.glm.hf_config import config_to_hf
-    from recipes.parallel import model_config
-
-    if cfg.checkpoint.export_hf:
-        try:  # the final export needs a transformers layout of the model
-            config_to_hf(model_config(cfg))
-        except ValueError as err:
-            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
-    path = cfg.checkpoint.init_from
-    if path is None:
-        return
-    if not (Path(os.path.expanduser(path)) / "config.json").is_file():
-        raise _fail("checkpoint.init_from", path, "not a transformers directory (no config.json)")
-    from recipes.hf import check_init_from
-
-    try:  # config fields, every tensor's presence and shape: headers only, no weights read
-        check_init_from(
-            os.path.expanduser(path),
-            model_config(cfg),
-            init_missing_mtp=bool(cfg.checkpoint.init_missing_mtp),
-        )
-    except (ValueError, OSError) as err:
-        raise ConfigError(f"checkpoint.init_from={path}: {err}") from err

@@ -2,9 +2,12 @@
 
 Every field carries a one-line help in `metadata["help"]` and says whether it is `same_run`
 (never changes what is trained: left out of the run directory's name). A choice is an Enum, so
-an unknown value fails at compose time, naming the key and the allowed values; the choices of
-muon and models are their own constants (`_choices`). `ConfigError` is what a config that
-composes but cannot run raises (`checks.validate`).
+an unknown value fails at compose time, naming the key and the allowed values. The choices of
+muon and models are spelled out here (`_choices`), not imported: importing either package
+imports torch, and the config is composed and checked before torch loads (a bad override's
+error comes in well under a second); tests/unit/test_config.py checks that every list equals
+the library's own constant. `ConfigError` is what a config that composes but cannot run raises
+(`checks.validate`).
 """
 
 from dataclasses import dataclass, field
@@ -13,11 +16,14 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from models.glm.presets import PRESET_NAMES
-from muon.groups import ROUTER_CHOICES
-from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
-from muon.optimizer import ADJUST_LR, NS_DTYPES
-from muon.plan import REMAINDER_CHOICES
+# The libraries' own choice lists, in their order (tests/unit/test_config.py compares them):
+PRESET_NAMES = ("tiny", "small", "glm45_air", "mla_tiny", "glm5", "glm52")  # models.glm.presets
+REMAINDER_CHOICES = ("agrs", "pad_all2all", "ragged_all_to_all", "auto")  # muon.plan
+NS_DTYPES = ("bfloat16", "float32", "float16")  # muon.optimizer
+NS_COEFFICIENTS = ("fixed", "tuned", "polar_express")  # muon.newton_schulz
+NS_ALGORITHMS = ("standard", "gram", "auto")  # muon.newton_schulz
+ROUTER_CHOICES = ("adamw", "muon")  # muon.groups
+ADJUST_LR = ("match_rms_adamw", "original", "none")  # muon.optimizer
 
 
 class ConfigError(ValueError):
@@ -35,8 +41,8 @@ def _f(default: Any, help: str, factory: bool = False, *, same_run: bool = False
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
-    """A config Enum whose members are a library's own choice list (one source: muon's
-    constants), so a choice added there is accepted here, listed by --help and tested."""
+    """A config Enum whose members are a library's choice list (spelled above, compared with
+    the library's constant by a test), so it is accepted here, listed by --help and tested."""
     return StrEnum(name, {v: v for v in values}, module=__name__)
 
 
@@ -55,7 +61,7 @@ RemainderStrategy = _choices("RemainderStrategy", REMAINDER_CHOICES)
 NsDtype = _choices("NsDtype", NS_DTYPES)
 
 
-NsCoefficients = _choices("NsCoefficients", tuple(NS_COEFFICIENTS))
+NsCoefficients = _choices("NsCoefficients", NS_COEFFICIENTS)
 
 
 NsAlgorithm = _choices("NsAlgorithm", NS_ALGORITHMS)

@@ -2,12 +2,13 @@
 value, an invalid or colliding sweep) fails with one message before any rank starts."""
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from recipes import config as schema
-from tests.train_cli import train_py
+from tests.train_cli import ROOT, train_py
 
 
 def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -43,9 +44,19 @@ def _train_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
             "+train.step=5",
             "train.step: unknown key, with or without '+'; did you mean train.steps?",
         ),
+        # Hydra's own errors (a missing `+`, a wrong type, an option's key): the same one line
+        ("data.batch_size=0.5", "data.batch_size=0.5: expected an integer (data.batch_size: "),
+        (
+            "model.overrides.num_hidden_layers=2",
+            "model.overrides.num_hidden_layers=2: a key is added to the mapping model.overrides",
+        ),
+        (
+            "optim=adamw optim.remainder_strategy=agrs",
+            "optim.remainder_strategy=agrs: a key of optim=muon; this command composes optim=adamw",
+        ),
         (
             "optim=adamw +optim.ns_steps=3",
-            "optim.ns_steps=3: not in the schema; did you mean optim.eps?",
+            "optim.ns_steps=3: a key of optim=muon; this command composes optim=adamw, whose keys",
         ),
     ],
 )
@@ -56,6 +67,46 @@ def test_train_py_fails_fast_before_any_rank(override, expected, tmp_path):
     assert proc.stderr.count(expected) == 1 and "Traceback" not in proc.stderr  # one message
     assert "[rank" not in proc.stdout + proc.stderr  # no rank ever started
     assert not list(tmp_path.iterdir())  # not even the empty run dir Hydra made
+    assert "HYDRA_FULL_ERROR" not in proc.stderr  # none of Hydra's raw messages
+
+
+def test_a_bad_override_fails_before_torch_loads(tmp_path):
+    """`-X importtime` lists every module the command imports, the fork server's included
+    (its interpreter gets the same flags): a bad override's error comes with none of torch,
+    numpy or the model code imported, and one line."""
+    command = [sys.executable, "-X", "importtime", str(ROOT / "train.py"), "train.steps=0"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert errors == [
+        "train.py: config error: train.steps=0: must be > 0 (train.steps: "
+        + schema.key_help("train.steps")
+        + ")"
+    ]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "hydra" in imported and not imported & {"torch", "numpy", "models", "muon"}
+
+
+def test_directories_it_cannot_write_fail_in_one_line_leaving_nothing(tmp_path):
+    """A run root below a file (as an unwritable one): one line before Hydra makes anything;
+    a data.cache_dir likewise, before any rank starts."""
+    (tmp_path / "file").write_text("")
+    for override, key in [
+        ("run.root=file/runs", "run.root"),
+        ("data.cache_dir=file/c", "data.cache_dir"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), override],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 1
+        assert proc.stderr.splitlines() == [
+            f"train.py: config error: {override}: {tmp_path / 'file'} is not a directory "
+            f"({key}: {schema.key_help(key)})"
+        ]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):

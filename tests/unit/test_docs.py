@@ -2,7 +2,8 @@
 scripts, the defaults and the import rules is checked against the code.
 
 - every `key=value` they write composes against the schema (Hydra's own `hydra.*` keys and
-  placeholders such as `<dir>` are checked for the key only);
+  placeholders such as `<dir>` are checked for the key only), but those they show refused
+  (`REFUSED`), which train.py's checks before torch must refuse;
 - every repository path they name exists, every markdown link resolves;
 - every script under scripts/ is named in README.md and answers --help
   (tests/e2e/test_docs_scripts.py: a subprocess);
@@ -33,6 +34,8 @@ SECTIONS = {f.name for f in dataclasses.fields(schema.Config)}
 GROUPS = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()} - {"hydra"}
 #: an override in a code span or a command line: [+~]key=value, key dotted or a group name
 OVERRIDE = re.compile(r"(?<![\w.$/-])([+~]?)([a-z_]+(?:\.[a-z_0-9<>]+)*)=([^\s`|)]*)")
+#: overrides the docs show being refused (training.md, errors before torch loads)
+REFUSED = {"data.batch_size=0.5", "model=nope", "model.overrides.num_hidden_layers=2"}
 #: a repository path in a code span: a file with its extension, or a folder with its slash
 PATH = re.compile(
     r"`((?:scripts|docs|conf|recipes|muon|models|tests)/(?:[\w./<>*-]*\.\w+|[\w./<>*-]*/)"
@@ -92,6 +95,12 @@ def test_every_override_in_the_docs_composes(doc, prefix, key, value):
         - {f.name for f in dataclasses.fields(schema.MuonOptimConfig)}
         else ()
     )
+    if f"{prefix}{key}={value}" in REFUSED:
+        from recipes.config.compose import preflight
+
+        with pytest.raises(schema.ConfigError, match=re.escape(f"{prefix}{key}={value}: ")):
+            preflight([f"{prefix}{key}={value}"])
+        return
     if "<" in key:  # `+model.overrides.<GLMConfig field>=...`: the part before the placeholder
         parent = key.split(".<")[0]
         assert OmegaConf.select(_composed(()), parent.lstrip("+"), default=None) is not None

@@ -1,5 +1,6 @@
-"""train.py's entry: the fork server its local world's ranks fork from is started before the
-config is composed, and only when a local world will be started."""
+"""train.py's entry: the fork server its local world's ranks fork from is started only when a
+local world will be started (and, tests/unit/test_config_preflight.py, only once the config
+passed its torch-free checks)."""
 
 import pytest
 

@@ -1,0 +1,123 @@
+"""The model the ranks would build, checked without building it: its config (the preset or
+model=hf's config.json with `model.overrides`), its expert layout on the mesh, its positions,
+the transformers export and the directory to start from, the CUDA devices.
+
+The second stage of `checks.validate`: it imports models/ and torch, so train.py runs it after
+`checks.validate_config` (torch-free) has passed and the ranks' fork server has started. Every
+failure is a `ConfigError` naming the key, as in checks.py.
+"""
+
+import dataclasses
+import os
+import re
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.config.checks import _fail
+from recipes.config.preflight import check_token_ids
+from recipes.config.schema import ConfigError, Device, ModelPreset
+
+
+def validate_model(
+    cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
+) -> None:
+    """Check the model config, its layout on the mesh and positions, the export, the
+    checkpoint to start from and (`check_devices`) the CUDA devices `mesh.device=cuda` needs."""
+    _validate_model(cfg)
+    _validate_checkpoint(cfg)
+    check_token_ids(cfg)  # numpy; after meta.json filled data.vocab_size and data.dtype
+    mesh = cfg.mesh
+    if check_devices and mesh.device == Device.cuda:
+        import torch
+
+        if torch.cuda.device_count() < (1 if env_world_size else mesh.world_size):
+            raise _fail(
+                "mesh.device",
+                "cuda",
+                f"needs {mesh.world_size} CUDA devices; "
+                f"this machine has {torch.cuda.device_count()}; allowed: auto, cpu, cuda",
+            )
+
+
+def _validate_model(cfg: DictConfig) -> None:
+    """The model the ranks would build, and its layout on the mesh, without building it."""
+    from models.glm import GLMConfig
+    from models.glm.parallelize import check_layout
+    from recipes.parallel import model_config
+
+    model = cfg.model
+    allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
+    for key in model.overrides:
+        if key not in allowed:
+            raise _fail(
+                f"model.overrides.{key}",
+                model.overrides[key],
+                f"not a GLMConfig field; allowed: {', '.join(allowed)}",
+            )
+    from_hf = str(model.preset) == ModelPreset.hf
+    try:
+        config = model_config(cfg)
+    except (TypeError, ValueError) as err:
+        raise _model_error(cfg, str(err)) from None
+    if from_hf and cfg.data.vocab_size > config.vocab_size:
+        raise _fail(
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"token ids must fit the vocabulary of {model.path}/config.json "
+            f"(vocab_size {config.vocab_size}): <= {config.vocab_size}",
+        )
+    try:
+        check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
+    except ValueError as err:
+        raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
+    if cfg.data.seq_len > config.max_position_embeddings:
+        raise _fail(
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"exceeds the model's max_position_embeddings={config.max_position_embeddings} "
+            f"(model.preset={cfg.model.preset.value}; "
+            "+model.overrides.max_position_embeddings=N raises it)",
+        )
+
+
+def _model_error(cfg: DictConfig, message: str) -> ConfigError:
+    """Name the key the user set that the model's message mentions first (else the preset)."""
+    keys = {f"model.overrides.{k}": k for k in cfg.model.overrides}
+    from_hf = str(cfg.model.preset) == ModelPreset.hf
+    if not from_hf:  # model=hf takes the vocabulary of its config.json
+        keys["data.vocab_size"] = "vocab_size"
+    found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
+    if found:
+        key = min(found)[1]
+        return _fail(key, OmegaConf.select(cfg, key), message)
+    if from_hf:
+        return _fail("model.path", cfg.model.path, message)
+    return _fail("model.preset", cfg.model.preset.value, message)
+
+
+def _word(name: str, text: str) -> re.Match | None:
+    return re.search(rf"\b{re.escape(name)}\b", text)
+
+
+def _validate_checkpoint(cfg: DictConfig) -> None:
+    from models.glm.hf_config import config_to_hf
+    from recipes.parallel import model_config
+
+    if cfg.checkpoint.export_hf:
+        try:  # the final export needs a transformers layout of the model
+            config_to_hf(model_config(cfg))
+        except ValueError as err:
+            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
+    path = cfg.checkpoint.init_from
+    if path is None:
+        return
+    from recipes.hf import check_init_from
+
+    try:  # config fields, every tensor's presence and shape: headers only, no weights read
+        check_init_from(
+            os.path.expanduser(path),
+            model_config(cfg),
+            init_missing_mtp=bool(cfg.checkpoint.init_missing_mtp),
+        )
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
