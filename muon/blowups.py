@@ -69,6 +69,8 @@ class GramBlowups:
         flags = [
             state[params[i][0]].get("gram_demoted") for b in self.batches for i in b.param_indices
         ]
+        # A meta-device state (the planner's fake world) holds no learnt demotion to read.
+        flags = [None if f is None or f.is_meta else f for f in flags]
         known = [f for f in flags if f is not None]
         if not known:
             return
