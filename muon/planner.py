@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from muon.batch_cost import sizing_peak
 from muon.cost import DEFAULT_LINKS, LinkModel, measure_link
 from muon.owners import assign_owners
 from muon.plan import (
-    BATCH_BYTES,
     LOCAL_MESH_PLAN,
     BatchPlan,
     MeshCommPlan,
@@ -91,10 +91,11 @@ def build_step_plan(
     expert_aware: bool,
     memory_budget: int | None,
     link: LinkModel,
-    batch_bytes: int = BATCH_BYTES,
+    batch_bytes: int | None = None,
 ) -> StepPlan:
     """Plan every Muon batch of `param_groups` (see the module docstring); collective when the
-    default process group has more than one rank."""
+    default process group has more than one rank. Every batch is sized to `batch_bytes` on a
+    rank (None: `memory_budget` when given, else `derived_batch_bytes`)."""
     params: list[tuple[torch.Tensor, int]] = []
     names: list[str] = []
     by_mesh: dict[tuple, list[ParamMeta]] = {}
@@ -125,20 +126,24 @@ def build_step_plan(
             )
             params.append((p, gi))
             names.append(name or f"{tuple(p.shape)}")
-    plans = []
-    for key, metas in by_mesh.items():
-        mp = _mesh_plan(mesh_of[key])
-        batches = plan_batches(
-            metas,
-            mesh_plan=mp,
-            remainder_strategy=remainder_strategy,
-            enable_all2all=enable_all2all,
-            expert_aware=expert_aware,
-            batch_bytes=batch_bytes,
-            link=link,
-            memory_budget=memory_budget,
-        )
-        plans.append((mp, batches))
+
+    def cut(budget: int) -> list:
+        return [
+            (mp, plan_batches(metas, mesh_plan=mp, batch_bytes=budget, **options))
+            for mp, metas in zip(meshes, by_mesh.values(), strict=True)
+        ]
+
+    meshes = [_mesh_plan(mesh_of[key]) for key in by_mesh]
+    options = dict(
+        remainder_strategy=remainder_strategy,
+        enable_all2all=enable_all2all,
+        expert_aware=expert_aware,
+        link=link,
+        memory_budget=memory_budget,
+    )
+    if batch_bytes is None:
+        batch_bytes = memory_budget or derived_batch_bytes(cut(0))
+    plans = cut(batch_bytes)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plans, loads, digest = assign_owners(plans, world_size=world)
     step = StepPlan(plans, params, loads, fingerprint(plans, names, digest), link)
@@ -150,6 +155,15 @@ def build_step_plan(
         for k in sorted({b.subgroup_size for b in batches if b.path == "subgroup"}):
             step.groups[(mp, k)] = _subgroups(mp, k, cache)
     return step
+
+
+def derived_batch_bytes(plans) -> int:
+    """The byte budget of one batch when none is given: the largest planned peak of the
+    smallest batch any bucket can be cut into (`plans` cut with a budget of 0: one unit per
+    rank; `muon.batch_cost.sizing_peak`), the same on every rank. Every bucket then fits one
+    unit, and smaller matrices stack up to what the largest one needs anyway: the step's
+    transient is O(`max_inflight` x its largest unit), never O(the rank's parameters)."""
+    return max((sizing_peak(b) for _, batches in plans for b in batches), default=0)
 
 
 def _ns_settings(g: dict) -> tuple:
