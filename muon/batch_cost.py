@@ -79,8 +79,8 @@ def segments(
     three for an exchange (momentum + launch; orthogonalize + return; apply). The send buffer
     lives through the task (the return lands in it), the receive buffer until the return has
     landed; Newton-Schulz's workspace, the Nesterov input, NorMuon's temporaries and the
-    widened updates only inside their stretch. `gloo`: AGRS's all-gather also makes gloo's
-    flat staging copy of the gathered slab, freed when it completes (NCCL makes none)."""
+    widened updates only inside their stretch. `gloo`: AGRS's all-gather and reduce-scatter
+    also make gloo's flat staging copy of the slab, freed when they complete (NCCL: none)."""
     buf = PATHS[b.path].buffer_figures(b, r)
     send, recv, gather, out = buf["send"], buf["recv"], buf["gather"], buf["output"]
     ws = ns_workspace_bytes(b, r, ns_itemsize)
@@ -93,7 +93,7 @@ def segments(
     staging = recv if gloo and b.path == "agrs" else 0
     return [
         (send + max(nest, recv + staging), send + recv),
-        (send + recv + ns_peak, send + recv + kept),
+        (send + recv + ns_peak, send + recv + kept + staging),
         (send + wide, 0),
     ]
 

@@ -14,8 +14,7 @@ the optimizer's plans are the ones a real run gets. What it adds up:
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
   flat staging copy of an all-gather on CPU, and one layer's unsharded gradients before their
   reduce-scatter;
-- optimizer peak: gradient shards plus the optimizer's transient from its plans (the
-  exchange buffers and Newton-Schulz workspace of `max_inflight` consecutive batches).
+- optimizer peak: gradient shards plus the optimizer's planned window (`window_peak_bytes`).
 The step peak is resident + the larger of the two peaks.
 
 Activation bytes per token are counted op by op from the model code (what autograd saves:
@@ -258,17 +257,14 @@ def _unsharded_bytes(module: torch.nn.Module, itemsize: int, ep: int) -> int:
     return total
 
 
-def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
-    """The largest sum of per-batch peaks (exchange buffers + Newton-Schulz workspace + the
-    local path's Nesterov input) over `max_inflight` consecutive batches of the optimizer's
-    plans on this rank (`muon.batch_cost.window_peak_bytes`); 0 for optimizers without plans
-    (AdamW)."""
-    return window_peak_bytes(
-        getattr(opt, "plans", []),
-        ns_itemsize=ns_itemsize,
-        nesterov=nesterov,
-        max_inflight=max_inflight,
-    )
+def optimizer_transient_bytes(
+    opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int, gloo=False
+):
+    """The step's planned transient on this rank (`muon.batch_cost.window_peak_bytes`: every
+    buffer of the runtime's window, NorMuon's when a group has it); 0 without plans (AdamW)."""
+    normuon = any(g.get("normuon") for g in opt.param_groups)
+    kw = dict(ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight, gloo=gloo)
+    return window_peak_bytes(getattr(opt, "plans", []), normuon=normuon, **kw)
 
 
 def estimate_step_memory(
@@ -341,7 +337,7 @@ def estimate_step_memory(
     parts["layer gradients (unsharded)"] = layer_full // a * (a + reduce_size)
     parts["gradient shards"] = _local_bytes(trained, 4)
     parts["optimizer transient (plans)"] = optimizer_transient_bytes(
-        opt, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight
+        opt, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight, gloo=gloo
     )
     resident = ["master parameters (fp32 shards)", "optimizer state"]
     optimizer = ["gradient shards", "optimizer transient (plans)"]
