@@ -80,13 +80,14 @@ def _world() -> dict:
             gloo=True,
         )
         batches = [(b, mp.fsdp_rank) for mp, bs in opt.plans for b in bs]
-        owned = sum(blocks_on(b, r) for b, r in batches)
+        # remainder batches in which this rank assembles nothing (the ragged idle rank)
+        idle = sum(b.size < b.fsdp_size and not blocks_on(b, r) for b, r in batches)
         # gloo frees an AGRS collective's staging slab on its worker when the collective is
         # done, which may be after the measuring thread's next allocation: up to one slab more
         slack = max(
             (collective_buffer_bytes(b, r) for b, r in batches if b.path == "agrs"), default=0
         )
-        out[name] = dict(planned=planned, measured=min(peaks), blocks=owned, slack=slack)
+        out[name] = dict(planned=planned, measured=min(peaks), idle=idle, slack=slack)
         del opt, groups
     return out
 
@@ -105,6 +106,5 @@ def test_planned_transient_within_5_percent_of_measured():
                 bad.append(lines[-1])
     print("\n".join(lines))
     assert not bad, "\n".join(bad)
-    # the ragged remainder leaves a rank without a matrix of it: its own, smaller, window
-    ragged = [res["ragged_all_to_all"] for res in ranks]
-    assert len({row["blocks"] for row in ragged}) > 1, ragged
+    # the ragged remainders leave ranks idle (nothing of theirs assembled): checked there too
+    assert any(res["ragged_all_to_all"]["idle"] for res in ranks), ranks
