@@ -24,9 +24,9 @@ VARIANTS = {
     "pad_all2all": {"remainder_strategy": "pad_all2all"},
     "agrs": {"remainder_strategy": "agrs"},
     "ragged_all_to_all": {"remainder_strategy": "ragged_all_to_all"},
-    "pad_all2all, NorMuon": {"remainder_strategy": "pad_all2all", "normuon": True},
-    "pad_all2all, max_inflight=1": {"remainder_strategy": "pad_all2all", "max_inflight": 1},
-    "pad_all2all, float32 NS": {"remainder_strategy": "pad_all2all", "ns_dtype": "fp32"},
+    "pad_all2all + NorMuon": {"remainder_strategy": "pad_all2all", "normuon": True},
+    "pad_all2all + max_inflight=1": {"remainder_strategy": "pad_all2all", "max_inflight": 1},
+    "pad_all2all + float32 NS": {"remainder_strategy": "pad_all2all", "ns_dtype": "fp32"},
 }
 
 
