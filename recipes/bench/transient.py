@@ -86,7 +86,7 @@ def table(by_rank: list[dict], before: list[dict] | None = None) -> str:
     head = "| variant | batches | measured MiB per rank | planned MiB | planned / measured |"
     lines = [head, "|---|---|---|---|---|"]
     if before:
-        lines[0] = head[:-1] + " before: batches | before: measured MiB |"
+        lines[0] = head + " before: batches | before: measured MiB |"
         lines[1] += "---|---|"
     for name, row in by_rank[0].items():
         got = [r[name]["measured"] / MiB for r in by_rank]
