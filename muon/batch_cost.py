@@ -113,40 +113,46 @@ def window_peak_bytes(
     a new one run to its first yield as soon as one finishes, the others resumed in turn. The
     largest sum of what the live tasks hold while one of them runs a stretch. 0 without
     batches."""
+    kw = dict(ns_itemsize=ns_itemsize, nesterov=nesterov, normuon=normuon, gloo=gloo)
+    return window_at_peak(plans, max_inflight=max_inflight, **kw)[0]
+
+
+def window_at_peak(plans, *, max_inflight: int, **kw) -> tuple[int, list]:
+    """`window_peak_bytes` (its keywords in `kw`) and who holds it: per live batch at the peak
+    `(batch, its stretch then (0, 1, 2) or None when it waits, bytes)`."""
     tasks = []
     for mp, batches in plans:
         for b in batches:
-            segs = segments(
-                b, mp.fsdp_rank, ns_itemsize, nesterov=nesterov, normuon=normuon, gloo=gloo
-            )
-            chunks = len(PATHS[b.path].chunks(b, mp.fsdp_rank))
-            tasks += [segs] * chunks
+            segs = segments(b, mp.fsdp_rank, **kw)
+            tasks += [(b, segs)] * len(PATHS[b.path].chunks(b, mp.fsdp_rank))
     return replay(tasks, max(1, max_inflight))
 
 
-def replay(tasks: list, max_inflight: int) -> int:
-    """The peak of `tasks` (each `[(peak, held after)]` per stretch) run as `AsyncRuntime`
-    runs them."""
+def replay(tasks: list, max_inflight: int) -> tuple[int, list]:
+    """The peak of `tasks` (each `(label, [(peak, held after)] per stretch)`) run as
+    `AsyncRuntime` runs them, and what each live task held then (`window_at_peak`)."""
     pending = iter(tasks)
-    live: list[list] = []  # [stretches, next stretch, bytes held]
-    peak = 0
+    live: list[list] = []  # [label, stretches, next stretch, bytes held]
+    peak, at_peak = 0, []
 
     def run(task: list) -> bool:
         """Run the task's next stretch; True when it finished."""
-        nonlocal peak
-        held = sum(t[2] for t in live if t is not task)
-        top, after = task[0][task[1]]
-        peak = max(peak, held + top)
-        task[1] += 1
-        task[2] = after
-        return task[1] == len(task[0])
+        nonlocal peak, at_peak
+        held = sum(t[3] for t in live if t is not task)
+        top, after = task[1][task[2]]
+        if held + top > peak:
+            peak = held + top
+            at_peak = [(t[0], None, t[3]) if t is not task else (t[0], t[2], top) for t in live]
+        task[2] += 1
+        task[3] = after
+        return task[2] == len(task[1])
 
     def fill() -> None:
         while len(live) < max_inflight:
-            segs = next(pending, None)
-            if segs is None:
+            item = next(pending, None)
+            if item is None:
                 return
-            task = [segs, 0, 0]
+            task = [*item, 0, 0]
             live.append(task)
             if run(task):
                 live.remove(task)
@@ -158,7 +164,7 @@ def replay(tasks: list, max_inflight: int) -> int:
         if run(task):
             live.remove(task)
             fill()
-    return peak
+    return peak, at_peak
 
 
 def fitting(most: int, batch_of) -> int:

@@ -49,9 +49,11 @@ def measure_rank(cfg: dict) -> dict:
                 opt.step()
             peaks.append(m.peak_delta_bytes("optim"))
         state = sum(opt.state[p]["momentum_buffer"].to_local().nbytes for p in params)
+        planned, who = _planned(opt)
         out[name] = dict(
             measured=min(peaks),
-            planned=_planned(opt),
+            planned=planned,
+            at_peak=who,
             state=state,
             batches=[f"{b.path} {b.size}" for _, bs in opt.plans for b in bs],
         )
@@ -60,24 +62,36 @@ def measure_rank(cfg: dict) -> dict:
     return out
 
 
-def _planned(opt) -> int | None:
-    """The plan's window on this rank; None for a checkout whose plan has no window model."""
+STRETCHES = ("momentum + launch", "orthogonalize + return", "apply")
+
+
+def _planned(opt) -> tuple[int | None, list]:
+    """The plan's window on this rank and who holds it at the peak (`(batch, what it runs,
+    MiB)`); (None, []) for a checkout without that model."""
     try:
-        from muon.batch_cost import window_peak_bytes
+        from muon.batch_cost import window_at_peak
     except ImportError:
-        return None
+        return None, []
     g = opt.param_groups[0]
-    try:
-        return window_peak_bytes(
-            opt.plans,
-            ns_itemsize=getattr(torch, g["ns_dtype"]).itemsize,
-            nesterov=g["nesterov"],
-            max_inflight=opt.max_inflight,
-            normuon=g.get("normuon", False),
-            gloo=True,
-        )
-    except TypeError:  # an older window model without NorMuon or gloo terms
-        return None
+    peak, who = window_at_peak(
+        opt.plans,
+        max_inflight=opt.max_inflight,
+        ns_itemsize=getattr(torch, g["ns_dtype"]).itemsize,
+        nesterov=g["nesterov"],
+        normuon=g.get("normuon", False),
+        gloo=True,
+    )
+    label = "{} {} x {}".format
+    return peak, [
+        (label(b.path, b.size, "x".join(map(str, b.global_shape))), _stretch(b, s), held / MiB)
+        for b, s, held in who
+    ]
+
+
+def _stretch(b, s: int | None) -> str:
+    if s is None:
+        return "waiting for its collective"
+    return "local: all of it" if b.path == "local" else STRETCHES[s]
 
 
 def table(by_rank: list[dict], before: list[dict] | None = None) -> str:
@@ -102,4 +116,9 @@ def table(by_rank: list[dict], before: list[dict] | None = None) -> str:
             old = [r[name]["measured"] / MiB for r in before]
             cells += [", ".join(before[0][name]["batches"]), " / ".join(f"{g:.2f}" for g in old)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "At the planned peak, rank 0: each batch alive, what it runs, what it holds:", ""]
+    lines += ["| variant | batch | running | MiB |", "|---|---|---|---|"]
+    for name, row in by_rank[0].items():
+        for batch, running, mib in row.get("at_peak", []):
+            lines.append(f"| {name} | {batch} | {running} | {mib:.2f} |")
     return "\n".join(lines)
