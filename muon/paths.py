@@ -33,8 +33,8 @@ import torch.distributed as dist
 from muon.cost import ns_block_bytes
 
 Shards = list[torch.Tensor]
-#: default bound on one batch's exchange buffers on one rank (sub-group batches are sized by
-#: it, and a local batch is orthogonalized in chunks of it)
+#: default byte budget of one batch's planned peak on a rank (`memory_budget` replaces it):
+#: full and sub-group batches and local chunks are cut to fit it (`muon.batch_cost.fitting`)
 BATCH_BYTES = 256 << 20
 
 

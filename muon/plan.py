@@ -15,7 +15,7 @@ Paths (each one object in `muon.paths` holding its name, its exchange and its co
   subgroup    each expert block spans k consecutive FSDP ranks: the ranks of a sub-group (the k,
               or m * k when `muon.owners` widens it to balance the step) exchange so that every
               block is assembled on exactly one of them, orthogonalized once, returned
-  full        k * W matrices on a W-rank group (k as many as fit `BATCH_BYTES`): all-to-all,
+  full        k * W matrices on a W-rank group (k as many as fit the batch budget): all-to-all,
               k matrices assembled per rank and orthogonalized in one call
   agrs | pad_all2all | ragged_all_to_all   a remainder batch of R < W matrices
   (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
@@ -117,8 +117,8 @@ class BatchPlan:
     group_ranks: tuple[int, ...] = field(default=(), compare=False)
     #: rows of each block of one matrix when they are unequal (Muon Split), else ()
     split_sizes: tuple[int, ...] = ()
-    #: the byte budget one batch is sized to on a rank (`sized_batch_bytes`); the local path
-    #: cuts its chunks by it
+    #: the byte budget one batch is sized to on a rank (`muon.batch_cost.sizing_peak`); the
+    #: local path cuts its chunks by it
     batch_bytes: int = BATCH_BYTES
 
     @property

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muon.batch_cost import sizing_peak
 from muon.cost import DEFAULT_LINKS, LinkModel, measure_link
 from muon.owners import assign_owners
 from muon.plan import (
+    BATCH_BYTES,
     LOCAL_MESH_PLAN,
     BatchPlan,
     MeshCommPlan,
@@ -95,7 +95,8 @@ def build_step_plan(
 ) -> StepPlan:
     """Plan every Muon batch of `param_groups` (see the module docstring); collective when the
     default process group has more than one rank. Every batch is sized to `batch_bytes` on a
-    rank (None: `memory_budget` when given, else `derived_batch_bytes`)."""
+    rank (None: `memory_budget` when given, else `muon.paths.BATCH_BYTES`): its planned peak
+    (`muon.batch_cost.sizing_peak`, every buffer of its stretches), one unit at least."""
     params: list[tuple[torch.Tensor, int]] = []
     names: list[str] = []
     by_mesh: dict[tuple, list[ParamMeta]] = {}
@@ -141,9 +142,7 @@ def build_step_plan(
         link=link,
         memory_budget=memory_budget,
     )
-    if batch_bytes is None:
-        batch_bytes = memory_budget or derived_batch_bytes(cut(0))
-    plans = cut(batch_bytes)
+    plans = cut(batch_bytes or memory_budget or BATCH_BYTES)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plans, loads, digest = assign_owners(plans, world_size=world)
     step = StepPlan(plans, params, loads, fingerprint(plans, names, digest), link)
@@ -155,15 +154,6 @@ def build_step_plan(
         for k in sorted({b.subgroup_size for b in batches if b.path == "subgroup"}):
             step.groups[(mp, k)] = _subgroups(mp, k, cache)
     return step
-
-
-def derived_batch_bytes(plans) -> int:
-    """The byte budget of one batch when none is given: the largest planned peak of the
-    smallest batch any bucket can be cut into (`plans` cut with a budget of 0: one unit per
-    rank; `muon.batch_cost.sizing_peak`), the same on every rank. Every bucket then fits one
-    unit, and smaller matrices stack up to what the largest one needs anyway: the step's
-    transient is O(`max_inflight` x its largest unit), never O(the rank's parameters)."""
-    return max((sizing_peak(b) for _, batches in plans for b in batches), default=0)
 
 
 def _ns_settings(g: dict) -> tuple:

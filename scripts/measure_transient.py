@@ -27,6 +27,11 @@ VARIANTS = {
     "pad_all2all + NorMuon": {"remainder_strategy": "pad_all2all", "normuon": True},
     "pad_all2all + max_inflight=1": {"remainder_strategy": "pad_all2all", "max_inflight": 1},
     "pad_all2all + float32 NS": {"remainder_strategy": "pad_all2all", "ns_dtype": "fp32"},
+    # one unit per batch: the smallest batches the plan can cut
+    "pad_all2all + memory_budget=1 MiB": {
+        "remainder_strategy": "pad_all2all",
+        "memory_budget": 1 << 20,
+    },
 }
 
 
