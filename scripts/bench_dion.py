@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes.bench.transient import MODEL  # noqa: E402
-from recipes.bench.vs_dion import bench_rank, summary, table  # noqa: E402
+from recipes.bench.vs_dion import ONE_UNIT, bench_rank, summary, table  # noqa: E402
 from recipes.world import run_world  # noqa: E402
 
 OURS = "muon.Muon"
@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
     )
     results, text = {}, []
-    one = dict(cfg, optimizers=[OURS, "torch.optim.Muon"])
+    one = dict(cfg, optimizers=[OURS, ONE_UNIT, "torch.optim.Muon"])
     results["one rank"] = summary(run_world(bench_rank, 1, one, backend=None, timeout_s=1800))
     text += ["One rank, plain tensors for torch.optim.Muon:", ""]
     text += [table(results["one rank"], "torch.optim.Muon"), ""]
     if args.dion is not None:
-        world = dict(cfg, optimizers=[OURS, "dion.Muon"])
+        world = dict(cfg, optimizers=[OURS, ONE_UNIT, "dion.Muon"])
         by_rank = run_world(
             bench_rank,
             args.world_size,

@@ -22,6 +22,10 @@ from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
 from recipes.bench.timing import rotations, timed
 
 
+#: `muon.Muon` with a `memory_budget` below every batch: the smallest batches the plan cuts
+ONE_UNIT = "muon.Muon, one unit per batch"
+
+
 def _state_bytes(opt, params) -> int:
     """Bytes of the optimizer state tensors of `params` (local shards) on this rank."""
     total = 0
@@ -49,10 +53,11 @@ def _transient(meter, opt, repeats: int) -> int:
 
 def _build(name: str, params, mesh, cfg: dict):
     ns = DTYPES[cfg["ns_dtype"]]
-    if name == "muon.Muon":
+    if name.startswith("muon.Muon"):
         from muon import Muon
 
-        return Muon(params, lr=0.02, remainder_strategy=cfg["strategy"], ns_dtype=ns)
+        budget = {"memory_budget": 1} if name == ONE_UNIT else {}  # every batch one unit
+        return Muon(params, lr=0.02, remainder_strategy=cfg["strategy"], ns_dtype=ns, **budget)
     if name == "torch.optim.Muon":
         return torch.optim.Muon(params, lr=0.02, adjust_lr_fn="match_rms_adamw")
     from dion import Muon as DionMuon  # the checkout on the ranks' path
