@@ -21,7 +21,6 @@ import torch
 from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
 from recipes.bench.timing import rotations, timed
 
-
 #: `muon.Muon` with a `memory_budget` below every batch: the smallest batches the plan cuts
 ONE_UNIT = "muon.Muon, one unit per batch"
 
