@@ -128,6 +128,9 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/bench_remainder\.py --ns-variant fixed,standard$", REMAINDER, "bench_out/results.json bench_out/tables.md bench_out/remainder.png"),
     Run(r"^python scripts/bench_remainder\.py --world-size 4 .* --out /tmp/b$", REMAINDER, "tmp/b/results.csv"),
     Run(r"^python scripts/bench_step\.py --baseline /tmp/before --steps [58] --out bench_step_out --ns-variant fixed,standard$", "--steps 1 --warmup 0 --strategies pad_all2all", "bench_step_out/results.json bench_step_out/tables.md", needs="tmp/before"),
+    NotRun(r"^git clone https://github\.com/microsoft/dion /tmp/dion$", "needs the network: the microsoft/dion checkout bench_dion.py compares against"),
+    Run(r"^python scripts/bench_dion\.py --dion /tmp/dion --steps 6 --out bench_dion_out$", "--steps 1 --warmup 0 --repeats 1", "bench_dion_out/results.json bench_dion_out/tables.md", drop="--dion"),
+    Run(r"^python scripts/measure_transient\.py --baseline /tmp/before --out /tmp/transient$", "--variants pad_all2all --repeats 1", "tmp/transient/results.json tmp/transient/tables.md", drop="--baseline"),
     # one small case, no baseline: the time-only entries below run a baseline tree
     Run(r"^python scripts/probe_step\.py mesh\.ep=2 --case model=small --case .* --baseline-tree /tmp/probe-before --out /tmp/probe_final$", "--case model=tiny --no-double", "tmp/probe_final/results.json tmp/probe_final/tables.md", drop="--baseline-tree"),
     Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/ptime3 mesh\.ep=2$", "model=tiny --baseline-tree . --time-steps 1 --time-rounds 1", "tmp/ptime3/results.json"),
