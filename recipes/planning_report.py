@@ -77,8 +77,8 @@ def format_report(report: dict) -> str:
         f"{meta['param_tensors'] + 1} int32 flags, {fmt_bytes(4 * (meta['param_tensors'] + 1))})",
         "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
         "(of the whole group when it has none) / one that does not.",
-        "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: NS "
-        "inputs + exchange buffers + NS workspace of one batch.",
+        "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: one "
+        "batch's largest stretch (buffers held + Newton-Schulz workspace, muon.batch_cost).",
     ]
     if budget is not None:
         lines.append(f"budget {fmt_bytes(budget)}: '!' marks figures above it.")
