@@ -160,7 +160,8 @@ def test_lpt_owners_balance_cost_across_shapes_and_batches():
 def test_gram_plans_count_gram_flops_and_workspace():
     """With ns_algorithm="gram" the plan counts the iteration `newton_schulz` runs on each
     shape: Gram on a 1:3 block (58 m^3 against 70 m^3 with the default restarts, one more
-    m x m temporary: 3 X + 3 m^2 against the standard 3 X + 2 m^2, `muon.cost.ns_block_bytes`), the standard iteration on a square one (no fewer FLOPs there)."""
+    m x m temporary: 3 X + 3 m^2 against the standard 3 X + 2 m^2, `muon.cost.ns_block_bytes`),
+    the standard iteration on a square one (no fewer FLOPs there)."""
     from dataclasses import replace
 
     w = 4
