@@ -109,8 +109,8 @@ class Muon(torch.optim.Optimizer):
             launches its first collective at once).
         expert_aware: False exchanges fused experts as whole matrices (the behaviour before the
             local and sub-group paths existed, kept for planning comparisons).
-        memory_budget: bytes one batch may hold on a rank, for `remainder_strategy="auto"`;
-            None means no bound.
+        memory_budget: bytes a batch's planned peak may hold on a rank: batches are cut to it
+            and "auto" fits it; None: 256 MiB batches (`muon.paths.BATCH_BYTES`), "auto" free.
         link: the `muon.cost.LinkModel` (or a (latency_s, bytes_per_s[, flops_per_s]) tuple)
             "auto" models collectives with; None measures it at construction with two tiny
             all-reduces on the default group (collective) when "auto" needs it.

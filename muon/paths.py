@@ -11,11 +11,10 @@ Every path is registered once, in `PATHS`. A path object has
   stacked tensor (`stacked`, `[S, rows, C]`, parameter position j in slot `slot_of(...)[j]`),
   so that the apply checks and zeroes a batch's updates in a few ops (`muon.guard`);
 - its cost, counted from the plan alone (`blocks_on`, `bytes_sent`, `collective_buffer_bytes`,
-  `exchange_buffer_bytes`, `ns_workspace_bytes`), which the tests check against the exchange
-  (`muon.batch_cost` asks a batch's path for them and builds the planned peaks on them).
-Which units a rank holds and owns is the plan's (`BatchPlan.exchange_view`, `unit_blocks`,
-`units_on`). Whether a path waits depends only on the plan, never on the rank, so every rank
-issues the same collectives in the same order.
+  `buffer_figures`, `ns_workspace_bytes`), checked by the tests against the exchange
+  (`muon.batch_cost` builds the planned peaks on them). Which units a rank holds and owns is
+  the plan's (`BatchPlan.exchange_view`, `units_on`). Whether a path waits depends only on the
+  plan, never on the rank: every rank issues the same collectives in the same order.
 
 Layout legend: a shard is `[rows_r, C]` where rows are the sharded dim (moved first) and C the
 product of the other dims; a unit is what one owner assembles, `[N, C]` with N its rows; W is
@@ -34,8 +33,8 @@ import torch.distributed as dist
 from muon.cost import ns_block_bytes
 
 Shards = list[torch.Tensor]
-#: default bound on one batch's exchange buffers on one rank (sub-group batches are sized by
-#: it, and a local batch is orthogonalized in chunks of it)
+#: default byte budget of one batch's planned peak on a rank (`memory_budget` replaces it):
+#: full and sub-group batches and local chunks are cut to fit it (`muon.batch_cost.fitting`)
 BATCH_BYTES = 256 << 20
 
 
@@ -63,14 +62,17 @@ def local_rows(b, r: int) -> int:
     return b.shard_sizes[r] if b.fsdp_size > 1 else b.fsdp_visible_rows
 
 
-def local_chunks(b, r: int, batch_bytes: int = BATCH_BYTES) -> list[range]:
-    """The local path orthogonalizes its parameters stacked, in chunks whose NS input, output and
-    workspace stay within about `batch_bytes` (one parameter at least). Sized by the largest
-    shard of the FSDP group, so that every rank cuts the same chunks: each chunk's verdicts are
-    agreed in one collective of the group (`muon.phases.check`)."""
-    rows = max(b.shard_sizes) if b.fsdp_size > 1 else local_rows(b, r)
-    shard = rows * b.other_numel * b.wire_itemsize
-    n = max(1, batch_bytes // max(1, 3 * shard))
+def local_chunks(b, r: int) -> list[range]:
+    """The local path orthogonalizes its parameters stacked, in chunks whose NS input, output,
+    workspace and widened updates stay within the plan's `b.batch_bytes` (one at least). Sized
+    by the largest shard of the FSDP group, so that every rank cuts the same chunks: each
+    chunk's verdicts are agreed in one collective of the group (`muon.phases.check`)."""
+    ranks = range(b.fsdp_size) if b.fsdp_size > 1 else [r]
+    elems = max(local_rows(b, q) for q in ranks) * b.other_numel
+    wide = elems * b.itemsize if b.wire_itemsize < b.itemsize else 0
+    per = 2 * elems * b.wire_itemsize + wide
+    per += max(b.unit_blocks(q)[1] for q in ranks) * ns_block_bytes(b, b.wire_itemsize)
+    n = max(1, b.batch_bytes // max(1, per))
     return [range(i, min(i + n, b.size)) for i in range(0, b.size, n)]
 
 
@@ -101,6 +103,17 @@ class Path:
 
     def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
         return self.blocks_on(b, r) * ns_block_bytes(b, ns_itemsize)
+
+    def exchange_buffer_bytes(self, b, r: int) -> int:
+        """The batch's exchange buffers alive at once: send (later the return), receive, the
+        contiguous copy of the received units and the Newton-Schulz output."""
+        f = self.buffer_figures(b, r)
+        return f["send"] + f["recv"] + f["gather"] + f["output"]
+
+
+def _figures(send: int, recv: int, gather: int, output: int, keeps_output: bool) -> dict:
+    """`buffer_figures`: bytes by role (`keeps_output`: the return reads the NS output)."""
+    return dict(send=send, recv=recv, gather=gather, output=output, keeps_output=keeps_output)
 
 
 class Local(Path):
@@ -143,10 +156,11 @@ class Local(Path):
     def collective_buffer_bytes(self, b, r: int) -> int:
         return 0
 
-    def exchange_buffer_bytes(self, b, r: int) -> int:
+    def buffer_figures(self, b, r: int) -> dict:
         # the largest chunk's stacked NS input and its output
         n = max(len(c) for c in self.chunks(b, r))
-        return 2 * n * local_rows(b, r) * b.other_numel * b.wire_itemsize
+        stack = n * local_rows(b, r) * b.other_numel * b.wire_itemsize
+        return _figures(stack, 0, 0, stack, False)
 
     def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
         n = max(len(c) for c in self.chunks(b, r))
@@ -271,11 +285,12 @@ class OwnerAllToAll(Path):
         mine, _, _, owned_bytes, _ = self._figures(b, r)
         return max(owned_bytes, b.size * mine)
 
-    def exchange_buffer_bytes(self, b, r: int) -> int:
+    def buffer_figures(self, b, r: int) -> dict:
         # send (later the return) + received units + NS output; several units are also
-        # gathered into one contiguous input
+        # gathered into one contiguous input; one unit's output is returned as it is
         mine, _, owned, owned_bytes, _ = self._figures(b, r)
-        return b.size * mine + (2 if owned == 1 else 3) * owned_bytes
+        gather = owned_bytes if owned > 1 else 0
+        return _figures(b.size * mine, owned_bytes, gather, owned_bytes, owned == 1)
 
 
 def _owner_order(view) -> list[int]:
@@ -345,9 +360,10 @@ class PadAllToAll(Path):
     def collective_buffer_bytes(self, b, r: int) -> int:
         return b.fsdp_size * _padded(b)
 
-    def exchange_buffer_bytes(self, b, r: int) -> int:
+    def buffer_figures(self, b, r: int) -> dict:
         # send (later the return) + received slab + an owner's NS output copied back into it
-        return 2 * b.fsdp_size * _padded(b) + (b.matrix_bytes if r in b.owners else 0)
+        slab = b.fsdp_size * _padded(b)
+        return _figures(slab, slab, 0, b.matrix_bytes if r in b.owners else 0, False)
 
 
 class Agrs(Path):
@@ -411,30 +427,22 @@ class Agrs(Path):
     def collective_buffer_bytes(self, b, r: int) -> int:
         return b.fsdp_size * b.size * _padded(b)
 
-    def exchange_buffer_bytes(self, b, r: int) -> int:
-        # send (later the reduce-scatter output) + gathered (later its input) + owned results
-        n, w = b.size, b.fsdp_size
-        return n * _padded(b) * (1 + w) + self._owned(b, r) * b.matrix_bytes
+    def buffer_figures(self, b, r: int) -> dict:
+        # send (later the reduce-scatter output) + gathered (later its input) + the owned
+        # matrix's contiguous copy out of the gathered slab + its NS output
+        n, w, owned = b.size, b.fsdp_size, self._owned(b, r)
+        gather = w * _padded(b) if owned else 0
+        return _figures(n * _padded(b), n * w * _padded(b), gather, owned * b.matrix_bytes, False)
 
     def ns_workspace_bytes(self, b, r: int, ns_itemsize: int) -> int:
         return (b.num_blocks if self._owned(b, r) else 0) * ns_block_bytes(b, ns_itemsize)
 
 
-def _register(*paths: Path) -> dict[str, Path]:
-    return {p.name: p for p in paths}
-
-
 #: every path, once: name -> the object that exchanges and costs it
-PATHS: dict[str, Path] = _register(
-    Local(),
-    Subgroup(),
-    OwnerAllToAll("full"),
-    Agrs(),
-    PadAllToAll(),
-    OwnerAllToAll("ragged_all_to_all"),
-)
+PATHS: dict[str, Path] = {
+    p.name: p
+    for p in (Local(), Subgroup(), OwnerAllToAll("full"), Agrs(), PadAllToAll())
+    + (OwnerAllToAll("ragged_all_to_all"),)
+}
 #: the remainder strategies, in the order `remainder_strategy` lists them
 REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
-
-
-# ------------------------------------------------------------------ a batch's figures, by path

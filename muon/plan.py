@@ -15,7 +15,7 @@ Paths (each one object in `muon.paths` holding its name, its exchange and its co
   subgroup    each expert block spans k consecutive FSDP ranks: the ranks of a sub-group (the k,
               or m * k when `muon.owners` widens it to balance the step) exchange so that every
               block is assembled on exactly one of them, orthogonalized once, returned
-  full        k * W matrices on a W-rank group (k as many as fit `BATCH_BYTES`): all-to-all,
+  full        k * W matrices on a W-rank group (k as many as fit the batch budget): all-to-all,
               k matrices assembled per rank and orthogonalized in one call
   agrs | pad_all2all | ragged_all_to_all   a remainder batch of R < W matrices
   (`remainder_strategy="auto"` picks one of the three per remainder batch, see `choose_remainder`)
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from muon.batch_cost import modelled_s, peak_bytes
+from muon.batch_cost import fitting, modelled_s, peak_bytes
 from muon.cost import DEFAULT_LINKS, LinkModel
 from muon.mesh import LOCAL_MESH_PLAN, MeshCommPlan, resolve_mesh_comm_plan, shard_sizes
 from muon.paths import BATCH_BYTES, REMAINDER_STRATEGIES
@@ -117,6 +117,9 @@ class BatchPlan:
     group_ranks: tuple[int, ...] = field(default=(), compare=False)
     #: rows of each block of one matrix when they are unequal (Muon Split), else ()
     split_sizes: tuple[int, ...] = ()
+    #: the byte budget one batch is sized to on a rank (`muon.batch_cost.sizing_peak`); the
+    #: local path cuts its chunks by it
+    batch_bytes: int = BATCH_BYTES
 
     @property
     def size(self) -> int:
@@ -285,7 +288,7 @@ def plan_batches(
         buckets.setdefault(key, []).append(p)
     out: list[BatchPlan] = []
     for members in buckets.values():
-        common = _bucket_fields(members, mesh_plan)
+        common = _bucket_fields(members, mesh_plan) | {"batch_bytes": batch_bytes}
         out += _cut_bucket(
             tuple(p.index for p in members),
             common,
@@ -352,19 +355,16 @@ def _cut_bucket(
         k = block_rows // chunk if block_rows % chunk == 0 else 0
         if k > 1 and chunk * w == visible and w % k == 0:
             # memory bound: a rank may assemble every block of its sub-group's batch
-            other = math.prod(common["global_shape"]) // common["global_shape"][0]
-            block = block_rows * other * getattr(torch, common["wire_dtype"]).itemsize
-            n = max(1, batch_bytes // (3 * block + block // k))
+            sub = dict(path="subgroup", subgroup_size=k, block_span=k, **common)
+            n = fitting(len(indices), lambda n: BatchPlan(param_indices=indices[:n], **sub))
             return [
-                BatchPlan("subgroup", indices[i : i + n], subgroup_size=k, block_span=k, **common)
+                BatchPlan(param_indices=indices[i : i + n], **sub)
                 for i in range(0, len(indices), n)
             ]
     out = []
     # a full batch holds k matrices per rank (k * W in all), so that one Newton-Schulz call
-    # orthogonalizes an owner's k: its k received matrices, their stacked copy and the output
-    # (~4 matrices per k with its send buffer) within `batch_bytes`
-    matrix = visible * (math.prod(common["global_shape"]) // common["global_shape"][d])
-    k = max(1, batch_bytes // (4 * matrix * getattr(torch, common["wire_dtype"]).itemsize))
+    # orthogonalizes an owner's k: as many as keep the batch's planned peak within its budget
+    k = fitting(len(indices) // w, lambda k: BatchPlan("full", indices[: k * w], **common))
     cuts, i = [], 0
     while a2a and len(indices) - i >= w:
         n = w * min(k, (len(indices) - i) // w)

@@ -91,10 +91,12 @@ def build_step_plan(
     expert_aware: bool,
     memory_budget: int | None,
     link: LinkModel,
-    batch_bytes: int = BATCH_BYTES,
+    batch_bytes: int | None = None,
 ) -> StepPlan:
     """Plan every Muon batch of `param_groups` (see the module docstring); collective when the
-    default process group has more than one rank."""
+    default process group has more than one rank. Every batch is sized to `batch_bytes` on a
+    rank (None: `memory_budget` when given, else `muon.paths.BATCH_BYTES`): its planned peak
+    (`muon.batch_cost.sizing_peak`, every buffer of its stretches), one unit at least."""
     params: list[tuple[torch.Tensor, int]] = []
     names: list[str] = []
     by_mesh: dict[tuple, list[ParamMeta]] = {}
@@ -125,20 +127,22 @@ def build_step_plan(
             )
             params.append((p, gi))
             names.append(name or f"{tuple(p.shape)}")
-    plans = []
-    for key, metas in by_mesh.items():
-        mp = _mesh_plan(mesh_of[key])
-        batches = plan_batches(
-            metas,
-            mesh_plan=mp,
-            remainder_strategy=remainder_strategy,
-            enable_all2all=enable_all2all,
-            expert_aware=expert_aware,
-            batch_bytes=batch_bytes,
-            link=link,
-            memory_budget=memory_budget,
-        )
-        plans.append((mp, batches))
+
+    def cut(budget: int) -> list:
+        return [
+            (mp, plan_batches(metas, mesh_plan=mp, batch_bytes=budget, **options))
+            for mp, metas in zip(meshes, by_mesh.values(), strict=True)
+        ]
+
+    meshes = [_mesh_plan(mesh_of[key]) for key in by_mesh]
+    options = dict(
+        remainder_strategy=remainder_strategy,
+        enable_all2all=enable_all2all,
+        expert_aware=expert_aware,
+        link=link,
+        memory_budget=memory_budget,
+    )
+    plans = cut(batch_bytes or memory_budget or BATCH_BYTES)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plans, loads, digest = assign_owners(plans, world_size=world)
     step = StepPlan(plans, params, loads, fingerprint(plans, names, digest), link)

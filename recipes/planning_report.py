@@ -77,8 +77,8 @@ def format_report(report: dict) -> str:
         f"{meta['param_tensors'] + 1} int32 flags, {fmt_bytes(4 * (meta['param_tensors'] + 1))})",
         "busy/idle: a rank of the FSDP group that orthogonalizes a matrix of the remainder batch "
         "(of the whole group when it has none) / one that does not.",
-        "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: NS "
-        "inputs + exchange buffers + NS workspace of one batch.",
+        "sent: bytes sent, both directions; coll: largest collective receive buffer; peak: one "
+        "batch's largest stretch (buffers held + Newton-Schulz workspace, muon.batch_cost).",
     ]
     if budget is not None:
         lines.append(f"budget {fmt_bytes(budget)}: '!' marks figures above it.")
@@ -218,3 +218,48 @@ def over_budget(report: dict, budget: float | None) -> list[str]:
                 f" batches in flight {fmt_bytes(need)}"
             )
     return out
+
+
+def step_report(
+    *,
+    preset: str,
+    world_size: int,
+    ep: int,
+    rank: int = 0,
+    seq_len: int,
+    micro_batch: int,
+    budget_gib: float | None = None,
+    extra: tuple[str, ...] = (),
+) -> tuple[str, bool]:
+    """Text of the whole-step estimate of `preset` on `world_size` CUDA ranks (bf16 compute,
+    the recipe's defaults otherwise), without and with activation checkpointing, and whether
+    both fit `budget_gib` (a figure the report shows over the budget is a failed check, as
+    everywhere in the planner; the text says which one fits)."""
+    from models.glm import get_preset
+    from recipes.step_memory import compose_train_config, estimate_for_config
+
+    vocab = get_preset(preset).vocab_size
+    lines = [
+        f"whole step per rank: {preset}, {world_size} ranks, ep {ep}, rank {rank}, "
+        f"micro-batch {micro_batch} x {seq_len} tokens"
+    ]
+    estimates = []
+    for mode in ("none", "full"):
+        cfg = compose_train_config(
+            [
+                f"model={preset}",
+                f"mesh.world_size={world_size}",
+                f"mesh.ep={ep}",
+                f"data.vocab_size={vocab}",
+                "data.dtype=uint32",
+                f"data.seq_len={seq_len}",
+                f"data.batch_size={micro_batch}",
+                f"train.activation_checkpointing={mode}",
+                *extra,
+            ]
+        )
+        est = estimate_for_config(cfg, world_size=world_size, rank=rank, device_type="cuda")
+        estimates.append(est)
+        lines += [f" train.activation_checkpointing={mode}:", est.format(budget_gib)]
+    fits = budget_gib is None or all(est.fits(budget_gib) for est in estimates)
+    return "\n".join(lines), fits

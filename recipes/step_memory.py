@@ -14,8 +14,7 @@ the optimizer's plans are the ones a real run gets. What it adds up:
   parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
   flat staging copy of an all-gather on CPU, and one layer's unsharded gradients before their
   reduce-scatter;
-- optimizer peak: gradient shards plus the optimizer's transient from its plans (the
-  exchange buffers and Newton-Schulz workspace of `max_inflight` consecutive batches).
+- optimizer peak: gradient shards plus the optimizer's planned window (`window_peak_bytes`).
 The step peak is resident + the larger of the two peaks.
 
 Activation bytes per token are counted op by op from the model code (what autograd saves:
@@ -171,6 +170,16 @@ def layer_activation_bytes(
     return total
 
 
+def backward_bytes_per_token(config: GLMConfig, is_moe: bool, a: int) -> int:
+    """Activation gradients a layer's MLP backward holds at once, per token: of its output and
+    input ([rows, D] each), of gate+up and of their product ([rows, 2I], [rows, I]); K rows a
+    token through routed experts (measured: small and mla_tiny steps within 2%)."""
+    D = config.hidden_size
+    if is_moe:
+        return config.num_experts_per_tok * (2 * D + 3 * config.moe_intermediate_size) * a
+    return (2 * D + 3 * config.intermediate_size) * a
+
+
 def mtp_input_bytes_per_token(config: GLMConfig, a: int) -> int:
     """An MTP layer before its decoder block: enorm and hnorm and their concatenation (saved
     by eh_proj); its loss head is counted as the model's (`head_bytes_per_token`)."""
@@ -261,17 +270,14 @@ def _unsharded_bytes(module: torch.nn.Module, itemsize: int, ep: int) -> int:
     return total
 
 
-def optimizer_transient_bytes(opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int) -> int:
-    """The largest sum of per-batch peaks (exchange buffers + Newton-Schulz workspace + the
-    local path's Nesterov input) over `max_inflight` consecutive batches of the optimizer's
-    plans on this rank (`muon.batch_cost.window_peak_bytes`); 0 for optimizers without plans
-    (AdamW)."""
-    return window_peak_bytes(
-        getattr(opt, "plans", []),
-        ns_itemsize=ns_itemsize,
-        nesterov=nesterov,
-        max_inflight=max_inflight,
-    )
+def optimizer_transient_bytes(
+    opt, *, ns_itemsize: int, nesterov: bool, max_inflight: int, gloo=False
+):
+    """The step's planned transient on this rank (`muon.batch_cost.window_peak_bytes`: every
+    buffer of the runtime's window, NorMuon's when a group has it); 0 without plans (AdamW)."""
+    normuon = any(g.get("normuon") for g in opt.param_groups)
+    kw = dict(ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight, gloo=gloo)
+    return window_peak_bytes(getattr(opt, "plans", []), normuon=normuon, **kw)
 
 
 def estimate_step_memory(
@@ -337,6 +343,8 @@ def estimate_step_memory(
     else:
         parts["activations (all layers)"] = sum(per_layer)
     parts["loss head activations"] = head
+    grads = (backward_bytes_per_token(config, x.is_moe, a) for x in layers)
+    parts["activation gradients (one layer)"] = tokens * max(grads, default=0)
     # One cross-entropy chunk recomputed in backward (the heads run one after another).
     parts["loss head chunk (recomputed)"] = loss_head_chunk_bytes(config, a, tokens)
     root = _unsharded_bytes(model.model.embed_tokens, a, ep)
@@ -350,7 +358,7 @@ def estimate_step_memory(
     parts["layer gradients (unsharded)"] = layer_full // a * (a + reduce_size)
     parts["gradient shards"] = _local_bytes(trained, 4)
     parts["optimizer transient (plans)"] = optimizer_transient_bytes(
-        opt, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight
+        opt, ns_itemsize=ns_itemsize, nesterov=nesterov, max_inflight=max_inflight, gloo=gloo
     )
     resident = ["master parameters (fp32 shards)", "optimizer state"]
     optimizer = ["gradient shards", "optimizer transient (plans)"]
@@ -418,47 +426,3 @@ def compose_train_config(overrides: list[str]):
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(str(conf), version_base=None):
         return compose("train", overrides=overrides)
-
-
-def step_report(
-    *,
-    preset: str,
-    world_size: int,
-    ep: int,
-    rank: int = 0,
-    seq_len: int,
-    micro_batch: int,
-    budget_gib: float | None = None,
-    extra: tuple[str, ...] = (),
-) -> tuple[str, bool]:
-    """Text of the whole-step estimate of `preset` on `world_size` CUDA ranks (bf16 compute,
-    the recipe's defaults otherwise), without and with activation checkpointing, and whether
-    both fit `budget_gib` (a figure the report shows over the budget is a failed check, as
-    everywhere in the planner; the text says which one fits)."""
-    from models.glm import get_preset
-
-    vocab = get_preset(preset).vocab_size
-    lines = [
-        f"whole step per rank: {preset}, {world_size} ranks, ep {ep}, rank {rank}, "
-        f"micro-batch {micro_batch} x {seq_len} tokens"
-    ]
-    estimates = []
-    for mode in ("none", "full"):
-        cfg = compose_train_config(
-            [
-                f"model={preset}",
-                f"mesh.world_size={world_size}",
-                f"mesh.ep={ep}",
-                f"data.vocab_size={vocab}",
-                "data.dtype=uint32",
-                f"data.seq_len={seq_len}",
-                f"data.batch_size={micro_batch}",
-                f"train.activation_checkpointing={mode}",
-                *extra,
-            ]
-        )
-        est = estimate_for_config(cfg, world_size=world_size, rank=rank, device_type="cuda")
-        estimates.append(est)
-        lines += [f" train.activation_checkpointing={mode}:", est.format(budget_gib)]
-    fits = budget_gib is None or all(est.fits(budget_gib) for est in estimates)
-    return "\n".join(lines), fits

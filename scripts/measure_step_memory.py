@@ -43,8 +43,8 @@ def overrides(args, mode: str) -> list[str]:
     ]
 
 
-def measure(args, mode: str, root: Path) -> list[float]:
-    """Per-rank step peak (MiB) of step 3 of a train.py run."""
+def measure(args, mode: str, root: Path) -> tuple[list[float], list[float]]:
+    """Per-rank step peak and optimizer-step peak delta (MiB) of step 3 of a train.py run."""
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides(args, mode), f"run.root={root}"]
     env = dict(os.environ, WANDB_MODE="offline")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -53,7 +53,9 @@ def measure(args, mode: str, root: Path) -> list[float]:
     (metrics,) = root.rglob("metrics.jsonl")
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     step3 = next(m for m in lines if m["step"] == 3)
-    return [step3[f"memory/rank_{r}/step_peak_mib"] for r in range(args.world_size)]
+    ranks = range(args.world_size)
+    peaks = [step3[f"memory/rank_{r}/step_peak_mib"] for r in ranks]
+    return peaks, [step3[f"memory/rank_{r}/optim_peak_delta_mib"] for r in ranks]
 
 
 def estimate(args, modes: list[str]) -> dict[str, object]:
@@ -84,21 +86,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in args.modes:
         with tempfile.TemporaryDirectory() as tmp:
-            peaks = measure(args, mode, Path(tmp))
+            peaks, optim = measure(args, mode, Path(tmp))
         est = estimates[mode]
+        planned_optim = est.parts["optimizer transient (plans)"] / MiB
         row = {
             "mode": mode,
             "measured_mib": peaks,
             "measured_max_mib": max(peaks),
             "estimate_mib": est.total / MiB,
             "ratio": est.total / MiB / max(peaks),
+            "optim_measured_mib": optim,
+            "optim_planned_mib": planned_optim,
+            "optim_ratio": planned_optim / max(optim),
             "parts_mib": {k: v / MiB for k, v in est.parts.items()},
         }
         rows.append(row)
         print(
             f"activation_checkpointing={mode}: measured step peak (max over ranks) "
             f"{max(peaks):.1f} MiB (ranks: {', '.join(f'{p:.1f}' for p in peaks)}); "
-            f"estimate {row['estimate_mib']:.1f} MiB; estimate/measured {row['ratio']:.3f}"
+            f"estimate {row['estimate_mib']:.1f} MiB; estimate/measured {row['ratio']:.3f}; "
+            f"optimizer step beyond its start: measured {max(optim):.2f} MiB (max over ranks), "
+            f"planned transient {planned_optim:.2f} MiB, {row['optim_ratio']:.3f}"
         )
         print(est.format())
     if args.out:

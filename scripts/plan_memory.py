@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1))
     fits = True
     if args.step:  # recipes.step_memory: params, grads, state, activations, FSDP2 buffers
-        from recipes.step_memory import step_report
+        from recipes.planning_report import step_report
 
         text, fits = step_report(
             preset=args.model,

@@ -221,7 +221,9 @@ class MuonOptimConfig(OptimConfig):
         "memory_budget_gib, per batch",
     )
     memory_budget_gib: float | None = _f(
-        None, "GiB one Muon batch may hold on a rank, for remainder_strategy=auto; null: no bound"
+        None,
+        "GiB one Muon batch's planned peak may hold on a rank (batches are cut to fit it; "
+        "auto picks a remainder that fits); null: 256 MiB batches, auto unbounded",
     )
     enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
     max_inflight: int = _f(3, "Muon batches in flight at once")
