@@ -1,12 +1,13 @@
 """The run directory's name: which keys it leaves out, and its leaf for a set of overrides.
 
 conf/train.yaml's `hydra.job.config.override_dirname.exclude_keys` resolves to `same_run_keys()`
-and its run directory ends in `run_id(override_dirname)`, both resolvers registered by
-`store.register`.
+and its run directory ends in `run_id(override_dirname, overrides, exclude_keys)` (path values
+shortened), both resolvers registered by `store.register`.
 """
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from recipes.config.schema import OPTIM_SCHEMAS, Config
@@ -39,22 +40,72 @@ RUN_ID_MAX = 200  # bytes of a run-dir leaf (file systems allow 255 per name)
 #: `=` and `,`, which Hydra's own defaults would put in the name)
 KV_SEP, ITEM_SEP = "-", "+"
 _SAFE = re.compile(r"[^A-Za-z0-9._+@%-]")
+#: a path value in a run's name: its last two components, at most this many characters (the
+#: end kept), then `@` and the first PATH_HASH hex digits of the path's sha1
+PATH_TAIL_MAX, PATH_HASH = 24, 8
 
 
-def run_id(override_dirname: str) -> str:
+def run_id(
+    override_dirname: str,
+    overrides: Sequence[str] | None = None,
+    exclude_keys: Sequence[str] = (),
+) -> str:
     """The run-dir leaf for a set of overrides: stable for the same command, never empty, and
     only letters, digits and `._+@%-`: quotes are dropped, `/` and every other character
     (brackets, `=`, `,`, spaces) become `_`; e.g. the overrides `model=mla_tiny train.steps=20`
     give `model-mla_tiny+train.steps-20`.
-    A longer one (paths in `model.path` / `checkpoint.init_from`) keeps its start and ends in a
-    hash of the whole, so the same command still finds its run directory."""
+    Given the command's `overrides` (conf/train.yaml passes `hydra.overrides.task` and the
+    `exclude_keys`), a value holding a `/` (a path) shows as `path_tail`: the export command
+    `model=hf model.path=outputs/default/base/hf checkpoint.init_from=outputs/default/base/hf`
+    gives `checkpoint.init_from-base_hf@<hash>+model.path-@<hash>+model-hf`.
+    A leaf still longer than RUN_ID_MAX keeps its start and ends in a hash of the whole, so
+    the same command still finds its run directory."""
     import hashlib
 
+    if overrides is not None:
+        override_dirname = _short_paths(override_dirname, overrides, exclude_keys)
     leaf = _SAFE.sub("_", override_dirname.replace("'", "").replace('"', "")) or "base"
     if len(leaf.encode()) <= RUN_ID_MAX:
         return leaf
     digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:16]
     return leaf[: RUN_ID_MAX - 17] + "-" + digest
+
+
+def path_tail(path: str, shown: bool = False) -> str:
+    """`path` in a run's name: its last two components joined by `_` (`.`/`..` dropped), cut
+    to the last PATH_TAIL_MAX characters (from a `+` on, when the cut holds one: a run
+    directory's whole items), then `@` and a hash of the whole path, so two paths with one
+    tail still differ; `shown`: the tail was shown already, only `@<hash>`."""
+    import hashlib
+
+    digest = hashlib.sha1(path.encode()).hexdigest()[:PATH_HASH]
+    tail = "_".join([p for p in path.split("/") if p not in ("", ".", "..")][-2:])
+    if len(tail) > PATH_TAIL_MAX:  # cut at the first whole `+` item of the end that fits
+        tail = tail[-PATH_TAIL_MAX:]
+        tail = tail.partition("+")[2] or tail
+    tail = "" if shown else tail.lstrip("_+-.")
+    return f"{tail}@{digest}"
+
+
+def _short_paths(dirname: str, overrides: Sequence[str], exclude_keys: Sequence[str]) -> str:
+    """Hydra's override_dirname of `overrides` (conf/train.yaml's separators) with each path
+    value as `path_tail`; `dirname` itself when no value holds a `/` (names of runs without
+    paths stay as Hydra writes them)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed, excluded = OverridesParser.create().parse_overrides(list(overrides)), set(exclude_keys)
+    kept = sorted((o for o in parsed if o.key_or_group not in excluded), key=lambda o: o.input_line)
+    lines, seen = [], set()
+    for override in kept:
+        value = None if override.is_sweep_override() else override.value()
+        line = override.input_line
+        if isinstance(value, str) and "/" in value:
+            line = line[: line.index("=") + 1] + path_tail(value, shown=value in seen)
+            seen.add(value)
+        lines.append(line)
+    if not seen:
+        return dirname
+    return ITEM_SEP.join(lines).replace("=", KV_SEP)
 
 
 def override_value(value: str) -> str:

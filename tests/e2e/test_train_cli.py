@@ -135,15 +135,15 @@ def test_help_lists_every_key_with_allowed_values_and_help(tmp_path):
 
 
 def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path):
-    """`a/b` and `a_b` give one directory name: the sweep fails before its first job; so does
+    """`a?b` and `a_b` give one directory name: the sweep fails before its first job; so does
     a sweep with one invalid job."""
-    for source in (tmp_path / "a" / "b", tmp_path / "a_b"):
+    for source in (tmp_path / "a?b", tmp_path / "a_b"):
         source.mkdir(parents=True)
         (source / "m.py").write_text("x = 1\n" * 100)  # longer than one sample
-    proc = _train_py("-m", "data.path=a/b,a_b", cwd=tmp_path)
+    proc = _train_py("-m", "data.path=a?b,a_b", cwd=tmp_path)
     assert proc.returncode != 0
     assert (
-        "sweep jobs [data.path=a/b" in proc.stderr
+        "sweep jobs [data.path=a?b" in proc.stderr
         and "would share the run directory" in proc.stderr
     )
     proc = _train_py("-m", "optim.lr=0.1,nan", cwd=tmp_path)
@@ -154,4 +154,4 @@ def test_sweep_jobs_that_would_share_a_directory_fail_before_any_starts(tmp_path
     proc = _train_py("-m", "checkpoint.async_mode=true,2", cwd=tmp_path)  # 2 ran as true
     assert "sweep job [checkpoint.async_mode=2" in proc.stderr
     assert "checkpoint.async_mode=2: must be true or false" in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a_b"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a?b", "a_b"]  # nothing written
