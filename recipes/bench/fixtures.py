@@ -7,6 +7,8 @@ generator (so a rank's numbers depend only on the seed and the shapes, never on 
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Sequence
 
 import torch
@@ -42,3 +44,20 @@ def sharded_matrices(
                 local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
             )
     return list(holder)
+
+
+def optimizer_step_peak(meter, opt, repeats: int) -> int:
+    """The smallest, over `repeats` steps, of the optimizer step's measured peak beyond its
+    start (`meter`: a `recipes.memory.MemoryMeter`), every rank entering each step together."""
+    import torch.distributed as dist
+
+    peaks = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        gc.collect()
+        time.sleep(0.05)  # gloo's workers free the last step's buffers first
+        with meter.measure() as m, m.region("optim"):
+            opt.step()
+        peaks.append(m.peak_delta_bytes("optim"))
+    return min(peaks)

@@ -6,12 +6,9 @@ optimizer's options after another in one world (`scripts/measure_transient.py`).
 
 from __future__ import annotations
 
-import gc
-import time
-
 import torch
 
-from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
+from recipes.bench.fixtures import DTYPES, MiB, optimizer_step_peak, sharded_matrices
 
 #: 19 matrices, 13.4 M parameters: 3 layers of a d = 640 transformer (q, k, v, o and a 2048
 #: MLP) and one 1024 x 640 matrix; stacked full batches and remainders of 3 and 1 at W = 4
@@ -40,18 +37,11 @@ def measure_rank(cfg: dict) -> dict:
             kw["ns_dtype"] = DTYPES[kw["ns_dtype"]]
         opt = Muon(params, **kw)
         opt.step()
-        peaks = []
-        for _ in range(cfg["repeats"]):
-            dist.barrier()
-            gc.collect()
-            time.sleep(0.05)  # gloo's workers free the last step's buffers first
-            with meter.measure() as m, m.region("optim"):
-                opt.step()
-            peaks.append(m.peak_delta_bytes("optim"))
+        measured = optimizer_step_peak(meter, opt, cfg["repeats"])
         state = sum(opt.state[p]["momentum_buffer"].to_local().nbytes for p in params)
         planned, who = _planned(opt)
         out[name] = dict(
-            measured=min(peaks),
+            measured=measured,
             planned=planned,
             at_peak=who,
             state=state,

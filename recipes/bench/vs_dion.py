@@ -11,14 +11,12 @@ the same eager work.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
-import time
 
 import torch
 
-from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
+from recipes.bench.fixtures import DTYPES, MiB, optimizer_step_peak, sharded_matrices
 from recipes.bench.timing import rotations, timed
 
 #: `muon.Muon` with a `memory_budget` below every batch: the smallest batches the plan cuts
@@ -33,21 +31,6 @@ def _state_bytes(opt, params) -> int:
             if isinstance(v, torch.Tensor) and v.dim():
                 total += getattr(v, "_local_tensor", v).nbytes
     return total
-
-
-def _transient(meter, opt, repeats: int) -> int:
-    import torch.distributed as dist
-
-    peaks = []
-    for _ in range(repeats):
-        if dist.is_initialized():
-            dist.barrier()
-        gc.collect()
-        time.sleep(0.05)  # gloo's workers free the last step's buffers first
-        with meter.measure() as m, m.region("optim"):
-            opt.step()
-        peaks.append(m.peak_delta_bytes("optim"))
-    return min(peaks)
 
 
 def _build(name: str, params, mesh, cfg: dict):
@@ -96,7 +79,7 @@ def bench_rank(cfg: dict) -> dict:
         out[name] = dict(
             step_s=times[name],
             state=_state_bytes(opt, params[name]),
-            transient=_transient(meter, opt, cfg["repeats"]),
+            transient=optimizer_step_peak(meter, opt, cfg["repeats"]),
         )
     dist.destroy_process_group()
     return out

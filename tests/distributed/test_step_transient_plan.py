@@ -10,9 +10,6 @@ widened apply and the Nesterov input) and one bf16 case. Tolerance 5% of the mea
 what the plan leaves out is a few KiB of flags and norms per batch (`TOLERANCE`: bf16 on CPU).
 """
 
-import gc
-import time
-
 import torch
 
 from tests.harness import run_world
@@ -40,12 +37,11 @@ TOLERANCE = {"bf16 NS": 0.08}
 
 
 def _world() -> dict:
-    import torch.distributed as dist
 
     from muon import Muon
     from muon.batch_cost import blocks_on, collective_buffer_bytes, window_peak_bytes
     from muon.paths import PATHS
-    from recipes.bench.fixtures import sharded_matrices
+    from recipes.bench.fixtures import optimizer_step_peak, sharded_matrices
     from recipes.memory import MemoryMeter
     from tests.harness import init_mesh
 
@@ -63,14 +59,7 @@ def _world() -> dict:
             groups.append({"params": params, "split_sizes": sizes})
         opt = Muon(groups, remainder_strategy=kw.pop("remainder_strategy", "pad_all2all"), **kw)
         opt.step()  # warm: state and plans made
-        peaks = []
-        for _ in range(2):
-            dist.barrier()
-            gc.collect()
-            time.sleep(0.05)  # gloo's workers free the last step's buffers first
-            with meter.measure() as m, m.region("optim"):
-                opt.step()
-            peaks.append(m.peak_delta_bytes("optim"))
+        measured = optimizer_step_peak(meter, opt, 2)
         g = opt.param_groups[0]
         planned = window_peak_bytes(
             opt.plans,
@@ -95,7 +84,7 @@ def _world() -> dict:
             ),
             default=0,
         )
-        out[name] = dict(planned=planned, measured=min(peaks), idle=idle, slack=slack)
+        out[name] = dict(planned=planned, measured=measured, idle=idle, slack=slack)
         del opt, groups
     return out
 
