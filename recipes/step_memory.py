@@ -339,7 +339,11 @@ def estimate_step_memory(
         # An MTP layer's norms and eh_proj run outside its checkpointed block.
         mtp_outside = tokens * mtp_input_bytes_per_token(config, a) * len(mtp_layers)
         parts["activations (layer inputs)"] = inputs * len(layers) + mtp_outside
-        parts["activations (recomputed layer)"] = max(per_layer, default=0)
+        # ... and are not recomputed with it: its recomputed layer is the decoder block alone
+        outside = tokens * mtp_input_bytes_per_token(config, a)
+        n_main = len(model.model.layers)
+        recomputed = [x - (outside if i >= n_main else 0) for i, x in enumerate(per_layer)]
+        parts["activations (recomputed layer)"] = max(recomputed, default=0)
     else:
         parts["activations (all layers)"] = sum(per_layer)
     parts["loss head activations"] = head
