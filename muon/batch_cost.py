@@ -72,15 +72,26 @@ def normuon_bytes(b, r: int) -> int:
 
 
 def segments(
-    b, r: int, ns_itemsize: int, *, nesterov: bool = False, normuon: bool = False, gloo=False
+    b,
+    r: int,
+    ns_itemsize: int,
+    *,
+    nesterov: bool = False,
+    normuon: bool = False,
+    gloo=False,
+    agree=False,
 ):
     """Batch `b`'s bytes on FSDP rank `r` in each stretch its task runs without yielding
     (`muon.optimizer.Muon._task`): `[(peak, held after)]`, one stretch for the local path,
-    three for an exchange (momentum + launch; orthogonalize + return; apply). The send buffer
-    lives through the task (the return lands in it), the receive buffer until the return has
-    landed; Newton-Schulz's workspace, the Nesterov input, NorMuon's temporaries and the
-    widened updates only inside their stretch. `gloo`: AGRS's all-gather and reduce-scatter
-    also make gloo's flat staging copy of the slab, freed when they complete (NCCL: none)."""
+    three for an exchange (momentum + launch; orthogonalize + return; apply), one more for
+    either with `agree`. The send buffer lives through the task (the return lands in it), the
+    receive buffer until the return has landed; Newton-Schulz's workspace, the Nesterov input,
+    NorMuon's temporaries and the widened updates only inside their stretch. `gloo`: AGRS's
+    all-gather and reduce-scatter also make gloo's flat staging copy of the slab, freed when
+    they complete (NCCL: none).
+    `agree`: the ranks holding the parameters' shards agree on the verdicts (`muon.refusals.
+    verdict_groups`) in an all-reduce the task yields on between the check and the apply, one
+    stretch more, holding the returned updates (the local path: its input and NS output)."""
     buf = PATHS[b.path].buffer_figures(b, r)
     send, recv, gather, out = buf["send"], buf["recv"], buf["gather"], buf["output"]
     ws = ns_workspace_bytes(b, r, ns_itemsize)
@@ -88,13 +99,16 @@ def segments(
     ns_peak = gather + max(ws, post)
     nest, wide = nesterov_input_bytes(b, r, nesterov), widened_bytes(b, r)
     if PATHS[b.path].collectives == 0:  # local: the result replaces the send buffer's values
+        if agree:  # the slots keep the input alive beside the output through the verdicts
+            return [(send + max(nest, ns_peak), send + out), (send + out + wide, 0)]
         return [(send + max(nest, ns_peak, out + wide), 0)]
     kept = out if buf["keeps_output"] else 0
     staging = recv if gloo and b.path == "agrs" else 0
+    apply = [(send, send), (send + wide, 0)] if agree else [(send + wide, 0)]
     return [
         (send + max(nest, recv + staging), send + recv),
         (send + recv + ns_peak, send + recv + kept + staging),
-        (send + wide, 0),
+        *apply,
     ]
 
 
@@ -119,11 +133,12 @@ def window_peak_bytes(
 
 def window_at_peak(plans, *, max_inflight: int, **kw) -> tuple[int, list]:
     """`window_peak_bytes` (its keywords in `kw`) and who holds it: per live batch at the peak
-    `(batch, its stretch then (0, 1, 2) or None when it waits, bytes)`."""
+    `(batch, the index of its stretch then (`segments`) or None when it waits, bytes)`."""
     tasks = []
     for mp, batches in plans:
+        agree = mp.sharded and (mp.fsdp_size > 1 or mp.ep_mesh_dim is not None)
         for b in batches:
-            segs = segments(b, mp.fsdp_rank, **kw)
+            segs = segments(b, mp.fsdp_rank, agree=agree, **kw)
             tasks += [(b, segs)] * len(PATHS[b.path].chunks(b, mp.fsdp_rank))
     return replay(tasks, max(1, max_inflight))
 

@@ -10,10 +10,10 @@ the optimizer's plans are the ones a real run gets. What it adds up:
   MTP layer once per prediction depth it runs) for one micro-batch (or, with activation
   checkpointing, each layer's input plus one recomputed layer), the loss heads (next-token and
   one per MTP depth: what they keep, plus one cross-entropy chunk recomputed in backward,
-  never [T, V] logits), the root's unsharded
-  parameters, two unsharded decoder layers (the current one and FSDP2's prefetch), gloo's
-  flat staging copy of an all-gather on CPU, and one layer's unsharded gradients before their
-  reduce-scatter;
+  never [T, V] logits; checkpointed: the heads' phase or one layer's, the larger one,
+  `_checkpointed_peak`), the root's unsharded parameters, two unsharded decoder layers (the
+  current one and FSDP2's prefetch), gloo's flat staging copy of an all-gather on CPU, and
+  one layer's unsharded gradients before their reduce-scatter;
 - optimizer peak: gradient shards plus the optimizer's planned window (`window_peak_bytes`).
 The step peak is resident + the larger of the two peaks.
 
@@ -320,9 +320,6 @@ def estimate_step_memory(
         kl_bytes = tokens * indexer_kl_bytes_per_token(config, a, seq_len)
         for i in range(len(model.model.layers) + 1, len(layers)):
             per_layer[i] -= kl_bytes
-    inputs = tokens * config.hidden_size * a  # what a checkpointed layer keeps
-    # The next-token head, and per MTP depth its own (shared_head.norm, lm_head, loss).
-    head = tokens * head_bytes_per_token(config, a) * (1 + len(mtp_layers))
     parts: dict[str, int] = {}
     trained = [  # no gradient: a frozen indexer, idle MTP layers
         p
@@ -335,18 +332,17 @@ def estimate_step_memory(
         copies = 1 if g.get("algorithm") == "muon" else 2
         state += copies * _local_bytes(g["params"], 4)
     parts["optimizer state"] = state
+    head_chunk = loss_head_chunk_bytes(config, a, tokens)
+    grads = [tokens * backward_bytes_per_token(config, x.is_moe, a) for x in layers]
     if activation_checkpointing:
-        # An MTP layer's norms and eh_proj run outside its checkpointed block.
-        mtp_outside = tokens * mtp_input_bytes_per_token(config, a) * len(mtp_layers)
-        parts["activations (layer inputs)"] = inputs * len(layers) + mtp_outside
-        parts["activations (recomputed layer)"] = max(per_layer, default=0)
+        n_main = len(model.model.layers)
+        parts.update(_checkpointed_peak(config, a, tokens, n_main, per_layer, grads, head_chunk))
     else:
         parts["activations (all layers)"] = sum(per_layer)
-    parts["loss head activations"] = head
-    grads = (backward_bytes_per_token(config, x.is_moe, a) for x in layers)
-    parts["activation gradients (one layer)"] = tokens * max(grads, default=0)
-    # One cross-entropy chunk recomputed in backward (the heads run one after another).
-    parts["loss head chunk (recomputed)"] = loss_head_chunk_bytes(config, a, tokens)
+        parts["loss head activations"] = tokens * head_bytes_per_token(config, a) * (1 + depths)
+        parts["activation gradients (one layer)"] = max(grads, default=0)
+        # One cross-entropy chunk recomputed in backward (the heads run one after another).
+        parts["loss head chunk (recomputed)"] = head_chunk
     root = _unsharded_bytes(model.model.embed_tokens, a, ep)
     root += _unsharded_bytes(model.lm_head, a, ep) + _unsharded_bytes(model.model.norm, a, ep)
     parts["root parameters (unsharded)"] = root
@@ -368,6 +364,32 @@ def estimate_step_memory(
         forward_backward=[n for n in parts if n not in resident + optimizer],
         optimizer=optimizer,
     )
+
+
+def _checkpointed_peak(config, a, tokens, n_main, per_layer, grads, head_chunk) -> dict:
+    """The activation parts at the forward/backward peak with full checkpointing: each layer's
+    input (an MTP layer's norms and eh_proj run outside its checkpoint: kept, not recomputed)
+    and the larger phase of the backward: the loss heads (next-token, one per MTP depth) with
+    one cross-entropy chunk, which exists while no layer is recomputed; or one recomputed layer
+    (`per_layer[i]` less its MTP inputs) with its MLP's activation gradients (`grads[i]`) and
+    the heads held then: the deepest MTP depth runs first, depth d beside the heads of depths
+    < d (the next-token head's at depth 1), a main layer (the first `n_main`) beside none."""
+    depths = len(per_layer) - n_main
+    head = tokens * head_bytes_per_token(config, a)
+    outside = tokens * mtp_input_bytes_per_token(config, a)
+    inputs = tokens * config.hidden_size * a * len(per_layer) + outside * depths
+    held = [0] * n_main + list(range(1, depths + 1))  # heads alive while layer i runs
+    recomputed = [x - (outside if i >= n_main else 0) for i, x in enumerate(per_layer)]
+    layer = max(range(len(per_layer)), key=lambda i: held[i] * head + recomputed[i] + grads[i])
+    in_layer = held[layer] * head + recomputed[layer] + grads[layer]
+    heads_phase = head * (1 + depths) + head_chunk >= in_layer
+    return {
+        "activations (layer inputs)": inputs,
+        "activations (recomputed layer)": 0 if heads_phase else recomputed[layer],
+        "loss head activations": head * (1 + depths) if heads_phase else head * held[layer],
+        "activation gradients (one layer)": 0 if heads_phase else grads[layer],
+        "loss head chunk (recomputed)": head_chunk if heads_phase else 0,
+    }
 
 
 def estimate_for_config(cfg, **where) -> StepMemory:

@@ -52,7 +52,10 @@ def measure_rank(cfg: dict) -> dict:
     return out
 
 
-STRETCHES = ("momentum + launch", "orthogonalize + return", "apply")
+# A task's stretches in a world of several ranks, where the ranks agree on the verdicts
+# before the apply (`muon.batch_cost.segments` with `agree`)
+STRETCHES = ("momentum + launch", "orthogonalize + return", "check + verdicts", "apply")
+LOCAL_STRETCHES = ("local: to the verdicts", "local: apply")
 
 
 def _planned(opt) -> tuple[int | None, list]:
@@ -81,7 +84,7 @@ def _planned(opt) -> tuple[int | None, list]:
 def _stretch(b, s: int | None) -> str:
     if s is None:
         return "waiting for its collective"
-    return "local: all of it" if b.path == "local" else STRETCHES[s]
+    return (LOCAL_STRETCHES if b.path == "local" else STRETCHES)[s]
 
 
 def table(by_rank: list[dict], before: list[dict] | None = None) -> str:
