@@ -91,8 +91,10 @@ def run(cfg: DictConfig) -> float | None:
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if env_world else cfg.mesh.world_size
     payload["device"] = choose_device(str(cfg.mesh.device), ranks_here)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one check per machine
-        forked = env_world is None and sys.platform.startswith("linux")  # from the fork server
-        measure_step(cfg, payload["config"], payload["device"], ranks_here, forked=forked)
+        # In a rank of its own, also under a launcher: the estimate's fake process group
+        # must leave no state in a process that joins the real world next (a 2-node torchrun
+        # job's checkpoint plan lost a rank's shards after an in-process estimate).
+        measure_step(cfg, payload["config"], payload["device"], ranks_here, forked=True)
     if int(os.environ.get("RANK", "0")) == 0:
         _hold_run_dir(Path(payload["run_dir"]))  # before anything is written into it
         write_run_config(Path(payload["run_dir"]), payload["config"])

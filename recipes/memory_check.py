@@ -115,8 +115,9 @@ def _largest(high: int, fits) -> int | None:
 
 def measure(cfg, config_yaml: str, device: str, local_ranks: int, *, forked: bool) -> None:
     """`train.memory_check` for a run about to start: the estimate in a rank of its own
-    (`forked`: forked from the local world's server, which has the libraries imported; and no
-    fake process group is left in this process), else here."""
+    (`forked`: a world of one rank, forked from the fork server, which has the libraries
+    imported; no fake process group is left in this process, which may join a real world
+    next: what launch does, under a launcher too), else here (tests)."""
     if str(cfg.train.memory_check) == "off":
         return
     budget, source = available_bytes(device, local_ranks)

@@ -264,9 +264,11 @@ def test_local_world_stops_with_a_checkpoint_on_ctrl_c_and_sigterm_then_resumes(
 
 
 def test_local_world_rank_failure_names_the_rank_and_its_traceback(cache, tmp_path):
-    """A rank that raises (its token cache path is a file) ends train.py with one message: the
-    rank, its exit status and its own traceback; no rank is left running."""
-    (tmp_path / "not_a_dir").write_text("")
+    """A rank that raises ends train.py with one message: the rank, its exit status and its
+    own traceback; no rank is left running. The token cache path is a dangling symlink: the
+    checks before spawn see no directory there yet and a writable one above it (a plain file
+    there is refused before any rank starts), the rank's mkdir finds the link in the way."""
+    (tmp_path / "not_a_dir").symlink_to(tmp_path / "gone" / "cache")
     args = ["mesh.world_size=2", "mesh.ep=1", "logger=none", "data.seq_len=32"]
     args.append(f"data.cache_dir={tmp_path / 'not_a_dir'}")
     proc = _train_py(args, tmp_path, stderr=subprocess.PIPE)

@@ -25,9 +25,10 @@ def test_seq_len_100000_on_tiny_is_refused_with_the_estimate_and_settings_that_f
     monkeypatch, caplog
 ):
     """data.seq_len=100000 (under tiny's 131072 positions) with 6 GiB for 4 CPU ranks (the
-    fault trial's limit): refused naming the estimate (11.902 GiB per rank: 11.3 GiB of
-    activations for 8 x 100000 tokens) and the largest batch size and sequence length that
-    fit; `warn` logs the same and returns; `off` does not estimate."""
+    fault trial's limit): refused naming the estimate (13.4 GiB per rank, 11.3 GiB of it the
+    activations of 8 x 100000 tokens: the figure step_fits computes, read back below) and the
+    settings that fit (a batch of 1 x 100000 tokens does not: only a shorter sequence);
+    `warn` logs the same and returns; `off` does not estimate."""
     cfg = _compose(["data.seq_len=100000"])
     budget = 6 * GiB // 4
     monkeypatch.setattr(memory_check, "available_bytes", lambda *_: (budget, "6 GiB (test)"))
@@ -36,16 +37,18 @@ def test_seq_len_100000_on_tiny_is_refused_with_the_estimate_and_settings_that_f
         memory_check.measure(cfg, text, "cpu", 4, forked=False)
     assert not dist.is_initialized()  # the fake process group is gone again
     message = str(info.value)
-    assert message.startswith(
-        "train.memory_check=error: data.seq_len=100000 data.batch_size=8: the step needs an "
-        "estimated 11.902 GiB per rank (recipes/step_memory.py, tensors only), above the "
-        "1.500 GiB per rank this machine has (6 GiB (test)); nearest settings that fit: "
-        "data.batch_size=1 (1.490 GiB per rank), data.seq_len="
-    ), message
-    assert "activations (all layers)" in message and "train.memory_check=warn" in message
     found = memory_check.step_fits(text, 4, "cpu", budget)
     dist.destroy_process_group()
     fits = dict(found["fits"])
+    suggested = ", ".join(f"{k} ({v / GiB:.3f} GiB per rank)" for k, v in fits.items())
+    assert message.startswith(
+        "train.memory_check=error: data.seq_len=100000 data.batch_size=8: the step needs an "
+        f"estimated {found['total'] / GiB:.3f} GiB per rank (recipes/step_memory.py, tensors "
+        "only), above the 1.500 GiB per rank this machine has (6 GiB (test)); nearest settings "
+        f"that fit: {suggested}"
+    ), message
+    assert found["total"] > 8 * budget and "data.batch_size=1" not in fits
+    assert "activations (all layers)" in message and "train.memory_check=warn" in message
     seq = int(next(k for k in fits if k.startswith("data.seq_len=")).split("=")[1])
     assert fits[f"data.seq_len={seq}"] <= budget
     # the next length up does not fit (the search found the largest)
