@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "prepare_data.py"
 
 
-def _script():
+def prepare_data_script():
     spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("prepare_data", mod)  # dataclasses look their module up there
@@ -73,7 +73,7 @@ def test_prepare_decodes_back_and_trains_with_only_the_path(tmp_path):
     # The saved tokenizer, loaded as a tokenizers JSON file, gives the same token files.
     again = tmp_path / "again"
     argv = ["--input", str(tmp_path / "corpus"), "--out", str(again), "--val-fraction", "0.2"]
-    assert _script().main([*argv, "--tokenizer", str(out / "tokenizer.json")]) == 0
+    assert prepare_data_script().main([*argv, "--tokenizer", str(out / "tokenizer.json")]) == 0
     for name in ("train.bin", "val.bin"):
         assert (again / name).read_bytes() == (out / name).read_bytes()
     # So does a transformers tokenizer directory holding it (AutoTokenizer, local files only).
@@ -85,7 +85,10 @@ def test_prepare_decodes_back_and_trains_with_only_the_path(tmp_path):
         tokenizer_file=str(out / "tokenizer.json"), eos_token=eos
     ).save_pretrained(hf_dir)
     hf_out = tmp_path / "from-hf"
-    assert _script().main([*argv[:3], str(hf_out), *argv[4:], "--tokenizer", str(hf_dir)]) == 0
+    assert (
+        prepare_data_script().main([*argv[:3], str(hf_out), *argv[4:], "--tokenizer", str(hf_dir)])
+        == 0
+    )
     assert json.loads((hf_out / "meta.json").read_text())["tokenizer"]["kind"] == "transformers"
     for name in ("train.bin", "val.bin"):
         assert (hf_out / name).read_bytes() == (out / name).read_bytes()
@@ -112,7 +115,7 @@ def test_prepare_decodes_back_and_trains_with_only_the_path(tmp_path):
 
 
 def test_bad_inputs_fail_by_name_and_leave_no_directory(tmp_path, monkeypatch):
-    mod = _script()
+    mod = prepare_data_script()
     good = tmp_path / "good.txt"
     good.write_text("some text\n")
     (tmp_path / "empty_dir").mkdir()
@@ -155,7 +158,7 @@ def test_bad_inputs_fail_by_name_and_leave_no_directory(tmp_path, monkeypatch):
 def test_force_replaces_an_existing_directory_once_the_new_one_is_complete(tmp_path, monkeypatch):
     """Without `--force` a taken `--out` is refused (its files kept); with it, a run that dies
     half-way keeps the old directory whole and a complete one replaces it."""
-    mod = _script()
+    mod = prepare_data_script()
     (tmp_path / "good.txt").write_text("some text\n")
     out = tmp_path / "out"
     out.mkdir()
@@ -180,7 +183,7 @@ def test_force_replaces_an_existing_directory_once_the_new_one_is_complete(tmp_p
 def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys):
     """A small corpus cannot fill `--train-tokenizer 8192`: the script says which size it got
     (meta.json's, which the model takes) instead of passing over it silently."""
-    mod = _script()
+    mod = prepare_data_script()
     _corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     assert (

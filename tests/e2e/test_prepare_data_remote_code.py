@@ -2,12 +2,13 @@
 directory's own Python module (which here writes a marker file when imported) is refused before
 any input is read, unless `--trust-remote-code`."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.e2e.test_prepare_data import prepare_data_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "prepare_data.py"
@@ -22,14 +23,6 @@ Path({marker!r}).write_text("imported")
 class CustomTokenizer(PreTrainedTokenizerFast):
     pass
 """
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("prepare_data", mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _tokenizer_dir(root: Path, marker: Path, where: str) -> Path:
@@ -77,8 +70,8 @@ def test_a_tokenizer_with_its_own_code_is_refused_and_nothing_runs(tmp_path):
     assert not marker.exists() and not (tmp_path / "out").exists()
     # an auto_map in config.json is code too (transformers reads AutoTokenizer's entry there)
     other = _tokenizer_dir(tmp_path / "tok2", marker, "config.json")
-    assert _script().remote_code(other).startswith("config.json has an auto_map")
-    assert _script().remote_code(tmp_path) is None
+    assert prepare_data_script().remote_code(other).startswith("config.json has an auto_map")
+    assert prepare_data_script().remote_code(tmp_path) is None
 
 
 def test_trust_remote_code_runs_it(tmp_path):
