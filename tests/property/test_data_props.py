@@ -17,9 +17,9 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.test_prepare_data import _script
+from tests.e2e.test_prepare_data import prepare_data_script
 
-PREP = _script()
+PREP = prepare_data_script()
 
 #: a few words, so that generated texts collide (exact duplicates across files) and the BPE
 #: learns something; " " alone is an empty document (the run must refuse it by name)
