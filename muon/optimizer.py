@@ -54,6 +54,7 @@ from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
 from muon.guard import SkipFlag
 from muon.layout import local, moved_shape
+from muon.options import DEFAULTS as _D
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
@@ -131,27 +132,27 @@ class Muon(torch.optim.Optimizer):
         self,
         params: Iterable,
         *,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = 5,
-        ns_coefficients: str | list = "polar_express",
-        ns_dtype: torch.dtype | str = torch.bfloat16,
-        eps: float = 1e-7,
-        adjust_lr: str = "match_rms_adamw",
-        betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_lr: float = 3e-3,
-        remainder_strategy: str = "pad_all2all",
-        enable_all2all: bool = True,
-        max_inflight: int = 3,
-        expert_aware: bool = True,
-        memory_budget: int | None = None,
+        lr: float = _D.lr,
+        momentum: float = _D.momentum,
+        nesterov: bool = _D.nesterov,
+        weight_decay: float = _D.weight_decay,
+        ns_steps: int = _D.ns_steps,
+        ns_coefficients: str | list = _D.ns_coefficients,
+        ns_dtype: torch.dtype | str = _D.ns_dtype,
+        eps: float = _D.eps,
+        adjust_lr: str = _D.adjust_lr,
+        betas: tuple[float, float] = _D.betas,
+        adamw_eps: float = _D.adamw_eps,
+        adamw_lr: float = _D.adamw_lr,
+        remainder_strategy: str = _D.remainder_strategy,
+        enable_all2all: bool = _D.enable_all2all,
+        max_inflight: int = _D.max_inflight,
+        expert_aware: bool = _D.expert_aware,
+        memory_budget: int | None = _D.memory_budget,
         link: LinkModel | tuple | None = None,
-        ns_algorithm: str = "auto",
-        normuon: bool = False,
-        normuon_beta2: float = 0.95,
+        ns_algorithm: str = _D.ns_algorithm,
+        normuon: bool = _D.normuon,
+        normuon_beta2: float = _D.normuon_beta2,
     ) -> None:
         if not isinstance(remainder_strategy, str) or remainder_strategy not in REMAINDER_CHOICES:
             raise ValueError(

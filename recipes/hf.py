@@ -29,8 +29,7 @@ from models.glm.hf_adapter import write_hf
 from models.glm.hf_import import HFDir, check_hf, load_hf
 from recipes import checkpoint_verify
 from recipes.dcp_safe import SafeReader
-
-GiB = 1 << 30
+from recipes.units import GiB
 
 
 class _IntoBuffer(DefaultLoadPlanner):

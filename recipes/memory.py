@@ -105,7 +105,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MiB = 1 << 20
+from recipes.units import MiB
 
 # Marker tensors: uint8 tensors of odd byte sizes 20011, 20013, ... (one per boundary in a span).
 # A real allocation of exactly such a size that is also freed right after is what could confuse

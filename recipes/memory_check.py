@@ -22,9 +22,9 @@ import os
 from pathlib import Path
 
 from recipes.config.schema import ConfigError
+from recipes.units import GiB
 
 log = logging.getLogger("recipes")
-GiB = 1 << 30
 
 
 def available_bytes(device: str, local_ranks: int) -> tuple[int, str]:

@@ -2,7 +2,7 @@
 
 `plan(...)` builds the model on the meta device inside torch's fake process group of
 `world_size` ranks, parallelizes it with the real `models.glm.parallelize` (EP + FSDP2; both by
-`recipes.parallel.planning_model`, as the whole-step estimate does), and constructs the real
+`recipes.build.planning_model`, as the whole-step estimate does), and constructs the real
 `muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
 through the path objects' figures of a `muon.plan.BatchPlan` (`muon.paths`); nothing here
 re-models the planning and no parameter memory is allocated. The report: per shape group (one
@@ -26,7 +26,7 @@ from muon import batch_cost
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
-from recipes.parallel import join_fake_world, planning_model
+from recipes.build import join_fake_world, planning_model
 from recipes.planning_report import GiB, over_budget
 
 TOKENS_PER_STEP = 4 << 20
@@ -47,13 +47,13 @@ def build_optimizer(
     ns_algorithm: str = "auto",
     memory_budget_gib: float | None = None,
 ):
-    """`muon.Muon` exactly as the recipe builds it (`recipes.parallel.build_optimizer` over the
+    """`muon.Muon` exactly as the recipe builds it (`recipes.build.build_optimizer` over the
     default `optim=muon` config with the planner's knobs set; lr, betas, eps and the rest are
     the recipe's defaults). `ns_dtype`: "bf16", "fp32" or "fp16"."""
     from omegaconf import OmegaConf
 
+    from recipes.build import build_optimizer as recipe_optimizer
     from recipes.config import Config
-    from recipes.parallel import build_optimizer as recipe_optimizer
 
     knobs = dict(
         remainder_strategy=strategy,
@@ -67,7 +67,7 @@ def build_optimizer(
         memory_budget_gib=memory_budget_gib,
     )
     cfg = OmegaConf.merge(OmegaConf.structured(Config), {"optim": knobs})
-    return recipe_optimizer(cfg, model, expert_aware=expert_aware)
+    return recipe_optimizer(cfg.optim, model, expert_aware=expert_aware)
 
 
 def muon_names(opt) -> list[str]:

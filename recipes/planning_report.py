@@ -8,14 +8,14 @@ figure above a budget; `fmt_bytes` writes bytes in binary units.
 
 from __future__ import annotations
 
-GiB = 1 << 30
+from recipes.units import GiB, KiB, MiB, TiB
 
 
 def fmt_bytes(n: float | None) -> str:
     """Human-readable binary units: 0 B, 512 KiB, 9.00 GiB."""
     if n is None:
         return "-"
-    for unit, size in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"

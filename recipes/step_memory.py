@@ -34,8 +34,7 @@ import torch
 from models.glm import GLMConfig
 from models.glm.local import local_tensor
 from muon.batch_cost import window_peak_bytes
-
-GiB = 1 << 30
+from recipes.units import GiB
 
 
 def attention_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
@@ -400,23 +399,23 @@ def estimate_for_config(cfg, **where) -> StepMemory:
 
 def estimate_inputs(cfg, *, world_size: int, rank: int = 0, device_type: str = "cuda"):
     """(model, optimizer, keyword arguments) of `estimate_step_memory` for `cfg`, built in
-    torch's fake process group (`recipes.parallel.join_fake_world`): the model on the meta
-    device (`recipes.parallel.planning_model`), parallelized and given its optimizer by the
+    torch's fake process group (`recipes.build.join_fake_world`): the model on the meta
+    device (`recipes.build.planning_model`), parallelized and given its optimizer by the
     recipe's own code. `device_type` picks the `auto` dtypes and whether gloo's staging copy
     counts. Varying `tokens`, `seq_len`, `activation_checkpointing` needs no rebuild."""
-    from recipes import parallel
+    from recipes import build
 
-    parallel.join_fake_world(world_size, rank)
-    param_dtype, reduce_dtype = parallel.train_dtypes(cfg, torch.device(device_type))
+    build.join_fake_world(world_size, rank)
+    param_dtype, reduce_dtype = build.train_dtypes(cfg, torch.device(device_type))
     checkpointing = str(cfg.train.activation_checkpointing) == "full"
-    model, _ = parallel.planning_model(
-        parallel.model_config(cfg),
+    model, _ = build.planning_model(
+        build.model_config(cfg),
         ep=cfg.mesh.ep,
         param_dtype=None if param_dtype == torch.float32 else param_dtype,
         reduce_dtype=reduce_dtype,
         activation_checkpointing=checkpointing,
     )
-    opt = parallel.build_optimizer(cfg, model)
+    opt = build.build_optimizer(cfg.optim, model)
     o = cfg.optim  # AdamW has no Newton-Schulz, momentum or batches in flight
     return (
         model,

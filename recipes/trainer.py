@@ -38,6 +38,14 @@ from omegaconf import DictConfig
 
 from models.glm.loss_head import check_labels
 from recipes import checkpoint, grads
+from recipes.build import (
+    build_model,
+    build_optimizer,
+    describe_model,
+    lr_lambda,
+    model_config,
+    records_max_logits,
+)
 from recipes.checkpoint_resume import load_newest
 from recipes.config import to_plain
 from recipes.data import TokenStream, token_files
@@ -52,14 +60,6 @@ from recipes.metrics import (
     Summary,
     memory_extremes,
     remainder_metrics,
-)
-from recipes.parallel import (
-    build_model,
-    build_optimizer,
-    describe_model,
-    lr_lambda,
-    model_config,
-    records_max_logits,
 )
 from recipes.stop_signal import StopSignal
 
@@ -111,8 +111,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # Before the model: absolute memory figures then include weights and optimizer state.
         self.meter = MemoryMeter(device)
-        self.model = build_model(cfg, device)
-        self.opt = build_optimizer(cfg, self.model)
+        config = model_config(cfg)  # the one GLMConfig of this rank: self.model.config
+        self.model = build_model(cfg, config, device)
+        self.opt = build_optimizer(cfg.optim, self.model)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.params = _groups_by_algorithm(self.opt)
         self.clipped = self.params["adamw"] + (self.params["muon"] if cfg.train.clip_muon else [])
@@ -143,7 +144,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             self.ckpt_root, keep=c.keep, async_mode=c.async_mode
         )
-        self.guard = RunGuard.from_config(cfg.train, model_config(cfg).vocab_size, self.rank)
+        self.guard = RunGuard.from_config(cfg.train, config.vocab_size, self.rank)
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -211,7 +212,7 @@ class Trainer:
             "skipped": self.skipped,
             "scheduler": self.sched.state_dict(),
             "ep": self.cfg.mesh.ep,
-            "model_config": model_config(self.cfg).to_dict(),
+            "model_config": self.model.config.to_dict(),
             **self.guard.state(),
         }
         return self.checkpointer.save(self.step, self.model, self.opt, state)
@@ -424,7 +425,7 @@ class Trainer:
             log.info(
                 "model %s (%s); %d ranks, ep=%d, %s; optim=%s remainder=%s",
                 cfg.model.preset,
-                describe_model(model_config(cfg)),
+                describe_model(self.model.config),
                 self.world,
                 cfg.mesh.ep,
                 self.device.type,

@@ -37,10 +37,10 @@ def _worker(cfg: dict) -> dict:
     from omegaconf import OmegaConf
 
     from recipes import checkpoint
+    from recipes.build import build_model, build_optimizer, model_config
     from recipes.config import Config
     from recipes.hf import export_checkpoint, init_from
     from recipes.memory import MemoryMeter
-    from recipes.parallel import build_model, build_optimizer, model_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
     overrides = [
@@ -51,10 +51,11 @@ def _worker(cfg: dict) -> dict:
     run = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
     device = torch.device("cpu")
     meter = MemoryMeter(device)
+    config = model_config(run)  # one GLMConfig, for every model built below
 
     def build():
-        model = build_model(run, device)
-        return model, build_optimizer(run, model)
+        model = build_model(run, config, device)
+        return model, build_optimizer(run.optim, model)
 
     model, opt = build()
     gen = torch.Generator().manual_seed(rank)
@@ -68,7 +69,7 @@ def _worker(cfg: dict) -> dict:
     out = {"rank": rank, "own": sum(t.nbytes for t in tensors)}
     out["largest"] = max(t.nbytes for t in tensors)
     root = Path(cfg["dir"]) / f"w{world}"
-    state = {"model_config": model_config(run).to_dict()}
+    state = {"model_config": config.to_dict()}
     with meter.measure("save") as m:
         ckpt = checkpoint.save(root / "ckpt", 1, model, opt, state, keep=1)
     out["save"] = m.peak_delta_bytes()
@@ -88,7 +89,7 @@ def _worker(cfg: dict) -> dict:
     with meter.measure("import") as m:
         init_from(fresh, root / "hf")
     out["import"] = m.peak_delta_bytes()
-    c = model_config(run)
+    c = config
     out["expert"] = 3 * c.moe_intermediate_size * c.hidden_size * 4
     return out
 

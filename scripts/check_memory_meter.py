@@ -3,7 +3,7 @@
     python scripts/check_memory_meter.py --out meter_check        # small preset, 8192 tokens
 
 One CUDA rank (an NCCL world of one) builds the model and optimizer with the recipe's own code
-(`recipes.parallel`, `train.param_dtype=bfloat16`) and runs one fixed batch again and again with
+(`recipes.build`, `train.param_dtype=bfloat16`) and runs one fixed batch again and again with
 learning rates of 1e-12, far below the float32 spacing of weights of size ~0.02 (~2e-9): the
 weights, hence the routing and every allocation, repeat from step to step.
 1. Two warm-up steps (optimizer state, cuBLAS workspace, the allocator's cache).
@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from recipes.bench.report import as_shown
 from recipes.memory import MemoryMeter
-
-MiB = 1 << 20
+from recipes.units import MiB
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,8 +51,8 @@ def compare(preset: str, seq_len: int, batch_size: int, device: torch.device) ->
     """The meter's figures and the allocator's for one step; needs a process group."""
     from omegaconf import OmegaConf
 
+    from recipes.build import build_model, build_optimizer, model_config
     from recipes.config import Config, validate
-    from recipes.parallel import build_model, build_optimizer
 
     dotlist = [
         f"model.preset={preset}",
@@ -68,8 +67,8 @@ def compare(preset: str, seq_len: int, batch_size: int, device: torch.device) ->
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
     validate(cfg, env_world_size=dist.get_world_size())
     meter = MemoryMeter(device)
-    model = build_model(cfg, device)
-    opt = build_optimizer(cfg, model)
+    model = build_model(cfg, model_config(cfg), device)
+    opt = build_optimizer(cfg.optim, model)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(
         0, cfg.data.vocab_size, (batch_size, seq_len + 1), generator=gen, device=device

@@ -36,6 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from recipes.units import MiB
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muon.plan import REMAINDER_STRATEGIES  # noqa: E402
@@ -53,7 +55,6 @@ from recipes.runs import fmt as _fmt  # noqa: E402
 
 DEFAULT_KEY = "optim.remainder_strategy"
 STRATEGY_ORDER = REMAINDER_STRATEGIES
-MiB = 1 << 20
 
 #: (column, help) of the per-strategy table, in order
 COLUMNS: tuple[tuple[str, str], ...] = (

@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # where train.py is
+from recipes.units import MiB
 
-MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]  # where train.py is
 
 
 def overrides(args, mode: str) -> list[str]:

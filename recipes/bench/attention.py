@@ -27,9 +27,10 @@ import time
 
 import torch
 
+from recipes.units import MiB
+
 PATHS = ("masked", "latent", "per_head")
 MODES = ("frozen", "kl")
-MiB = 1 << 20
 LAYER = dict(
     hidden_size=512,
     num_attention_heads=16,

@@ -16,7 +16,6 @@ from torch import nn
 
 #: the command-line spellings of the dtypes benchmarks take
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-MiB = 1 << 20
 
 
 def sharded_matrices(

@@ -47,7 +47,7 @@ def compose(overrides: list[str]):
 
 def layer_counts(overrides: list[str]) -> dict[str, int]:
     """Decoder, MoE and MTP layers of the model the overrides compose."""
-    from recipes.parallel import model_config
+    from recipes.build import model_config
 
     c = model_config(compose(overrides))
     moe = c.num_hidden_layers - c.n_dense_layers + c.num_mtp_layers
@@ -57,7 +57,7 @@ def layer_counts(overrides: list[str]) -> dict[str, int]:
 def doubled(overrides: list[str]) -> list[str]:
     """The overrides of the same model with twice the decoder layers (dense ones as many; a
     per-layer list, `indexer_types`, repeated)."""
-    from recipes.parallel import model_config
+    from recipes.build import model_config
 
     c = model_config(compose(overrides))
     out = [*overrides, f"++model.overrides.num_hidden_layers={2 * c.num_hidden_layers}"]

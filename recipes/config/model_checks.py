@@ -10,6 +10,7 @@ failure is a `ConfigError` naming the key, as in checks.py.
 import dataclasses
 import os
 import re
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,14 +18,17 @@ from recipes.config.checks import _fail
 from recipes.config.preflight import check_token_ids
 from recipes.config.schema import ConfigError, Device, ModelPreset
 
+if TYPE_CHECKING:
+    from models.glm import GLMConfig
+
 
 def validate_model(
     cfg: DictConfig, env_world_size: int | None = None, *, check_devices: bool = True
 ) -> None:
     """Check the model config, its layout on the mesh and positions, the export, the
     checkpoint to start from and (`check_devices`) the CUDA devices `mesh.device=cuda` needs."""
-    _validate_model(cfg)
-    _validate_checkpoint(cfg)
+    config = _validate_model(cfg)
+    _validate_checkpoint(cfg, config)
     check_token_ids(cfg)  # numpy; after meta.json filled data.vocab_size and data.dtype
     mesh = cfg.mesh
     if check_devices and mesh.device == Device.cuda:
@@ -39,11 +43,12 @@ def validate_model(
             )
 
 
-def _validate_model(cfg: DictConfig) -> None:
-    """The model the ranks would build, and its layout on the mesh, without building it."""
+def _validate_model(cfg: DictConfig) -> "GLMConfig":
+    """The model the ranks would build, and its layout on the mesh, without building it;
+    returns its GLMConfig (built once here, for the checks after it)."""
     from models.glm import GLMConfig
     from models.glm.parallelize import check_layout
-    from recipes.parallel import model_config
+    from recipes.build import model_config
 
     model = cfg.model
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
@@ -78,6 +83,7 @@ def _validate_model(cfg: DictConfig) -> None:
             f"(model.preset={cfg.model.preset.value}; "
             "+model.overrides.max_position_embeddings=N raises it)",
         )
+    return config
 
 
 def _model_error(cfg: DictConfig, message: str) -> ConfigError:
@@ -99,13 +105,12 @@ def _word(name: str, text: str) -> re.Match | None:
     return re.search(rf"\b{re.escape(name)}\b", text)
 
 
-def _validate_checkpoint(cfg: DictConfig) -> None:
+def _validate_checkpoint(cfg: DictConfig, config: "GLMConfig") -> None:
     from models.glm.hf_config import config_to_hf
-    from recipes.parallel import model_config
 
     if cfg.checkpoint.export_hf:
         try:  # the final export needs a transformers layout of the model
-            config_to_hf(model_config(cfg))
+            config_to_hf(config)
         except ValueError as err:
             raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
     path = cfg.checkpoint.init_from
@@ -116,7 +121,7 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
         check_init_from(
             os.path.expanduser(path),
-            model_config(cfg),
+            config,
             init_missing_mtp=bool(cfg.checkpoint.init_missing_mtp),
         )
     except (ValueError, OSError) as err:

@@ -7,14 +7,20 @@ muon and models are spelled out here (`_choices`), not imported: importing eithe
 imports torch, and the config is composed and checked before torch loads (a bad override's
 error comes in well under a second); tests/unit/test_config.py checks that every list equals
 the library's own constant. `ConfigError` is what a config that composes but cannot run raises
-(`checks.validate`).
+(`checks.validate`). The defaults of the Muon keys are `muon.options.MuonOptions`' (`_MUON`),
+written there once.
 """
 
+import importlib.util
+import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
+
+from recipes.units import GiB
 
 # The libraries' own choice lists, in their order (tests/unit/test_config.py compares them):
 PRESET_NAMES = ("tiny", "small", "glm45_air", "mla_tiny", "glm5", "glm52")  # models.glm.presets
@@ -46,6 +52,27 @@ def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
     return StrEnum(name, {v: v for v in values}, module=__name__)
 
 
+def _muon_options() -> Any:
+    """`muon.options.DEFAULTS` without importing the `muon` package, whose `__init__` imports
+    torch (the config is composed before torch loads): muon/options.py is standard library only,
+    so it is loaded from its file; the module itself once torch-side code has imported it."""
+    if "muon.options" in sys.modules:
+        return sys.modules["muon.options"].DEFAULTS
+    name = f"{__name__}._muon_options"
+    if name not in sys.modules:
+        package = importlib.util.find_spec("muon")  # finds the package without running it
+        path = Path(package.submodule_search_locations[0]) / "options.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while they are built
+        spec.loader.exec_module(module)
+    return sys.modules[name].DEFAULTS
+
+
+#: muon.Muon's defaults (muon.options.MuonOptions): the Muon keys below take theirs from it
+_MUON = _muon_options()
+
+
 # `hf`: the model of a transformers directory (model.path), not a preset of models.glm
 ModelPreset = _choices("ModelPreset", (*PRESET_NAMES, "hf"))
 
@@ -70,7 +97,7 @@ NsAlgorithm = _choices("NsAlgorithm", NS_ALGORITHMS)
 RouterOptim = _choices("RouterOptim", ROUTER_CHOICES)
 
 
-#: optim.muon_split (recipes.parallel.muon_split_on): auto = on for MLA, off for GQA
+#: optim.muon_split (recipes.build.muon_split_on): auto = on for MLA, off for GQA
 MUON_SPLIT = ("auto", "on", "off")
 MuonSplit = _choices("MuonSplit", MUON_SPLIT)
 AdjustLr = _choices("AdjustLr", ADJUST_LR)
@@ -182,10 +209,12 @@ class OptimConfig:
     no `optim.remainder_strategy`, and grouping runs by it never mixes AdamW baselines in."""
 
     name: OptimName = _f(MISSING, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
-    lr: float = _f(0.02, "peak learning rate of the Muon groups (all groups for adamw)")
-    weight_decay: float = _f(0.0, "decoupled weight decay of the Muon groups (all for adamw)")
-    betas: list[float] = _f(lambda: [0.9, 0.95], "AdamW betas", True)
-    eps: float = _f(1e-8, "AdamW epsilon")
+    lr: float = _f(_MUON.lr, "peak learning rate of the Muon groups (all groups for adamw)")
+    weight_decay: float = _f(
+        _MUON.weight_decay, "decoupled weight decay of the Muon groups (all for adamw)"
+    )
+    betas: list[float] = _f(lambda: list(_MUON.betas), "AdamW betas", True)
+    eps: float = _f(_MUON.adamw_eps, "AdamW epsilon")
     qk_clip_tau: float | None = _f(
         None, "QK-clip: rescale W_q/W_k of heads whose max attention logit exceeds it; null: off"
     )
@@ -197,40 +226,45 @@ class MuonOptimConfig(OptimConfig):
     """`optim=muon`: muon.Muon for hidden matrices (experts blockwise), AdamW for the rest."""
 
     name: OptimName = _f(OptimName.muon, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
-    momentum: float = _f(0.95, "Muon momentum")
-    nesterov: bool = _f(True, "Muon Nesterov momentum")
-    ns_steps: int = _f(5, "Newton-Schulz iterations")
+    momentum: float = _f(_MUON.momentum, "Muon momentum")
+    nesterov: bool = _f(_MUON.nesterov, "Muon Nesterov momentum")
+    ns_steps: int = _f(_MUON.ns_steps, "Newton-Schulz iterations")
     ns_dtype: NsDtype = _f(
-        NsDtype.bfloat16, "Newton-Schulz compute dtype; float32: same update on every layout/CPU"
+        NsDtype(_MUON.ns_dtype),
+        "Newton-Schulz compute dtype; float32: same update on every layout/CPU",
     )
     ns_coefficients: NsCoefficients = _f(
-        NsCoefficients.polar_express, "Newton-Schulz coefficients: polar_express, fixed or tuned"
+        NsCoefficients(_MUON.ns_coefficients),
+        "Newton-Schulz coefficients: polar_express, fixed or tuned",
     )
     ns_algorithm: NsAlgorithm = _f(
-        NsAlgorithm.auto,
+        NsAlgorithm(_MUON.ns_algorithm),
         "auto: Gram Newton-Schulz on rectangular blocks of >= 256 rows and columns; gram: on "
         "every block where it needs fewer FLOPs; standard: never",
     )
-    adjust_lr: AdjustLr = _f(AdjustLr.match_rms_adamw, "Muon per-matrix learning-rate rule")
-    adamw_lr: float = _f(3e-3, "peak learning rate of the AdamW groups under muon")
+    adjust_lr: AdjustLr = _f(AdjustLr(_MUON.adjust_lr), "Muon per-matrix learning-rate rule")
+    adamw_lr: float = _f(_MUON.adamw_lr, "peak learning rate of the AdamW groups under muon")
     adamw_weight_decay: float = _f(0.0, "weight decay of the AdamW groups under muon")
     router: RouterOptim = _f(RouterOptim.adamw, "which algorithm updates router weights")
     remainder_strategy: RemainderStrategy = _f(
-        RemainderStrategy.pad_all2all,
+        RemainderStrategy(_MUON.remainder_strategy),
         "Muon exchange for batches smaller than the FSDP group; auto: the fastest that fits "
         "memory_budget_gib, per batch",
     )
     memory_budget_gib: float | None = _f(
-        None,
+        None if _MUON.memory_budget is None else _MUON.memory_budget / GiB,
         "GiB one Muon batch's planned peak may hold on a rank (batches are cut to fit it; "
         "auto picks a remainder that fits); null: 256 MiB batches, auto unbounded",
     )
-    enable_all2all: bool = _f(True, "Muon all-to-all exchanges; false forces agrs")
-    max_inflight: int = _f(3, "Muon batches in flight at once")
+    enable_all2all: bool = _f(_MUON.enable_all2all, "Muon all-to-all exchanges; false forces agrs")
+    max_inflight: int = _f(_MUON.max_inflight, "Muon batches in flight at once")
     normuon: bool = _f(
-        False, "NorMuon: per-row (wide blocks: per-column) second-moment normalization after NS"
+        _MUON.normuon,
+        "NorMuon: per-row (wide blocks: per-column) second-moment normalization after NS",
     )
-    normuon_beta2: float = _f(0.95, "NorMuon second-moment EMA coefficient, in [0, 1)")
+    normuon_beta2: float = _f(
+        _MUON.normuon_beta2, "NorMuon second-moment EMA coefficient, in [0, 1)"
+    )
     muon_split: MuonSplit = _f(
         MuonSplit.auto,
         "Muon Split: orthogonalize attention projections per head block; auto: on for MLA "
@@ -243,8 +277,9 @@ class AdamWOptimConfig(OptimConfig):
     """`optim=adamw`: torch.optim.AdamW over every parameter, the baseline for Muon."""
 
     name: OptimName = _f(OptimName.adamw, "muon: Muon for matrices + AdamW; adamw: AdamW for all")
-    lr: float = _f(3e-3, "peak learning rate of every group")
-    weight_decay: float = _f(0.0, "decoupled weight decay of every group")
+    # the baseline's lr is that of the AdamW groups under Muon
+    lr: float = _f(_MUON.adamw_lr, "peak learning rate of every group")
+    weight_decay: float = _f(_MUON.weight_decay, "decoupled weight decay of every group")
 
 
 #: the schema of each `optim=<name>` option

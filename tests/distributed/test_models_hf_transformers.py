@@ -216,17 +216,17 @@ def _hf_world(jobs: list[dict], ids):
     the import's memory peak, the logits, then a checkpoint and its export on every rank."""
     from models.glm.hf_adapter import hf_tensors
     from recipes import checkpoint
+    from recipes.build import build_model, model_config
     from recipes.config import from_yaml, validate
     from recipes.hf import DCPRegions, export_checkpoint, init_from
     from recipes.memory import MemoryMeter
-    from recipes.parallel import build_model, model_config
 
     out = []
     for job in jobs:
         cfg = from_yaml(job["config"])
         validate(cfg)  # includes the header check of the directory
         meter = MemoryMeter("cpu")
-        model = build_model(cfg, torch.device("cpu"))
+        model = build_model(cfg, model_config(cfg), torch.device("cpu"))
         # A checkpoint holds optimizer state too: one AdamW step at lr 0 (below) creates it and
         # leaves the weights those of the files.
         opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=False)

@@ -1,5 +1,5 @@
 """Mixed precision, activation checkpointing and torch.compile, used the way users use them:
-through the config glue (recipes.parallel) in a gloo world, and through `python train.py`."""
+through the config glue (recipes.build) in a gloo world, and through `python train.py`."""
 
 import json
 import shutil
@@ -45,15 +45,15 @@ CASES = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "bfloat16")]
 
 
 def _mixed_precision_world():
-    from recipes.parallel import build_model, build_optimizer, train_dtypes
+    from recipes.build import build_model, build_optimizer, model_config, train_dtypes
 
     out = {}
     for param_dtype, reduce_dtype in CASES:
         dotlist = ["mesh.world_size=2", "mesh.ep=2", *TINY]
         dotlist += [f"train.param_dtype={param_dtype}", f"train.reduce_dtype={reduce_dtype}"]
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(dotlist))
-        model = build_model(cfg, torch.device("cpu"))
-        opt = build_optimizer(cfg, model)
+        model = build_model(cfg, model_config(cfg), torch.device("cpu"))
+        opt = build_optimizer(cfg.optim, model)
         gen = torch.Generator().manual_seed(dist.get_rank())
         ids = torch.randint(0, 256, (2, 33), generator=gen)
         forward, backward = _CollectiveBytes(), _CollectiveBytes()

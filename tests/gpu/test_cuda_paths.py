@@ -33,13 +33,13 @@ def _batch(device, seq=64, batch=4):
 
 
 def _init_case(device) -> dict:
-    """Per-shard init of the sharded model (recipes.parallel) against a plain model built and
+    """Per-shard init of the sharded model (recipes.build) against a plain model built and
     initialized on the same device, and against the CPU init of the same seed."""
     from models.glm import GLMForCausalLM
-    from recipes.parallel import build_model, model_config
+    from recipes.build import build_model, model_config
 
     cfg = _cfg("model.preset=small")
-    model = build_model(cfg, device)
+    model = build_model(cfg, model_config(cfg), device)
     placed = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
     placed |= {str(p.to_local().device) for p in model.parameters()}
     with torch.device(device):
@@ -61,11 +61,11 @@ def _init_case(device) -> dict:
 def _mixed_precision_case(device) -> dict:
     """`train.param_dtype/reduce_dtype=auto` on CUDA: what the layers compute in, what the
     masters, gradients and optimizer state are."""
-    from recipes.parallel import build_model, build_optimizer, train_dtypes
+    from recipes.build import build_model, build_optimizer, model_config, train_dtypes
 
     cfg = _cfg()
-    model = build_model(cfg, device)
-    opt = build_optimizer(cfg, model)
+    model = build_model(cfg, model_config(cfg), device)
+    opt = build_optimizer(cfg.optim, model)
     seen = {}
 
     def record(key):
@@ -104,12 +104,13 @@ def _mixed_precision_case(device) -> dict:
 
 def _compile_case(device) -> dict:
     """`train.compile=true` on CUDA: the compiled layers' loss and gradients against eager."""
-    from recipes.parallel import build_model
+    from recipes.build import build_model, model_config
 
     out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
-        model = build_model(_cfg(f"train.compile={str(compiled).lower()}"), device)
+        cfg = _cfg(f"train.compile={str(compiled).lower()}")
+        model = build_model(cfg, model_config(cfg), device)
         loss = model.loss(*_batch(device))
         loss.backward()
         grads = torch.cat([p.grad.full_tensor().flatten().float() for p in model.parameters()])

@@ -263,7 +263,7 @@ def test_validate_checks_the_token_file_sizes(tmp_path):
 def test_training_objective_knobs_reach_the_model():
     """train.indexer_training picks the model's indexer mode; train.mtp_loss_weight defaults
     to DeepSeek-V3's 0.3; MLA fields and lists pass through model.overrides."""
-    from recipes.parallel import model_config
+    from recipes.build import model_config
 
     cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen", "checkpoint.export_hf=0"])
     schema.validate(cfg)
@@ -418,12 +418,53 @@ def test_choice_lists_are_the_libraries_own():
         assert tuple(e.value for e in enum) == tuple(values), enum.__name__
 
 
+def test_muon_defaults_are_written_once_in_muon_options():
+    """muon.options.MuonOptions is the one place of Muon's defaults: Muon.__init__'s keywords
+    are its fields with its values, the composed `optim=muon` node (schema + conf/optim/muon.yaml)
+    holds the same values under their config names, and build_optimizer hands every configured
+    field to Muon from the key of its name (a field added to MuonOptions without a key, or a key
+    whose default drifts, fails here)."""
+    import inspect
+
+    from muon import Muon
+    from muon.options import DEFAULTS, OPTION_NAMES
+    from recipes.build import MUON_RENAMED, MUON_UNCONFIGURED, muon_options
+
+    signature = inspect.signature(Muon.__init__).parameters
+    keywords = [k for k in signature if k not in ("self", "params", "link")]
+    assert sorted(keywords) == sorted(OPTION_NAMES)
+    assert {k: signature[k].default for k in keywords} == dataclasses.asdict(DEFAULTS)
+    expected = {k: v for k, v in dataclasses.asdict(DEFAULTS).items() if k not in MUON_UNCONFIGURED}
+    assert muon_options(_compose([]).optim) == expected
+    node = _compose([]).optim
+    for name in expected:
+        key = MUON_RENAMED.get(name, name)
+        assert key in node, f"MuonOptions.{name} has no optim.{key}"
+    assert node.memory_budget_gib is None and DEFAULTS.memory_budget is None
+    adamw = _compose(["optim=adamw"]).optim  # the baseline: the AdamW groups' defaults
+    assert (adamw.lr, list(adamw.betas), adamw.eps) == (
+        DEFAULTS.adamw_lr,
+        list(DEFAULTS.betas),
+        DEFAULTS.adamw_eps,
+    )
+    # a changed key reaches Muon under Muon's name, converted
+    changed = _compose(["optim.memory_budget_gib=0.5", "optim.eps=1e-6", "optim.momentum=0.9"])
+    kwargs = muon_options(changed.optim)
+    assert (kwargs["memory_budget"], kwargs["adamw_eps"], kwargs["momentum"]) == (
+        1 << 29,
+        1e-6,
+        0.9,
+    )
+
+
 def test_adjust_lr_none_reaches_the_optimizer():
     """`optim.adjust_lr=none` (muon.Muon's unscaled update) composes and lands in every group."""
     from models.glm import GLMForCausalLM, get_preset
-    from recipes.parallel import build_optimizer
+    from recipes.build import build_optimizer
 
-    opt = build_optimizer(_compose(["optim.adjust_lr=none"]), GLMForCausalLM(get_preset("tiny")))
+    opt = build_optimizer(
+        _compose(["optim.adjust_lr=none"]).optim, GLMForCausalLM(get_preset("tiny"))
+    )
     muon_groups = [g for g in opt.param_groups if g.get("algorithm") == "muon"]
     assert muon_groups and all(g["adjust_lr"] == "none" for g in muon_groups)
 
@@ -431,11 +472,11 @@ def test_adjust_lr_none_reaches_the_optimizer():
 def test_newton_schulz_knobs_reach_the_optimizer():
     """optim.ns_coefficients / optim.ns_algorithm land in every Muon group (single process)."""
     from models.glm import GLMForCausalLM, get_preset
-    from recipes.parallel import build_optimizer
+    from recipes.build import build_optimizer
 
     cfg = _compose(["optim.ns_coefficients=fixed", "optim.ns_algorithm=standard"])
     cfg.optim.normuon, cfg.optim.normuon_beta2 = True, 0.9
-    opt = build_optimizer(cfg, GLMForCausalLM(get_preset("tiny")))
+    opt = build_optimizer(cfg.optim, GLMForCausalLM(get_preset("tiny")))
     muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     assert muon and all(
         (g["ns_coefficients"], g["ns_algorithm"], g["normuon"], g["normuon_beta2"])
@@ -443,7 +484,7 @@ def test_newton_schulz_knobs_reach_the_optimizer():
         for g in muon
     )
     assert all("normuon_v" in opt.state[p] for g in muon for p in g["params"])
-    default = build_optimizer(_compose([]), GLMForCausalLM(get_preset("tiny")))
+    default = build_optimizer(_compose([]).optim, GLMForCausalLM(get_preset("tiny")))
     assert {
         (g["ns_coefficients"], g["ns_algorithm"])
         for g in default.param_groups
@@ -455,7 +496,7 @@ def test_attention_knobs_reach_the_model_and_optimizer():
     """metrics.attn_max_logit / optim.qk_clip_tau decide the recording; optim.muon_split which
     projections are split (auto: MLA only)."""
     from models.glm import GLMForCausalLM, get_preset
-    from recipes.parallel import build_optimizer, muon_split_on, records_max_logits
+    from recipes.build import build_optimizer, muon_split_on, records_max_logits
 
     assert records_max_logits(_compose([]))
     assert not records_max_logits(_compose(["metrics.attn_max_logit=false"]))
@@ -463,10 +504,10 @@ def test_attention_knobs_reach_the_model_and_optimizer():
     gqa, mla = GLMForCausalLM(get_preset("tiny")), GLMForCausalLM(get_preset("mla_tiny"))
     assert not muon_split_on("auto", gqa) and muon_split_on("auto", mla)
     assert muon_split_on("on", gqa) and not muon_split_on("off", mla)
-    opt = build_optimizer(_compose(["optim.muon_split=on"]), gqa)
+    opt = build_optimizer(_compose(["optim.muon_split=on"]).optim, gqa)
     split = {n for g in opt.param_groups if g.get("num_blocks", 1) > 1 for n in g["param_names"]}
     assert "model.layers.0.self_attn.q_proj.weight" in split
-    unsplit = build_optimizer(_compose([]), gqa)
+    unsplit = build_optimizer(_compose([]).optim, gqa)
     assert not any(
         "self_attn" in n
         for g in unsplit.param_groups
@@ -478,7 +519,7 @@ def test_attention_knobs_reach_the_model_and_optimizer():
 def test_dsa_impl_defaults_to_the_sparse_path_and_overrides_to_masked():
     """`python train.py model=mla_tiny` builds the sparse (latent) DSA path; the masked
     reference is `+model.overrides.dsa_impl=masked`."""
-    from recipes.parallel import model_config
+    from recipes.build import model_config
 
     assert model_config(_compose(["model=mla_tiny"])).dsa_impl == "latent"
     masked = _compose(["model=mla_tiny", "+model.overrides.dsa_impl=masked"])

@@ -185,8 +185,8 @@ def test_model_hf_builds_the_directory_config(tmp_path):
     errors naming the key."""
     from omegaconf import OmegaConf
 
+    from recipes.build import model_config
     from recipes.config import Config, ConfigError, validate
-    from recipes.parallel import model_config
 
     cfg_hf = GLMConfig(**{**CFG.to_dict(), "vocab_size": 300})
     export_hf(_model(cfg_hf), cfg_hf, str(tmp_path))

@@ -125,8 +125,8 @@ def test_run_from_files_without_mtp_weights_needs_the_config_key(tmp_path):
     no weights of: refused before launch, naming checkpoint.init_missing_mtp; allowed with it."""
     from omegaconf import OmegaConf
 
+    from recipes.build import model_config
     from recipes.config import Config, ConfigError, validate
-    from recipes.parallel import model_config
 
     def cfg(*extra):
         dotlist = [f"checkpoint.init_from={tmp_path}", "model.overrides.num_mtp_layers=1"]

@@ -318,8 +318,8 @@ def test_init_from_is_checked_before_launch(tmp_path):
     tensor, a wrong shape and a config field that differs are errors naming them."""
     from omegaconf import OmegaConf
 
+    from recipes.build import model_config
     from recipes.config import Config, ConfigError, validate
-    from recipes.parallel import model_config
 
     def cfg(*extra):
         dotlist = [f"checkpoint.init_from={tmp_path}", *extra]

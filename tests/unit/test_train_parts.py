@@ -5,8 +5,8 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
+from recipes.build import lr_lambda
 from recipes.config import Config
-from recipes.parallel import lr_lambda
 
 
 def _cfg(*overrides: str):

@@ -8,13 +8,15 @@ whatever the world size or ep, so a run is reproducible across layouts.
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
 from models.glm.parallelize import build_meshes, parallelize
+from recipes.units import GiB
 
 
 def model_config(cfg: DictConfig) -> GLMConfig:
@@ -36,9 +38,9 @@ def model_config(cfg: DictConfig) -> GLMConfig:
     return get_preset(str(cfg.model.preset), **overrides)
 
 
-def build_model(cfg: DictConfig, device: torch.device) -> GLMForCausalLM:
-    """The sharded, initialized model of this rank."""
-    config = model_config(cfg)
+def build_model(cfg: DictConfig, config: GLMConfig, device: torch.device) -> GLMForCausalLM:
+    """The sharded, initialized model of `config` (the run's `model_config(cfg)`, built once by
+    the caller and passed) on this rank, parallelized by `cfg.mesh` and `cfg.train`."""
     with torch.device("meta"):
         model = GLMForCausalLM(config)
     meshes = build_meshes(dist.get_world_size(), cfg.mesh.ep, device.type)
@@ -104,11 +106,11 @@ def train_dtypes(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, to
 
 
 def build_optimizer(
-    cfg: DictConfig, model: torch.nn.Module, *, expert_aware: bool = True
+    o: DictConfig, model: torch.nn.Module, *, expert_aware: bool = True
 ) -> torch.optim.Optimizer:
-    """`optim.name=muon`: muon.Muon over muon.param_groups; `adamw`: AdamW over everything.
-    `expert_aware=False` (the dry-run planner's comparison) exchanges fused experts whole."""
-    o = cfg.optim
+    """`o` is the run's `optim` node. `optim.name=muon`: muon.Muon over muon.param_groups;
+    `adamw`: AdamW over everything. `expert_aware=False` (the dry-run planner's comparison)
+    exchanges fused experts whole."""
     if o.name == "adamw":
         return torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],  # a frozen indexer: no state
@@ -131,27 +133,31 @@ def build_optimizer(
         adamw_eps=o.eps,
         muon_split=muon_split_on(str(o.muon_split), model),
     )
-    return Muon(
-        groups,
-        lr=o.lr,
-        momentum=o.momentum,
-        nesterov=o.nesterov,
-        weight_decay=o.weight_decay,
-        ns_steps=o.ns_steps,
-        ns_dtype=str(o.ns_dtype),
-        ns_coefficients=str(o.ns_coefficients),
-        ns_algorithm=str(o.ns_algorithm),
-        adjust_lr=str(o.adjust_lr),
-        betas=tuple(o.betas),
-        adamw_eps=o.eps,
-        remainder_strategy=str(o.remainder_strategy),
-        enable_all2all=o.enable_all2all,
-        max_inflight=o.max_inflight,
-        normuon=o.normuon,
-        normuon_beta2=o.normuon_beta2,
-        memory_budget=None if o.memory_budget_gib is None else int(o.memory_budget_gib * 2**30),
-        expert_aware=expert_aware,
-    )
+    return Muon(groups, **muon_options(o), expert_aware=expert_aware)
+
+
+#: muon.Muon keywords whose `optim.*` key has another name: the AdamW epsilon is `optim.eps`
+#: (AdamW's name, shared with optim=adamw), the budget is in GiB
+MUON_RENAMED = {"adamw_eps": "eps", "memory_budget": "memory_budget_gib"}
+#: muon.Muon keywords without an `optim.*` key (their muon.options defaults apply): the norm
+#: floor of Newton-Schulz, and `expert_aware`, which only the planner's comparison turns off
+MUON_UNCONFIGURED = ("eps", "expert_aware")
+
+
+def muon_options(o: DictConfig) -> dict[str, Any]:
+    """The keywords of muon.Muon from an `optim=muon` node: each field of muon.options
+    .MuonOptions from the key of its name (or of `MUON_RENAMED`'s), as plain values."""
+    from muon.options import OPTION_NAMES
+
+    plain = OmegaConf.to_container(o, enum_to_str=True)
+    out = {}
+    for name in OPTION_NAMES:
+        if name not in MUON_UNCONFIGURED:
+            out[name] = plain[MUON_RENAMED.get(name, name)]
+    out["betas"] = tuple(out["betas"])
+    budget = out["memory_budget"]
+    out["memory_budget"] = None if budget is None else int(budget * GiB)
+    return out
 
 
 def records_max_logits(cfg: DictConfig) -> bool:
