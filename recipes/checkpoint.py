@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from recipes import checkpoint_verify, dcp_safe
+from recipes import checkpoint_verify, dcp_safe, ranks
 
 COMMITTED = "COMMITTED"
 _PREFIX = "step_"
@@ -98,16 +98,8 @@ def set_aside(run_dir: Path) -> Path | None:
 
 
 def _barrier(group=None) -> None:
-    if dist.is_initialized():
+    if ranks.in_process_group():
         dist.barrier(group=group)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -184,7 +176,7 @@ class Checkpointer:
         """Collective: write the checkpoint of `step` (committed now, or at the next `save` /
         `wait` when asynchronous). Returns its final directory."""
         self.wait()  # the previous asynchronous save commits first
-        rank, final = _rank(), step_dir(self.root, step)
+        rank, final = ranks.rank(), step_dir(self.root, step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}"
         if rank == 0:
             for stale in self.root.glob(f"{_TMP_PREFIX}*"):  # left by a process killed mid-write
@@ -193,7 +185,7 @@ class Checkpointer:
         _barrier()
         write_rng(tmp, rank)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = dict(trainer_state, step=step, world_size=_world())
+        state = dict(trainer_state, step=step, world_size=ranks.world_size())
         if self.async_mode:
             futures = [
                 dcp.async_save(
@@ -221,8 +213,8 @@ class Checkpointer:
         self._commit(tmp, step, state)
 
     def _commit(self, tmp: Path, step: int, state: dict) -> None:
-        digests = checkpoint_verify.gather_digests(tmp, _rank())  # every rank's files in place
-        if _rank() == 0:
+        digests = checkpoint_verify.gather_digests(tmp, ranks.rank())  # every rank's files in place
+        if ranks.rank() == 0:
             (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
             manifest = checkpoint_verify.write_manifest(tmp, digests)
             _fsync_dir(tmp)
@@ -303,7 +295,9 @@ def load(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     dcp_safe.load(optim_sd, ckpt / "optim")
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     state = trainer_state(ckpt)
-    state["rng"] = read_rng(ckpt, _rank()) if state["world_size"] == _world() else None
+    state["rng"] = (
+        read_rng(ckpt, ranks.rank()) if state["world_size"] == ranks.world_size() else None
+    )
     return state
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from recipes import checkpoint, checkpoint_verify
+from recipes.ranks import in_process_group, rank
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +35,11 @@ class CheckpointRefused(RuntimeError):
 
 
 def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
+    if not in_process_group():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def set_refused_aside(ckpt: Path) -> Path:
@@ -60,7 +57,7 @@ def _check_then_load(
     ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[list[str], dict | None]:
     """Collective: (what is wrong, None) or ([], the trainer state loaded)."""
-    if checkpoint_verify.manifest_sha(ckpt) is None and _rank() == 0:
+    if checkpoint_verify.manifest_sha(ckpt) is None and rank() == 0:
         log.warning("%s: committed before manifests: only its structure is checked", ckpt)
     problems = checkpoint_verify.verify(ckpt)
     if problems:
@@ -80,7 +77,7 @@ def load_newest(
     module doc); returns it and its trainer state (`checkpoint.load`'s), None when `root`
     holds none. Raises CheckpointRefused when the newest fails and not `fallback`, or when
     every one fails."""
-    found = [str(p) for p in reversed(checkpoint.committed(root))] if _rank() == 0 else None
+    found = [str(p) for p in reversed(checkpoint.committed(root))] if rank() == 0 else None
     refused = []
     for ckpt in map(Path, _broadcast(found)):
         problems, state = _check_then_load(ckpt, model, optimizer)
@@ -92,7 +89,7 @@ def load_newest(
                 f"{what}. Nothing was changed; checkpoint.fallback=true sets it aside and "
                 "resumes from the previous verified checkpoint"
             )
-        if _rank() == 0:
+        if rank() == 0:
             log.warning("%s; checkpoint.fallback=true: moved to %s", what, set_refused_aside(ckpt))
         refused.append(ckpt.name)
         if dist.is_initialized():

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from recipes import dcp_safe
+from recipes.ranks import local_tensor
 
 MANIFEST = "MANIFEST.json"
 _COMMITTED = "COMMITTED"  # recipes.checkpoint.COMMITTED (that module imports this one)
@@ -203,15 +204,11 @@ def verify(ckpt: Path) -> list[str]:
     return sorted({p for rank in found for p in rank})
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     """Collective (or one process): the names of the parameters with a NaN or inf anywhere
     (each rank checks its own shards, one host read), in the model's order."""
     named = list(model.named_parameters())
-    flags = [torch.isfinite(_local(p)).all() for _, p in named]
+    flags = [torch.isfinite(local_tensor(p)).all() for _, p in named]
     finite = torch.stack(flags).tolist() if flags else []
     mine = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
     if dist.is_initialized():

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -37,6 +36,8 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from recipes.ranks import in_process_group
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -186,6 +187,6 @@ def read_whole(path: str | Path) -> dict:
             state_dict=state,
             storage_reader=SafeReader(path),
             planner=planner,
-            no_dist=not (dist.is_available() and dist.is_initialized()),
+            no_dist=not in_process_group(),
         )
     return state  # the planner rebuilt it nested, in place

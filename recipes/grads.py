@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from recipes.ranks import local_tensor, world_size
+
 
 def _copies(t: torch.Tensor, world_size: int) -> int:
     """How many ranks of the world hold each element of `t`'s local data."""
@@ -29,7 +31,7 @@ def squared_norm_tensors(params_by_key: dict[str, list[torch.Tensor]]) -> dict[s
     """Collective: the global sum of squared gradients of each parameter list, as 0-dim
     float64 tensors (views of one all-reduced tensor) that stay where the all-reduce ran: the
     gradients' device under NCCL (CUDA), the host under gloo. No host read."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     keys = sorted(params_by_key)
     totals: list[torch.Tensor | None] = []
     for key in keys:
@@ -38,7 +40,7 @@ def squared_norm_tensors(params_by_key: dict[str, list[torch.Tensor]]) -> dict[s
             if p.grad is not None:
                 # Squared in place on a float64 copy (x * x, the values pow(2) gives): one
                 # temporary per gradient instead of two; a copy even of a float64 gradient.
-                wide = _local(p.grad).detach().to(torch.float64, copy=True)
+                wide = local_tensor(p.grad).detach().to(torch.float64, copy=True)
                 term = wide.mul_(wide).sum() / _copies(p.grad, world)
                 total = term if total is None else total + term
         totals.append(total)
@@ -76,7 +78,7 @@ def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> Non
     """Multiply the gradients of `params` by `factor`, in place: a float, or a 0-dim tensor
     (then one foreach op per gradient dtype, the factor rounded as a float factor is: to the
     dtype's compute type, float32 for float32 and narrower)."""
-    local = [_local(p.grad) for p in params if p.grad is not None]
+    local = [local_tensor(p.grad) for p in params if p.grad is not None]
     if not isinstance(factor, torch.Tensor):
         for g in local:
             g.mul_(factor)
@@ -89,16 +91,12 @@ def scale_grads(params: list[torch.Tensor], factor: float | torch.Tensor) -> Non
         torch._foreach_mul_(tensors, factor.to(device=device, dtype=compute))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
 def poison_grad(params: list[torch.Tensor]) -> None:
     """Debug: make the first local gradient element NaN (train.inject_nan_at_step)."""
     for p in params:
         if p.grad is not None:
-            local = _local(p.grad)
+            local = local_tensor(p.grad)
             if local.numel():
                 local.view(-1)[0] = float("nan")
                 return

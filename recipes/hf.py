@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from models.glm import GLMConfig
 from models.glm.hf_adapter import write_hf
 from models.glm.hf_import import HFDir, check_hf, load_hf
-from recipes import checkpoint_verify
+from recipes import checkpoint_verify, ranks
 from recipes.dcp_safe import SafeReader
 from recipes.units import GiB
 
@@ -90,8 +90,7 @@ def export_checkpoint(
     """Collective when a process group is initialized (each rank writes its share of the files,
     then all wait); returns the files this rank wrote."""
     ckpt = Path(ckpt)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = ranks.rank(), ranks.world_size()
     problems = checkpoint_verify.problems(ckpt, rank, world, parts=("model",))
     if problems:
         raise ValueError(f"checkpoint {ckpt} refused: {'; '.join(problems)}")

@@ -11,7 +11,7 @@ m.peak_bytes("optim")           # peak live bytes inside the region
 m.peak_delta_bytes("optim")     # that peak minus the live bytes at the region's start
 m.peak_delta_bytes()            # span peak minus the live bytes at the span's start
 m.summary()                     # {"step_peak_mib": ..., "optim_peak_delta_mib": ..., ...}
-rank_metrics(gather_peaks(m.summary()))  # {"memory/rank_0/step_peak_mib": ..., ...}
+rank_metrics(gather_peaks(m.summary()))  # recipes.ranks: {"memory/rank_0/step_peak_mib": ...}
 ```
 
 How it measures
@@ -97,13 +97,12 @@ import ctypes
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from recipes.units import MiB
 
@@ -447,27 +446,3 @@ def _analyze_cpu(result: Any, scopes: list[_Scope], n_markers: int) -> None:
         scope.start, scope.end = live_at[first], live_at[last]
         inside = candidate[free_at[first] + 1 : alloc_at[last]]
         scope.peak = max(scope.start, scope.end, max(inside, default=0))
-
-
-# -- gathering across ranks ---------------------------------------------------------------
-def gather_peaks(values: Mapping[str, float], group: Any = None) -> list[dict[str, float]]:
-    """Every rank's `values`, in rank order (of `group`; default: the default group).
-
-    A collective: all ranks of the group must call it. Returns the list on every rank (rank 0
-    logs it); without an initialized process group returns `[dict(values)]`.
-    """
-    payload = {k: float(v) for k, v in values.items()}
-    if not (dist.is_available() and dist.is_initialized()):
-        return [payload]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, payload, group=group)
-    return gathered
-
-
-def rank_metrics(peaks: Sequence[Mapping[str, float]], prefix: str = "memory") -> dict[str, float]:
-    """Flatten `gather_peaks` output to `{f"{prefix}/rank_{k}/{key}": value}` for a logger."""
-    return {
-        f"{prefix}/rank_{rank}/{key}": float(value)
-        for rank, values in enumerate(peaks)
-        for key, value in values.items()
-    }

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from models.glm import get_preset
-from models.glm.local import local_tensor
 from muon import batch_cost
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
 from recipes.bench.fixtures import DTYPES
 from recipes.build import join_fake_world, planning_model
 from recipes.planning_report import GiB, over_budget
+from recipes.ranks import local_tensor
 
 TOKENS_PER_STEP = 4 << 20
 

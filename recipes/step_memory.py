@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from models.glm import GLMConfig
-from models.glm.local import local_tensor
 from muon.batch_cost import window_peak_bytes
+from recipes.ranks import local_tensor
 from recipes.units import GiB
 
 

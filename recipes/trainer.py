@@ -24,10 +24,12 @@ Every `metrics.memory_every` steps (and on step 1) the step runs inside the Memo
 an "optim" region around the optimizer; rank 0 gathers all ranks' peaks and its log line holds
 `memory/rank_<k>/...` for every rank. Every `eval.every` steps and at the last step the ranks
 evaluate the held-out split (`recipes.evaluate`), logged with that step's row.
+
+This file is the loop and the step; resuming, saving and the final export are
+`recipes.trainer_state`, the metrics file, summary and progress `recipes.trainer_log`.
 """
 
 import logging
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from models.glm.loss_head import check_labels
-from recipes import checkpoint, grads
+from recipes import checkpoint, grads, trainer_state
 from recipes.build import (
     build_model,
     build_optimizer,
@@ -46,30 +48,15 @@ from recipes.build import (
     model_config,
     records_max_logits,
 )
-from recipes.checkpoint_resume import load_newest
-from recipes.config import to_plain
 from recipes.data import TokenStream, token_files
 from recipes.evaluate import Evaluator
 from recipes.guards import RunGuard
-from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
-from recipes.metrics import (
-    AUX_LOSSES,
-    RANK_EXTREMES,
-    DeviceValues,
-    MetricsLog,
-    Summary,
-    memory_extremes,
-    remainder_metrics,
-)
+from recipes.memory import MemoryMeter
+from recipes.metrics import DeviceValues, remainder_metrics
 from recipes.stop_signal import StopSignal
+from recipes.trainer_log import TrainLog
 
 log = logging.getLogger("recipes")
-
-_HF_RANDOM_INIT = (
-    "model=hf without checkpoint.init_from: the weights start from a seeded random init "
-    "(train.seed=%d), model.path=%s gives the config only; checkpoint.init_from=%s loads them"
-)
-_MEMORY_KEYS = ("step_peak_mib", "step_peak_delta_mib", "optim_peak_mib", "optim_peak_delta_mib")
 
 
 def _sync(device: torch.device) -> None:
@@ -82,24 +69,6 @@ def _groups_by_algorithm(opt: torch.optim.Optimizer) -> dict[str, list[torch.Ten
     for g in opt.param_groups:
         out[g.get("algorithm", "adamw")] += list(g["params"])
     return out
-
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _batch_change(saved_world: int, world: int, samples_per_step: int) -> str:
-    """The notice of a resume on another world size: `data.batch_size` is per rank, so the
-    global batch scales with the ranks (the schedule goes on by step)."""
-    before = samples_per_step // world * saved_world
-    return (
-        f"resumed on {world} ranks from a checkpoint of {saved_world}: the global batch changes "
-        f"from {before} to {samples_per_step} samples per step (data.batch_size x "
-        "train.grad_accum_steps per rank); the schedule continues by step. To keep it, resume on "
-        f"{saved_world} ranks or scale data.batch_size (a new run: it is in the run's name)"
-    )
 
 
 class Trainer:
@@ -146,76 +115,14 @@ class Trainer:
         )
         self.guard = RunGuard.from_config(cfg.train, config.vocab_size, self.rank)
 
-    # ------------------------------------------------------------------------------ resume
+    # ------------------------------------------- resume and save (recipes.trainer_state)
     def resume(self) -> None:
-        """Load the newest committed checkpoint of the run dir, if any; with
-        `checkpoint.resume=false` move the run found there aside instead (checkpoint.set_aside)."""
-        found = checkpoint.latest(self.ckpt_root) if self.rank == 0 else None
-        if found and not self.cfg.checkpoint.resume:  # a start over: the old run kept apart
-            aside = checkpoint.set_aside(self.run_dir)
-            log.warning("checkpoint.resume=false: the previous run moved to %s", aside)
-            found = None
-        found = _broadcast(str(found) if found else None)
-        if found is None:
-            self._init_from()
-            return
-        found, state = load_newest(  # verified, finite; an older one only with fallback
-            self.ckpt_root, self.model, self.opt, fallback=self.cfg.checkpoint.fallback
-        )
-        self.step, self.samples, self.skipped = state["step"], state["samples"], state["skipped"]
-        self.sched.load_state_dict(state["scheduler"])
-        self.guard.resume(state)
-        if state["rng"] is not None:
-            checkpoint.set_rng_state(state["rng"])
-        if self.rank == 0:
-            log.info(
-                "resumed from %s (written by %d ranks; this world: %d)",
-                found,
-                state["world_size"],
-                self.world,
-            )
-            if state["world_size"] != self.world:
-                log.warning(_batch_change(state["world_size"], self.world, self.samples_per_step))
-
-    def _init_from(self) -> None:
-        """A fresh run with `checkpoint.init_from`: every rank reads its shards of the weights
-        (without it, a model=hf run warns that its weights are not model.path's)."""
-        path = self.cfg.checkpoint.init_from
-        if path is None:
-            if self.rank == 0 and str(self.cfg.model.preset) == "hf":  # its config.json only
-                log.warning(_HF_RANDOM_INIT, self.cfg.train.seed, *[self.cfg.model.path] * 2)
-            return
-        from recipes.hf import init_from
-
-        initialized = init_from(
-            self.model,
-            Path(path).expanduser(),
-            init_missing_mtp=bool(self.cfg.checkpoint.init_missing_mtp),
-        )
-        if self.rank == 0:
-            log.info("initialized from the transformers directory %s", path)
-            if initialized:
-                log.warning(
-                    "%s holds no MTP layer weights; these %d tensors keep their seeded "
-                    "initialization: %s",
-                    path,
-                    len(initialized),
-                    ", ".join(initialized),
-                )
+        """Load the newest committed checkpoint of the run dir, if any (`trainer_state.resume`)."""
+        trainer_state.resume(self)
 
     def save(self) -> Path:
-        """Collective: checkpoint the current step (committed now, or at the next save / `wait`
-        with `checkpoint.async_mode`)."""
-        self._read_skipped()
-        state = {
-            "samples": self.samples,
-            "skipped": self.skipped,
-            "scheduler": self.sched.state_dict(),
-            "ep": self.cfg.mesh.ep,
-            "model_config": self.model.config.to_dict(),
-            **self.guard.state(),
-        }
-        return self.checkpointer.save(self.step, self.model, self.opt, state)
+        """Collective: checkpoint the current step (`trainer_state.save`)."""
+        return trainer_state.save(self)
 
     # -------------------------------------------------------------------------------- step
     def _forward_backward(self) -> dict[str, torch.Tensor]:
@@ -411,36 +318,21 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any] | None:
+        """Resume, then run the steps to `train.steps` (or a halt, or a stop signal), logging,
+        evaluating and checkpointing on schedule; export at the end. Rank 0: the summary."""
         cfg = self.cfg
         self.resume()
-        # Which host each rank runs on (collective): multi-node runs show their layout.
-        hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname())
-        sink = None
-        if self.rank == 0:
-            world = {"world_size": self.world, "hosts": hosts}
-            sink = MetricsLog(self.run_dir, to_plain(cfg), self.step, world=world)
-        summary = Summary()
-        if self.rank == 0:
-            log.info(
-                "model %s (%s); %d ranks, ep=%d, %s; optim=%s remainder=%s",
-                cfg.model.preset,
-                describe_model(self.model.config),
-                self.world,
-                cfg.mesh.ep,
-                self.device.type,
-                cfg.optim.name,
-                cfg.optim.get("remainder_strategy", "-"),
-            )
-        bar = None
-        if self.rank == 0 and cfg.metrics.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=None)
+        record = TrainLog(
+            cfg,
+            self.run_dir,
+            self.step,
+            rank=self.rank,
+            world=self.world,
+            model=describe_model(self.model.config),
+            device_type=self.device.type,
+        )
         every = cfg.checkpoint.every
-        report_every = max(1, cfg.train.steps // 10)
         stop = StopSignal(self.device)
-        val_loss = None
         while self.step < cfg.train.steps:
             measure = self.step % cfg.metrics.memory_every == 0
             done = self.step + 1  # the step this iteration completes
@@ -448,33 +340,14 @@ class Trainer:
                 done % cfg.eval.every == 0 or done == cfg.train.steps
             )
             logged = done % cfg.metrics.log_every == 0 or measure or evaluated
-            reported = done % report_every == 0 or evaluated  # rank 0's progress line
+            reported = done % record.report_every == 0 or evaluated  # rank 0's progress line
             # The same decision on every rank: reading all-reduces the loss terms.
             metrics = self.train_step(measure, read=logged or reported)
             if evaluated:
                 metrics.update(self.evaluator.run(self.model, self.device))
-                val_loss = metrics["val/loss"]
             if logged:
-                self._log(metrics, measure, sink, summary)
-            if bar is not None:
-                bar.update(1)
-                if "loss" in metrics:  # a step whose figures were read
-                    postfix = {"loss": f"{metrics['loss']:.3f}"}
-                    if val_loss is not None:
-                        postfix["val"] = f"{val_loss:.3f}"
-                    bar.set_postfix(postfix)
-            if self.rank == 0 and reported:
-                extra = "".join(f" {k} {metrics[k]:.4g}" for k in AUX_LOSSES if k in metrics)
-                line = (
-                    f"step {self.step}/{cfg.train.steps} loss {metrics['loss']:.4f}{extra} "
-                    f"lr {metrics['lr']:.2e} {metrics['tokens_per_s']:.0f} tokens/s"
-                )
-                if evaluated:
-                    line += f" val/loss {val_loss:.4f}"
-                if bar is not None and not bar.disable:
-                    bar.write(f"[rank0] {line}")  # above the bar, not through it
-                else:
-                    log.info(line)
+                record.log(self.step, metrics, measure)
+            record.progress(self.step, metrics, reported, evaluated)
             due = (every and self.step % every == 0) or self.step == cfg.train.steps
             stopping = self.step < cfg.train.steps and stop.requested()
             if self.guard.halts(self.step, metrics, saving=due or stopping):
@@ -487,51 +360,19 @@ class Trainer:
                     by = stop.name or "a peer rank's signal"
                     log.info("%s: stopped at step %d, checkpoint %s", by, self.step, path)
                 break
-        if bar is not None:
-            bar.close()
+        record.close_bar()
+        return self._finish(record)
+
+    def _finish(self, record: TrainLog) -> dict[str, Any] | None:
+        """After the loop: the last asynchronous save committed, the transformers export of a
+        run that reached `train.steps` unhalted; rank 0's summary (and why it stopped)."""
         self.checkpointer.wait()
         halted = self.guard.stop_reason is not None
-        if cfg.checkpoint.export_hf and self.step == cfg.train.steps and not halted:
-            self._export_hf()
-        if self.rank != 0:
+        if self.cfg.checkpoint.export_hf and self.step == self.cfg.train.steps and not halted:
+            trainer_state.export_hf(self)
+        result = record.finish()
+        if result is None:
             return None
-        result = summary.as_dict()
-        sink.close(result)
         if halted:
             result["stopped"] = self.guard.stopped(self.step, self.ckpt_root)
-        return result | {"text": summary.text()}
-
-    def _log(self, metrics, measure, sink, summary) -> None:
-        """Collective: gather per-rank figures; rank 0 writes one line."""
-        mine = {k: metrics[k] for k in _MEMORY_KEYS if k in metrics}
-        mine["step_s"], mine["optim_s"] = metrics["step_s"], metrics["optim_s"]
-        mine.update({k: v for k, v in metrics.items() if k.startswith("muon/")})
-        per_rank = gather_peaks(mine)
-        if self.rank != 0:
-            return
-        out = {k: v for k, v in metrics.items() if k not in _MEMORY_KEYS}
-        out["step_s/max"] = max(r["step_s"] for r in per_rank)
-        out["optim_s/max"] = max(r["optim_s"] for r in per_rank)
-        for key in RANK_EXTREMES:
-            values = [r[key] for r in per_rank if key in r]
-            if values:
-                out[f"{key}/max"], out[f"{key}/min"] = max(values), min(values)
-        if measure:
-            mem = [{k: r[k] for k in _MEMORY_KEYS if k in r} for r in per_rank]
-            out.update(rank_metrics(mem))
-            out.update(memory_extremes(mem, _MEMORY_KEYS))
-        sink.log(self.step, out)
-        summary.add(self.step, out, measure)
-
-    def _export_hf(self) -> None:
-        """Collective: the final checkpoint's model in the transformers layout (<run>/hf), each
-        rank writing its share of the files."""
-        from recipes.hf import export_checkpoint
-
-        c = self.cfg.checkpoint
-        out = self.run_dir / "hf"
-        last = checkpoint.step_dir(self.ckpt_root, self.step)
-        dtype = getattr(torch, str(c.hf_dtype))
-        export_checkpoint(last, out, dtype=dtype, max_shard_gib=c.hf_max_shard_gib)
-        if self.rank == 0:
-            log.info("transformers export: %s", out)
+        return result | {"text": record.summary.text()}

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from models.glm.local import local_tensor
 from recipes.bench.cli import command_line
 from recipes.bench.fixtures import MiB
+from recipes.ranks import local_tensor
 from recipes.world import run_world as _run_world
 
 

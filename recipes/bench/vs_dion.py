@@ -18,6 +18,7 @@ import torch
 
 from recipes.bench.fixtures import DTYPES, MiB, optimizer_step_peak, sharded_matrices
 from recipes.bench.timing import rotations, timed
+from recipes.ranks import local_tensor
 
 #: `muon.Muon` with a `memory_budget` below every batch: the smallest batches the plan cuts
 ONE_UNIT = "muon.Muon, one unit per batch"
@@ -29,7 +30,7 @@ def _state_bytes(opt, params) -> int:
     for p in params:
         for v in opt.state[p].values():
             if isinstance(v, torch.Tensor) and v.dim():
-                total += getattr(v, "_local_tensor", v).nbytes
+                total += local_tensor(v).nbytes
     return total
 
 

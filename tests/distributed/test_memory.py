@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.memory import MemoryMeter, MiB, gather_peaks, rank_metrics
+from recipes.memory import MemoryMeter, MiB
+from recipes.ranks import gather_peaks, rank_metrics
 from tests.harness import run_world
 from tests.unit.test_memory import TOL
 

@@ -164,7 +164,7 @@ def test_files_that_are_not_token_ids_are_refused(tmp_path, monkeypatch):
 
 def test_model_hf_without_init_from_says_its_weights_are_random():
     """The run log's warning: model.path gives the config only; init_from loads weights."""
-    from recipes.trainer import Trainer
+    from recipes.trainer_state import init_from
 
     cfg = OmegaConf.create(
         {
@@ -179,9 +179,9 @@ def test_model_hf_without_init_from_says_its_weights_are_random():
     logger = logging.getLogger("recipes")
     logger.addHandler(handler)
     try:
-        Trainer._init_from(SimpleNamespace(cfg=cfg, rank=0))
+        init_from(SimpleNamespace(cfg=cfg, rank=0))
         cfg.model.preset = "tiny"
-        Trainer._init_from(SimpleNamespace(cfg=cfg, rank=0))  # a preset: nothing to say
+        init_from(SimpleNamespace(cfg=cfg, rank=0))  # a preset: nothing to say
     finally:
         logger.removeHandler(handler)
     (record,) = records

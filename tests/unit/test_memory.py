@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from recipes import memory
-from recipes.memory import MemoryMeter, MiB, gather_peaks, rank_metrics
+from recipes.memory import MemoryMeter, MiB
+from recipes.ranks import gather_peaks, rank_metrics
 
 TOL = 0.02  # relative tolerance on figures that should be exact sizes
 
