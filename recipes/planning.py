@@ -70,6 +70,31 @@ def build_optimizer(
     return recipe_optimizer(cfg.optim, model, expert_aware=expert_aware)
 
 
+def plan_from_args(args, *, strategies: tuple[str, ...], **overrides) -> dict:
+    """`plan` of scripts/plan_memory.py's parsed arguments (`overrides`: the GLMConfig fields
+    its options set)."""
+    return plan(
+        model=args.model,
+        world_size=args.world_size,
+        ep=args.ep,
+        rank=args.rank,
+        dtype=args.dtype,
+        ns_dtype=args.ns_dtype,
+        ns_algorithm=args.ns_algorithm,
+        expert_aware=args.expert_aware,
+        router=args.router,
+        nesterov=args.nesterov,
+        max_inflight=args.max_inflight,
+        budget_gib=args.budget_gib,
+        strategies=strategies,
+        tokens_per_step=args.tokens_per_step,
+        muon_split=args.muon_split,
+        normuon=args.normuon,
+        seq_len=args.seq_len,
+        overrides=overrides,
+    )
+
+
 def muon_names(opt) -> list[str]:
     """Muon parameter names in the optimizer's planning order (index = ParamMeta.index)."""
     names = []

@@ -30,22 +30,31 @@ class Run:
 
 
 def lookup(config: dict[str, Any], dotted: str) -> Any:
-    """`optim.remainder_strategy` from a nested config, a flat one, or W&B's {value: ...}."""
-    if dotted in config:
-        return _unwrap(config[dotted])
+    """`optim.remainder_strategy` of a run's nested config (`nested_config`'s shape); None when
+    a part is missing."""
     node: Any = config
     for part in dotted.split("."):
-        node = _unwrap(node)
         if not isinstance(node, dict) or part not in node:
             return None
         node = node[part]
-    return _unwrap(node)
+    return node
 
 
-def _unwrap(v: Any) -> Any:
-    if isinstance(v, dict) and "value" in v and set(v) <= {"value", "desc"}:
-        return v["value"]
-    return v
+def nested_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's config in the one shape `lookup` reads, train.py's nested one: W&B's
+    `{value: ..., desc: ...}` wrappers unwrapped, flat `a.b.c` keys (W&B sweeps) nested."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and "value" in value and set(value) <= {"value", "desc"}:
+            value = value["value"]
+        if isinstance(value, dict):
+            value = nested_config(value)
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 def read_hydra_run(run_dir: Path) -> Run:
@@ -54,7 +63,7 @@ def read_hydra_run(run_dir: Path) -> Run:
 
     for name in ("config.yaml", ".hydra/config.yaml"):
         if (run_dir / name).exists():
-            config = yaml.safe_load((run_dir / name).read_text()) or {}
+            config = nested_config(yaml.safe_load((run_dir / name).read_text()) or {})
             break
     else:
         raise FileNotFoundError(f"{run_dir}: no config.yaml or .hydra/config.yaml")
@@ -71,7 +80,7 @@ def read_wandb_api(project_path: str, group: str | None = None, api=None) -> lis
     filters = {"group": group} if group else None
     runs = []
     for r in api.runs(project_path, filters=filters):
-        config = {k: v for k, v in dict(r.config).items() if not k.startswith("_")}
+        config = nested_config({k: v for k, v in dict(r.config).items() if not k.startswith("_")})
         history = [dict(row) for row in r.scan_history()]
         for row in history:
             if "step" not in row and "_step" in row:

@@ -38,13 +38,11 @@ from pathlib import Path
 from models.glm import get_preset
 from muon.plan import REMAINDER_CHOICES
 from recipes.bench.fixtures import DTYPES
-from recipes.planning import TOKENS_PER_STEP, plan
+from recipes.planning import TOKENS_PER_STEP, plan_from_args
 from recipes.planning_report import format_report
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry; returns 0, or 1 when `--budget-gib` is given and any figure the report shows
-    is above it (with `--step`: either checkpointing mode's step peak)."""
+def _parser() -> argparse.ArgumentParser:
     from models.glm.presets import PRESET_NAMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -103,32 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         help="DSA models: the indexer trained by its KL loss or frozen (no gradient, not in "
         "the optimizer); default: the preset's",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; returns 0, or 1 when `--budget-gib` is given and any figure the report shows
+    is above it (with `--step`: either checkpointing mode's step peak)."""
+    ap = _parser()
     args = ap.parse_args(argv)
     overrides = {}
     if args.indexer_training is not None:
         if not get_preset(args.model).uses_dsa:
             ap.error(f"--indexer-training: --model {args.model} has no sparse-attention indexer")
         overrides["indexer_training"] = args.indexer_training
-    report = plan(
-        model=args.model,
-        world_size=args.world_size,
-        ep=args.ep,
-        rank=args.rank,
-        dtype=args.dtype,
-        ns_dtype=args.ns_dtype,
-        ns_algorithm=args.ns_algorithm,
-        expert_aware=args.expert_aware,
-        router=args.router,
-        nesterov=args.nesterov,
-        max_inflight=args.max_inflight,
-        budget_gib=args.budget_gib,
-        strategies=tuple(args.strategy or REMAINDER_CHOICES),
-        tokens_per_step=args.tokens_per_step,
-        muon_split=args.muon_split,
-        normuon=args.normuon,
-        seq_len=args.seq_len,
-        overrides=overrides,
-    )
+    report = plan_from_args(args, strategies=tuple(args.strategy or REMAINDER_CHOICES), **overrides)
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
