@@ -60,7 +60,7 @@ class _Record:
     sum is the documents' sum) and every indexer's kept keys, in call order."""
 
     def __init__(self, model: GLMForCausalLM) -> None:
-        self.sums, self.topk, self.hooks = [], [], []
+        self.sums, self.topk, self.hooks, self.cos = [], [], [], []
         head_loss = model._head_loss
 
         def counted(h, labels):
@@ -69,6 +69,8 @@ class _Record:
             return loss
 
         model._head_loss = counted
+        first = model.model.layers[0].self_attn  # the RoPE table it reads, [B, T, R] or [T, R]
+        self.hooks.append(first.register_forward_pre_hook(lambda m, a: self.cos.append(a[1])))
         for layer in [*model.model.layers, *model.model.mtp_layers]:
             attn = layer.self_attn
             if getattr(attn, "indexer", None) is not None:
@@ -92,7 +94,8 @@ def _run(model, ids, labels, **packing):
     for hook in rec.hooks:
         hook.remove()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits, [s.detach() for s in rec.sums], kl_sum.detach(), grads, rec.topk
+    cos = rec.cos[-1].expand(ids.shape[0], *rec.cos[-1].shape[-2:])
+    return logits, [s.detach() for s in rec.sums], kl_sum.detach(), grads, rec.topk, cos
 
 
 def _close(got, want, bound, msg=None):
@@ -132,21 +135,26 @@ def test_packed_documents_equal_documents_run_alone(case):
     model = _model(preset, **overrides)
     rows = _documents(seed=1)
     ids, labels, pos, doc = _packed(rows)
-    logits, sums, kl_sum, grads, topk = _run(model, ids, labels, position_ids=pos, doc_ids=doc)
-    ref_logits, ref_kl, ref_sums = [], 0.0, [0.0] * len(sums)
+    logits, sums, kl_sum, grads, topk, cos = _run(model, ids, labels, position_ids=pos, doc_ids=doc)
+    ref_logits, ref_cos, ref_kl, ref_sums = [], [], 0.0, [0.0] * len(sums)
     ref_grads = {n: torch.zeros_like(g) for n, g in grads.items()}
     per_doc_topk = {}
     for b, docs in enumerate(rows):
-        row_logits = []
+        row_logits, row_cos = [], []
         for d, (d_ids, d_labels) in enumerate(docs):
             out = _run(model, d_ids[None], d_labels[None])
             row_logits.append(out[0][0])
+            row_cos.append(out[5][0])
             ref_sums = [a + s for a, s in zip(ref_sums, out[1], strict=True)]
             ref_kl = ref_kl + out[2]
             for n, g in out[3].items():
                 ref_grads[n] += g
             per_doc_topk[(b, d)] = out[4]
         ref_logits.append(torch.cat(row_logits))
+        ref_cos.append(torch.cat(row_cos))
+    # RoPE reads each token's position in its document (attention alone cannot tell: RoPE's
+    # scores depend on position differences only), the same table rows bit for bit
+    assert torch.equal(cos, torch.stack(ref_cos))
     # Tolerance: a float64 model whose runs differ only in reduction order and blocking
     # (~1e-16), except the router, which scores in float32 (`models.glm.moe.Router`): a
     # routing weight is a float32 D-term dot product (D = 64: sqrt(64) = 8 terms' worth of
