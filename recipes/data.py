@@ -51,6 +51,12 @@ _SEPARATOR = b"\n\n"
 PACKED = ("position_ids", "doc_ids")
 
 
+def packing_kwargs(fields) -> dict:
+    """The model's keyword arguments for a batch's fields after (input_ids, labels): none
+    unpacked, else position_ids and doc_ids."""
+    return dict(zip(PACKED, fields, strict=True)) if fields else {}
+
+
 @dataclass(frozen=True)
 class TokenFiles:
     """The token files of a data config: training, validation (None: no held-out split) and

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from models.glm.loss_head import IGNORE_INDEX
-from recipes.data import PACKED, TokenStream
+from recipes.data import TokenStream, packing_kwargs
 
 log = logging.getLogger("recipes")
 
@@ -75,7 +75,7 @@ class Evaluator:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
         try:
             for x, y, *packed in self.samples(dist.get_rank(), dist.get_world_size()):
-                packing = {k: v.to(device) for k, v in zip(PACKED, packed, strict=True)}
+                packing = packing_kwargs([v.to(device) for v in packed])
                 loss = model.loss(x.to(device), y.to(device), **packing)
                 tokens = int((y != IGNORE_INDEX).sum())  # packed: the documents' last have none
                 total[0] += loss.double() * tokens

@@ -40,7 +40,7 @@ from models.glm.loss_head import check_labels
 from recipes import checkpoint, grads
 from recipes.checkpoint_resume import load_newest
 from recipes.config import to_plain
-from recipes.data import PACKED, TokenStream, token_files
+from recipes.data import TokenStream, packing_kwargs, token_files
 from recipes.evaluate import Evaluator
 from recipes.guards import RunGuard
 from recipes.memory import MemoryMeter, gather_peaks, rank_metrics
@@ -232,7 +232,7 @@ class Trainer:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             check_labels(y, self.model.config.vocab_size)  # on the host: no device read
             x, y, *packed = self._to_device(x, y, *packed)
-            packing = dict(zip(PACKED, packed, strict=True))
+            packing = packing_kwargs(packed)
             terms = self.model(x, y, with_mtp=weight > 0, labels_checked=True, **packing)
             objective = terms["loss"]
             if "mtp_loss" in terms:
