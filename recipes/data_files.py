@@ -13,6 +13,9 @@ from pathlib import Path
 #: last, so a directory without it is not a finished one
 PREPARED_FILES = {"train": "train.bin", "val": "val.bin"}
 META_FILE = "meta.json"
+#: the document boundaries beside a token file (`doc_offsets_file`): int64 offsets of each
+#: document's first token and, last, the token count (n_documents + 1 values, cu_seqlens-style)
+DOC_OFFSETS_DTYPE = "int64"
 #: the token dtypes a file may use, smallest first, with the number of ids each holds
 TOKEN_DTYPES = {"uint8": 2**8, "uint16": 2**16, "uint32": 2**32}
 #: the leading bytes of files that hold something other than raw token ids: a container or a
@@ -66,6 +69,23 @@ def read_meta(directory: Path) -> dict:
             f"missing {sorted(missing)}, dtype {meta.get('dtype')!r}"
         )
     return meta
+
+
+def doc_offsets_file(token_file: Path) -> Path:
+    """Where the document boundaries of a token file lie: X.bin -> X.docs.bin."""
+    return Path(token_file).with_suffix(".docs.bin")
+
+
+def missing_doc_offsets(token_file: Path) -> str | None:
+    """Why `data.pack=true` cannot read the document boundaries of `token_file`, or None."""
+    docs = doc_offsets_file(token_file)
+    if docs.is_file():
+        return None
+    return (
+        f"needs the document boundaries of {token_file} ({docs.name} beside it), which it "
+        "lacks (a directory prepared before scripts/prepare_data.py wrote them: prepare it "
+        "again); data.pack=false reads it as one stream"
+    )
 
 
 def is_prepared(path: str | Path) -> bool:

@@ -17,7 +17,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from recipes.data import TokenStream
+from models.glm.loss_head import IGNORE_INDEX
+from recipes.data import TokenStream, packing_kwargs
 
 log = logging.getLogger("recipes")
 
@@ -52,9 +53,9 @@ class Evaluator:
             "eval.batches or hold out more text (data.val_fraction)"
         )
 
-    def samples(self, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's validation batches, (input_ids, labels) each; rank 0 warns once when
-        the set wraps around the split (`repeated`)."""
+    def samples(self, rank: int, world_size: int) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's validation batches, (input_ids, labels) each (packed: and position_ids,
+        doc_ids); rank 0 warns once when the set wraps around the split (`repeated`)."""
         if rank == 0 and not self._warned:
             self._warned = True
             if (why := self.repeated(world_size)) is not None:
@@ -73,10 +74,12 @@ class Evaluator:
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
         try:
-            for x, y in self.samples(dist.get_rank(), dist.get_world_size()):
-                loss = model.loss(x.to(device), y.to(device))
-                total[0] += loss.double() * y.numel()
-                total[1] += y.numel()
+            for x, y, *packed in self.samples(dist.get_rank(), dist.get_world_size()):
+                packing = packing_kwargs([v.to(device) for v in packed])
+                loss = model.loss(x.to(device), y.to(device), **packing)
+                tokens = int((y != IGNORE_INDEX).sum())  # packed: the documents' last have none
+                total[0] += loss.double() * tokens
+                total[1] += tokens
         finally:
             model.train(was_training)
             for r, saved in zip(routers, loads, strict=True):

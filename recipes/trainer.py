@@ -48,7 +48,7 @@ from recipes.build import (
     model_config,
     records_max_logits,
 )
-from recipes.data import TokenStream, token_files
+from recipes.data import TokenStream, packing_kwargs, token_files
 from recipes.evaluate import Evaluator
 from recipes.guards import RunGuard
 from recipes.memory import MemoryMeter
@@ -94,7 +94,8 @@ class Trainer:
         dist.barrier()
         files = token_files(cfg.data)
         d = cfg.data
-        self.data = TokenStream(files.train, str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size)
+        stream = (str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size, d.pack)
+        self.data = TokenStream(files.train, *stream)
         self.evaluator = None
         if cfg.eval.every:
             if files.val is None:
@@ -102,7 +103,7 @@ class Trainer:
                     f"eval.every={cfg.eval.every}: the data has no validation split "
                     f"({files.train} only); pass eval.every=0"
                 )
-            val = TokenStream(files.val, str(d.dtype), d.seq_len, cfg.train.seed, d.vocab_size)
+            val = TokenStream(files.val, *stream)
             self.evaluator = Evaluator(val, cfg.eval.batches, d.batch_size, files.bytes_per_token)
         self.samples_per_step = self.world * cfg.train.grad_accum_steps * d.batch_size
         self.step, self.samples, self.skipped = 0, 0, 0
@@ -132,14 +133,15 @@ class Trainer:
         weight = float(cfg.train.mtp_loss_weight)
         sums: dict[str, torch.Tensor] = {}
         for micro in range(accum):
-            x, y = self.data.micro_batch(
+            x, y, *packed = self.data.micro_batch(
                 self.samples, micro, self.rank, self.world, cfg.data.batch_size
             )
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             check_labels(y, self.model.config.vocab_size)  # on the host: no device read
-            x, y = self._to_device(x, y)
-            terms = self.model(x, y, with_mtp=weight > 0, labels_checked=True)
+            x, y, *packed = self._to_device(x, y, *packed)
+            packing = packing_kwargs(packed)
+            terms = self.model(x, y, with_mtp=weight > 0, labels_checked=True, **packing)
             objective = terms["loss"]
             if "mtp_loss" in terms:
                 objective = objective + weight * terms["mtp_loss"]
@@ -150,15 +152,15 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value.detach() / accum
         return sums
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch's input ids and labels on the device in one copy (from pinned memory
-        and asynchronous on CUDA)."""
-        both = torch.stack([x, y])
+    def _to_device(self, *fields: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A micro-batch's input ids and labels (and packed positions and document ids) on the
+        device in one copy (from pinned memory and asynchronous on CUDA)."""
+        both = torch.stack(fields)
         cuda = self.device.type == "cuda"
         if cuda:
             both = both.pin_memory()
         both = both.to(self.device, non_blocking=cuda)
-        return both[0], both[1]
+        return tuple(both.unbind(0))
 
     def _read_skipped(self, unread: float | None = None) -> None:
         """Fold the skipped steps still on the device into `skipped` (`unread`: their count,

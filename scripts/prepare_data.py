@@ -18,7 +18,9 @@ chosen by a hash of their position, go to `val.bin`, the rest to `train.bin`, ea
 followed by the tokenizer's end-of-sequence token. Token ids are stored in the smallest of
 uint8 / uint16 / uint32 that holds the vocabulary (or `--dtype`). `meta.json` records the
 tokenizer, vocab size, dtype, token / document / byte counts per split and the bytes per token
-of the validation text (train.py's `val/bpb`).
+of the validation text (train.py's `val/bpb`); `train.docs.bin` / `val.docs.bin` hold each
+split's document boundaries (int64 offsets of every document's first token, then the token
+count; meta.json's `doc_offsets`), which `data.pack=true` reads.
 
 `--train-tokenizer VOCAB` trains a byte-level BPE (the `tokenizers` library) on the training
 documents and saves it as DIR/tokenizer.json; `--tokenizer` loads a local transformers
@@ -46,7 +48,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.data import META_FILE, PREPARED_FILES, TOKEN_DTYPES  # noqa: E402
+from recipes.data import (  # noqa: E402
+    DOC_OFFSETS_DTYPE,
+    META_FILE,
+    PREPARED_FILES,
+    TOKEN_DTYPES,
+    doc_offsets_file,
+    write_doc_offsets,
+)
 from recipes.outputs import (  # noqa: E402
     OutputExists,
     add_force_argument,
@@ -333,6 +342,7 @@ def prepare(args: argparse.Namespace) -> dict:
             tok = load_tokenizer(args.tokenizer, args.eos_token, args.trust_remote_code)
         dtype = check_dtype(args.dtype, tok.vocab_size, f"tokenizer {tok.source}")
         counts = {s: {"documents": 0, "tokens": 0, "bytes": 0} for s in PREPARED_FILES}
+        lengths: dict[str, list[int]] = {s: [] for s in PREPARED_FILES}  # tokens per document
         sinks = {s: open(tmp / name, "wb") for s, name in PREPARED_FILES.items()}  # noqa: SIM115
         try:
             batch: list[tuple[int, str]] = []
@@ -349,12 +359,15 @@ def prepare(args: argparse.Namespace) -> dict:
                         c["documents"] += 1
                         c["tokens"] += arr.size
                         c["bytes"] += len(d.encode("utf-8"))
+                        lengths[split].append(arr.size)
                     bar.update(len(batch))
                     batch = []
             bar.close()
         finally:
             for f in sinks.values():
                 f.close()
+        for split, name in PREPARED_FILES.items():  # the boundaries data.pack reads
+            write_doc_offsets(tmp / name, np.cumsum([0, *lengths[split]]))
         ref = counts["val"] if counts["val"]["tokens"] else counts["train"]
         meta = {
             "format": 1,
@@ -367,6 +380,10 @@ def prepare(args: argparse.Namespace) -> dict:
             "vocab_size": tok.vocab_size,
             "dtype": dtype,
             "splits": counts,
+            "doc_offsets": {
+                "dtype": DOC_OFFSETS_DTYPE,
+                **{s: doc_offsets_file(Path(n)).name for s, n in PREPARED_FILES.items()},
+            },
             "duplicates_left_out": len(digests) - n_docs,
             "bytes_per_token": ref["bytes"] / ref["tokens"],
             "val_fraction": args.val_fraction,

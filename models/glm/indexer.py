@@ -37,6 +37,9 @@ from models.glm.sparse_attention import gather_rows, query_chunk, query_chunks
 # rms_norm_eps.
 INDEXER_NORM_EPS = 1e-6
 MiB = 1 << 20
+#: a kept-key slot holding no key (packed documents: a query with fewer keys in its own
+#: document than index_topk); every consumer masks it and gathers row 0 in its place
+NO_KEY = -1
 
 
 class Indexer(nn.Module):
@@ -77,10 +80,16 @@ class Indexer(nn.Module):
         return q_BTMC, k_BTC, w_BTM
 
     def forward(
-        self, x_BTD: torch.Tensor, q_BTQ: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
+        self,
+        x_BTD: torch.Tensor,
+        q_BTQ: torch.Tensor,
+        cos_TR: torch.Tensor,
+        sin_TR: torch.Tensor,
+        doc_start_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the kept keys [B, T, K], K = min(index_topk, T), and, in "kl" mode, their float32
-        index scores [B, T, K], differentiable in the indexer's parameters)."""
+        index scores [B, T, K], differentiable in the indexer's parameters). `doc_start_BT`:
+        packed documents (`select_topk`)."""
         x_BTD, q_BTQ = x_BTD.detach(), q_BTQ.detach()
         with torch.set_grad_enabled(self.trained and torch.is_grad_enabled()):
             q_BTMC, k_BTC, w_BTM = self.project(x_BTD, q_BTQ, cos_TR, sin_TR)
@@ -89,7 +98,12 @@ class Indexer(nn.Module):
         # A query row's temporaries (float32): scores [M, S] and their head sum [S], the future
         # mask [S], the top-k values and positions [K] (S <= T keys).
         topk_BTK = select_topk(
-            q_BTMC, k_BTC, w_BTM, self.topk, self._chunk(B * (T * (4 * M + 5) + 12 * K))
+            q_BTMC,
+            k_BTC,
+            w_BTM,
+            self.topk,
+            self._chunk(B * (T * (4 * M + 5) + 12 * K)),
+            doc_start_BT,
         )
         if not self.trained:
             return topk_BTK, None
@@ -111,11 +125,14 @@ def _chunk_scores(q_BJMC, k_BSC, w_BJM) -> torch.Tensor:
 
 
 @torch.no_grad()
-def select_topk(q_BTMC, k_BTC, w_BTM, topk: int, chunk: int) -> torch.Tensor:
+def select_topk(q_BTMC, k_BTC, w_BTM, topk: int, chunk: int, doc_start_BT=None) -> torch.Tensor:
     """The kept key positions [B, T, K] (K = min(topk, T)) of each query: the top index scores
     among its causal keys, chunk queries at a time, each chunk scoring only the keys up to its
     last query. A query s < K keeps all its s + 1 causal keys plus later ones, which the
-    attention masks."""
+    attention masks. With packed documents (`doc_start_BT`, each query's document's first
+    position) the candidates are the query's own document's causal keys, masked before the
+    top-k, and a query with fewer of them than K fills its remaining slots with -1 (`NO_KEY`:
+    no key of another document is ever kept, not even a masked one)."""
     B, T = k_BTC.shape[:2]
     K = min(topk, T)
     out_BTK = torch.empty(B, T, K, dtype=torch.long, device=k_BTC.device)
@@ -124,7 +141,13 @@ def select_topk(q_BTMC, k_BTC, w_BTM, topk: int, chunk: int) -> torch.Tensor:
         end = max(t1, K)  # at least K candidates per row
         s_BJS = _chunk_scores(q_BTMC[:, t0:t1].detach(), k_BTC[:, :end].detach(), w_BTM[:, t0:t1])
         future_JS = keys_S[None, :end] > keys_S[t0:t1, None]
-        out_BTK[:, t0:t1] = s_BJS.masked_fill_(future_JS, -torch.inf).topk(K, dim=-1).indices
+        s_BJS.masked_fill_(future_JS, -torch.inf)
+        if doc_start_BT is None:
+            out_BTK[:, t0:t1] = s_BJS.topk(K, dim=-1).indices
+            continue
+        s_BJS.masked_fill_(keys_S[None, None, :end] < doc_start_BT[:, t0:t1, None], -torch.inf)
+        best_BJK, idx_BJK = s_BJS.topk(K, dim=-1)
+        out_BTK[:, t0:t1] = idx_BJK.masked_fill_(best_BJK == -torch.inf, NO_KEY)
     return out_BTK
 
 
@@ -138,7 +161,7 @@ class _KeptScores(torch.autograd.Function):
         out_BTK = torch.empty(idx_BTK.shape, dtype=torch.float32, device=q_BTMC.device)
         k_F = k_BTC.reshape(B * T, C)
         for t0, t1 in query_chunks(T, chunk):
-            kg_BJKC = gather_rows(k_F, idx_BTK[:, t0:t1] + base_B11)
+            kg_BJKC = gather_rows(k_F, idx_BTK[:, t0:t1].clamp(min=0) + base_B11)
             relu_BJMK = torch.einsum("bjmc,bjkc->bjmk", q_BTMC[:, t0:t1], kg_BJKC).relu_()
             out_BTK[:, t0:t1] = torch.einsum("bjm,bjmk->bjk", w_BTM[:, t0:t1], relu_BJMK)
         ctx.save_for_backward(q_BTMC, k_BTC, w_BTM, idx_BTK)
@@ -154,7 +177,7 @@ class _KeptScores(torch.autograd.Function):
         dq, dw = torch.empty_like(q_BTMC), torch.empty_like(w_BTM)
         dk_F = torch.zeros_like(k_F)
         for t0, t1 in query_chunks(T, ctx.chunk):
-            flat_BJK = idx_BTK[:, t0:t1] + base_B11
+            flat_BJK = idx_BTK[:, t0:t1].clamp(min=0) + base_B11  # NO_KEY: g is 0 there
             kg_BJKC = gather_rows(k_F, flat_BJK)
             q, w, g = q_BTMC[:, t0:t1], w_BTM[:, t0:t1], g_BTK[:, t0:t1]
             logit_BJMK = torch.einsum("bjmc,bjkc->bjmk", q, kg_BJKC)
@@ -168,19 +191,20 @@ class _KeptScores(torch.autograd.Function):
 
 
 def kept_mask(topk_BTK: torch.Tensor) -> torch.Tensor:
-    """bool [B, T, K]: which kept keys are causal (at or below their query)."""
+    """bool [B, T, K]: which kept keys are causal (at or below their query) and not NO_KEY."""
     rows_T1 = torch.arange(topk_BTK.shape[1], device=topk_BTK.device)[:, None]
-    return topk_BTK <= rows_T1
+    return (topk_BTK <= rows_T1) & (topk_BTK >= 0)
 
 
 def sparse_mask(topk_BTK: torch.Tensor, seq_len: int) -> torch.Tensor:
     """bool [B, 1, T, S]: True where a query attends (a kept key, at or below the diagonal).
-    The masked (reference) attention's mask: O(T x S)."""
+    The masked (reference) attention's mask: O(T x S). NO_KEY slots mark an extra column S,
+    dropped."""
     B, T, _ = topk_BTK.shape
-    kept_BTS = torch.zeros(B, T, seq_len, dtype=torch.bool, device=topk_BTK.device)
-    kept_BTS.scatter_(-1, topk_BTK, True)
+    kept_BTS = torch.zeros(B, T, seq_len + 1, dtype=torch.bool, device=topk_BTK.device)
+    kept_BTS.scatter_(-1, topk_BTK.masked_fill(topk_BTK < 0, seq_len), True)
     causal_TS = torch.ones(T, seq_len, dtype=torch.bool, device=topk_BTK.device).tril()
-    return (kept_BTS & causal_TS)[:, None]
+    return (kept_BTS[..., :seq_len] & causal_TS)[:, None]
 
 
 def indexer_kl(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.config import GLMConfig
+from models.glm.packing import document_mask
 from models.glm.precision import work_dtype
 from models.glm.qk_clip import MaxLogitRecorder
 
@@ -72,19 +73,31 @@ def rope_cos_sin(
     theta: float,
     device: torch.device,
     rope_scaling: dict | None = None,
+    positions_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos/sin tables [T, R] for positions 0..T-1: angles a[t, j] = t * theta^(-2j/R)
-    (YaRN-rescaled frequencies and magnitudes with `rope_scaling`), laid out as cat(a, a)."""
+    (YaRN-rescaled frequencies and magnitudes with `rope_scaling`), laid out as cat(a, a).
+    With `positions_BT` (per-token positions, e.g. restarting at each packed document) the
+    tables are [B, T, R], row (b, t) that of position positions_BT[b, t]."""
     inv_freq_R2 = 1.0 / theta ** (
         torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
     )
     magnitude = 1.0
     if rope_scaling is not None:
         inv_freq_R2, magnitude = _yarn_inv_freq(inv_freq_R2, rotary_dim, theta, rope_scaling)
-    pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
-    ang_TR2 = pos_T[:, None] * inv_freq_R2[None, :]
+    if positions_BT is None:
+        pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
+    else:  # integer positions are exact in float32 below 2^24
+        pos_T = positions_BT.to(device=device, dtype=torch.float32)
+    ang_TR2 = pos_T[..., None] * inv_freq_R2
     ang_TR = torch.cat([ang_TR2, ang_TR2], dim=-1)
     return ang_TR.cos() * magnitude, ang_TR.sin() * magnitude
+
+
+def _per_token(table_TR: torch.Tensor) -> torch.Tensor:
+    """A cos/sin table ([T, R], or [B, T, R] for per-token positions) broadcast over the
+    batch and heads of a [B, T, N, R] tensor."""
+    return table_TR[None, :, None, :] if table_TR.dim() == 2 else table_TR[:, :, None, :]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +111,7 @@ def apply_interleaved_rope(x_BTNR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: t
     of the interleaved layout: queries and keys get the same one, so their products do not
     change, and no de-interleaving copy is needed)."""
     half = cos_TR.shape[-1] // 2
-    cos, sin = cos_TR[None, :, None, :half], sin_TR[None, :, None, :half]
+    cos, sin = _per_token(cos_TR)[..., :half], _per_token(sin_TR)[..., :half]
     x1, x2 = _wide(x_BTNR[..., 0::2]), _wide(x_BTNR[..., 1::2])
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x_BTNR.dtype)
@@ -113,7 +126,7 @@ def apply_partial_rope(x_BTNK: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch
 def _signed(sin_TR: torch.Tensor) -> torch.Tensor:
     """(-sin1, sin2): the sine table with rotate_half's sign on its first half."""
     h = sin_TR.shape[-1] // 2
-    return torch.cat([-sin_TR[:, :h], sin_TR[:, h:]], dim=-1)
+    return torch.cat([-sin_TR[..., :h], sin_TR[..., h:]], dim=-1)
 
 
 class _PartialRope(torch.autograd.Function):
@@ -130,7 +143,7 @@ class _PartialRope(torch.autograd.Function):
         # rotate_half(x) sin = (x2, x1) (-sin1, sin2): the sign moves to the [T, R] table
         # (negation is exact: (-a) b == a (-b)), so no [B, T, N, R/2] negation is made.
         swapped = torch.cat([rot[..., h:], rot[..., :h]], dim=-1)
-        cos, sin = cos_TR[None, :, None, :], _signed(sin_TR)[None, :, None, :]
+        cos, sin = _per_token(cos_TR), _per_token(_signed(sin_TR))
         out = (_wide(rot) * cos + _wide(swapped) * sin).to(x_BTNK.dtype)
         ctx.save_for_backward(cos_TR, sin_TR)  # the shared tables: nothing per call
         return torch.cat([out, rest], dim=-1)
@@ -143,8 +156,8 @@ class _PartialRope(torch.autograd.Function):
         h = R // 2
         signed_TR = _signed(sin_TR)
         g_wide = _wide(g_BTNK[..., :R])
-        g_cos = (g_wide * cos_TR[None, :, None, :]).to(dtype)
-        g_sin = (g_wide * signed_TR[None, :, None, :]).to(dtype)  # (-g1 sin1, g2 sin2)
+        g_cos = (g_wide * _per_token(cos_TR)).to(dtype)
+        g_sin = (g_wide * _per_token(signed_TR)).to(dtype)  # (-g1 sin1, g2 sin2)
         grad_x1 = g_cos[..., :h] + g_sin[..., h:]
         grad_x2 = g_cos[..., h:] + g_sin[..., :h]
         grad_x = torch.cat([grad_x1, grad_x2, g_BTNK[..., R:]], dim=-1)
@@ -181,7 +194,11 @@ class Attention(MaxLogitRecorder, nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor):
+    def forward(
+        self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, doc_start_BT=None
+    ):
+        """Output [B, T, D]; `doc_start_BT` (packed documents: each token's document's first
+        position, [B, T]) masks attention to the query's own document, else plain causal."""
         B, T, _ = x_BTD.shape
         q_BTNK = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTMK = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
@@ -195,9 +212,10 @@ class Attention(MaxLogitRecorder, nn.Module):
         k_BTNK = k_BTMK.repeat_interleave(rep, dim=2)
         v_BTNK = v_BTMK.repeat_interleave(rep, dim=2)
         q_BNTK, k_BNTK = q_BTNK.transpose(1, 2), k_BTNK.transpose(1, 2)
-        self.record(q_BNTK, k_BNTK, self.head_dim**-0.5)
+        mask_B1TS = None if doc_start_BT is None else document_mask(doc_start_BT)
+        self.record(q_BNTK, k_BNTK, self.head_dim**-0.5, mask_B1TS)
         o_BNTK = F.scaled_dot_product_attention(
-            q_BNTK, k_BNTK, v_BTNK.transpose(1, 2), is_causal=True
+            q_BNTK, k_BNTK, v_BTNK.transpose(1, 2), attn_mask=mask_B1TS, is_causal=mask_B1TS is None
         )
         return self.o_proj(o_BNTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

@@ -32,6 +32,7 @@ from torch import nn
 from models.glm.config import GLMConfig
 from models.glm.indexer import Indexer, MiB, indexer_kl, kept_mask, sparse_mask
 from models.glm.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
+from models.glm.packing import document_mask
 from models.glm.qk_clip import MaxLogitRecorder
 from models.glm.sparse_attention import attention_row_bytes, query_chunk, sparse_attention
 
@@ -93,10 +94,13 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         sin_TR: torch.Tensor,
         topk_BTK: torch.Tensor | None = None,
         with_kl: bool = False,
+        doc_start_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(output [B, T, D], the kept keys [B, T, K] for a following "shared" layer (None when
         dense), the indexer's KL loss when `with_kl` and this layer ran a trained indexer).
-        `topk_BTK`: kept keys to attend instead of running the indexer, or None."""
+        `topk_BTK`: kept keys to attend instead of running the indexer, or None.
+        `doc_start_BT`: packed documents (each token's document's first position, [B, T]):
+        the indexer keeps, and the attention reads, keys of the query's own document only."""
         B, T, _ = x_BTD.shape
         N, P, R = self.n_heads, self.nope, self.rope
         if hasattr(self, "q_proj"):
@@ -109,7 +113,9 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         kv_BTL = self.kv_a_layernorm(kv_lat_BTL)
         q_rope_BTNR = apply_interleaved_rope(q_BTNH[..., P:], cos_TR, sin_TR)
         k_rope_BT1R = apply_interleaved_rope(k_rope_BTR.unsqueeze(2), cos_TR, sin_TR)
-        topk_BTK, kept_scores_BTK = self._kept_keys(x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK)
+        topk_BTK, kept_scores_BTK = self._kept_keys(
+            x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT
+        )
         want_kl = with_kl and kept_scores_BTK is not None
         if self.sparse and self.impl == "latent":  # kv_b_proj applied inside, per head
             o_BTNV, probs_BTK = self._latent(
@@ -129,6 +135,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
                     v_BTNV.transpose(1, 2),
                     topk_BTK,
                     want_kl,
+                    doc_start_BT,
                 )
                 o_BTNV = o_BNTV.transpose(1, 2)
         kl = None
@@ -137,27 +144,30 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         out_BTD = self.o_proj(o_BTNV.reshape(B, T, N * self.v_dim))
         return out_BTD, (topk_BTK if self.sparse else None), kl
 
-    def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK):
+    def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT):
         """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None):
         `topk_BTK` when given (a "shared" layer, or an MTP depth reusing depth 1's keys), else
         this layer's indexer's."""
         if self.indexer is not None and topk_BTK is None:
-            return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR)
+            return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR, doc_start_BT)
         if self.sparse and topk_BTK is None:
             raise ValueError("a 'shared' DSA layer needs the kept keys of a previous layer")
         return topk_BTK, None
 
-    def _masked(self, q_BNTH, k_BNTH, v_BNTV, topk_BTK, want_kl):
-        """Dense SDPA, masked to the kept keys under DSA (the reference; O(T^2) memory):
-        (output [B, N, T, V], the KL target on the kept keys [B, T, K] when `want_kl`)."""
+    def _masked(self, q_BNTH, k_BNTH, v_BNTV, topk_BTK, want_kl, doc_start_BT=None):
+        """Dense SDPA, masked to the kept keys under DSA (the reference; O(T^2) memory) and to
+        the query's own document with `doc_start_BT`: (output [B, N, T, V], the KL target on
+        the kept keys [B, T, K] when `want_kl`)."""
         T = q_BNTH.shape[2]
-        if self.sparse and self.topk < T:
-            mask_B1TS = sparse_mask(topk_BTK, T)
+        mask_B1TS = sparse_mask(topk_BTK, T) if self.sparse and self.topk < T else None
+        if doc_start_BT is not None:
+            doc_B1TS = document_mask(doc_start_BT)
+            mask_B1TS = doc_B1TS if mask_B1TS is None else mask_B1TS & doc_B1TS
+        if mask_B1TS is not None:
             o_BNTV = F.scaled_dot_product_attention(
                 q_BNTH, k_BNTH, v_BNTV, attn_mask=mask_B1TS, scale=self.scale
             )
         else:  # every causal key is kept: plain causal attention
-            mask_B1TS = None
             o_BNTV = F.scaled_dot_product_attention(
                 q_BNTH, k_BNTH, v_BNTV, is_causal=True, scale=self.scale
             )
@@ -168,7 +178,8 @@ class MLAttention(MaxLogitRecorder, nn.Module):
             causal_TS = torch.ones(T, T, dtype=torch.bool, device=q_BNTH.device).tril()
             mask_B1TS = causal_TS[None, None]
         probs_BTS = self._head_summed_probs(q_BNTH, k_BNTH, mask_B1TS)
-        return o_BNTV, probs_BTS.gather(-1, topk_BTK) * kept_mask(topk_BTK)
+        kept_BTK = kept_mask(topk_BTK)
+        return o_BNTV, probs_BTS.gather(-1, topk_BTK.clamp(min=0)) * kept_BTK
 
     def _latent(self, q_nope_BTNP, q_rope_BTNR, kv_BTL, k_rope_BT1R, topk_BTK, want_kl):
         """Sparse attention in MLA's absorbed form (DeepSeek-V3.2's sparse MLA): one key head

@@ -37,6 +37,7 @@ from models.glm.local import local_tensor
 from models.glm.loss_head import IGNORE_INDEX, check_labels, chunked_cross_entropy
 from models.glm.mla import MLAttention
 from models.glm.moe import FusedExperts, MoE, Router
+from models.glm.packing import ahead_in_document, document_bounds
 from models.glm.qk_clip import clip_attention_
 from models.glm.recompute import recomputing
 
@@ -75,10 +76,13 @@ class DecoderLayer(nn.Module):
         rather than running its own indexer."""
         return self.mla and self.self_attn.sparse and self.self_attn.indexer is None
 
-    def forward(self, h_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False):
+    def forward(
+        self, h_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False, doc_start_BT=None
+    ):
         """(h [B, T, D], the kept keys [B, T, K] under DSA else None, the indexer KL or None).
         `topk_BTK`: kept keys to attend instead of running the layer's own indexer (a "shared"
-        layer's: the previous layer's), or None."""
+        layer's: the previous layer's), or None. `doc_start_BT`: packed documents (each
+        token's document's first position): attention stays inside each document."""
         block = self._compiled_block or self._block
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(
@@ -88,17 +92,20 @@ class DecoderLayer(nn.Module):
                 sin_TR,
                 topk_BTK,
                 with_kl,
+                doc_start_BT,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), recomputing()),
             )
-        return block(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+        return block(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT)
 
-    def _block(self, h_BTD, cos_TR, sin_TR, topk_BTK, with_kl):
+    def _block(self, h_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT=None):
         x_BTD = self.input_layernorm(h_BTD)
         if self.mla:
-            a_BTD, topk_BTK, kl = self.self_attn(x_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+            a_BTD, topk_BTK, kl = self.self_attn(
+                x_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT
+            )
         else:
-            a_BTD, kl = self.self_attn(x_BTD, cos_TR, sin_TR), None
+            a_BTD, kl = self.self_attn(x_BTD, cos_TR, sin_TR, doc_start_BT), None
         h_BTD = h_BTD + a_BTD
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), topk_BTK, kl
 
@@ -124,13 +131,24 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.shared_head = SharedHead(config)
 
-    def forward(self, h_BTD, emb_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False):
+    def forward(
+        self,
+        h_BTD,
+        emb_BTD,
+        cos_TR,
+        sin_TR,
+        topk_BTK=None,
+        with_kl: bool = False,
+        doc_start_BT=None,
+    ):
         """(this depth's shared_head-normed output, for lm_head and the next depth; the kept
         keys [B, T, K] under DSA else None; the indexer KL or None) from the previous depth's
         h and the shifted tokens' embeddings; `topk_BTK`: an earlier depth's kept keys to
-        attend instead of running the indexer, or None."""
+        attend instead of running the indexer, or None; `doc_start_BT` as DecoderLayer's."""
         x_BTD = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
-        h_BTD, topk_BTK, kl = super().forward(x_BTD, cos_TR, sin_TR, topk_BTK, with_kl)
+        h_BTD, topk_BTK, kl = super().forward(
+            x_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT
+        )
         return self.shared_head.norm(h_BTD), topk_BTK, kl
 
 
@@ -179,6 +197,8 @@ class GLMForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         with_mtp: bool = True,
         labels_checked: bool = False,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ):
         """Logits [B, T, V] for input_ids [B, T] (causal attention, positions 0..T-1); with
         `labels` [B, T] (next tokens, -100 ignored) the dict of float32 scalars `loss` (the
@@ -187,9 +207,13 @@ class GLMForCausalLM(nn.Module):
         -100 are refused before any layer runs (one host read; `labels_checked`: the caller
         has run `models.glm.loss_head.check_labels` on them, on the host). Everything runs
         inside forward so that FSDP2's hooks on the root module cover the shared embedding
-        and lm_head."""
+        and lm_head. Packed documents: `position_ids` [B, T] (RoPE's positions) with
+        `doc_ids` [B, T] (non-decreasing along each row; equal ids: one document) make
+        attention, the indexer's top-k and the MTP depths stay inside each document, so
+        every document computes what it would alone (`models.glm.packing`)."""
         c = self.config
         seq_len = input_ids.shape[1]
+        doc_start_BT, doc_end_BT = document_bounds(input_ids, position_ids, doc_ids)
         if seq_len > c.max_position_embeddings:
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_position_embeddings "
@@ -200,12 +224,12 @@ class GLMForCausalLM(nn.Module):
         with_kl = labels is not None and c.uses_dsa and c.indexer_training == "kl"
         h_BTD = self.model.embed_tokens(input_ids)
         cos_TR, sin_TR = rope_cos_sin(
-            seq_len, c.rotary_dim, c.rope_theta, input_ids.device, c.rope_scaling
+            seq_len, c.rotary_dim, c.rope_theta, input_ids.device, c.rope_scaling, position_ids
         )
         topk_BTK, kls = None, []
         for layer in self.model.layers:
             reused = topk_BTK if layer.reads_topk else None
-            h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, reused, with_kl)
+            h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, reused, with_kl, doc_start_BT)
             kls += [kl] if kl is not None else []
         normed_BTD = self.model.norm(h_BTD)
         if labels is None:
@@ -213,7 +237,8 @@ class GLMForCausalLM(nn.Module):
         out = {"loss": self._head_loss(normed_BTD, labels)}
         depths = c.mtp_depths_resolved if with_mtp else 0
         if depths:
-            mtp = self._mtp_losses(h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls)
+            docs = None if doc_start_BT is None else (doc_start_BT, doc_end_BT)
+            mtp = self._mtp_losses(h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls, docs)
             out["mtp_loss"] = torch.stack(mtp).mean()
             if depths > 1:  # each depth's own, for the logs (the objective uses the mean)
                 out.update({f"mtp_loss/depth_{k}": v.detach() for k, v in enumerate(mtp, 1)})
@@ -221,9 +246,12 @@ class GLMForCausalLM(nn.Module):
             out["indexer_kl"] = torch.stack(kls).mean()
         return out
 
-    def _mtp_losses(self, h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls):
+    def _mtp_losses(self, h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls, docs=None):
         """Each depth's cross-entropy (module doc: xtuner's chaining) from the main stack's
-        hidden state before the final norm; appends the depths' indexer KLs to `kls`."""
+        hidden state before the final norm; appends the depths' indexer KLs to `kls`. `docs`:
+        packed documents' (first, last) positions per token, [B, T] each: depth k reads and
+        predicts the token k ahead in the same document, wrapping around inside it where a
+        document alone wraps around the sequence (those positions have no target)."""
         c, seq_len = self.config, input_ids.shape[1]
         one_layer = len(self.model.mtp_layers) == 1
         share_topk = one_layer and c.uses_dsa and c.index_share_for_mtp_iteration
@@ -234,13 +262,19 @@ class GLMForCausalLM(nn.Module):
             # Position i reads token t_{i+k} = input_ids[i + k] and predicts labels[i + k];
             # the last k positions have no target (the wrapped ids there are never seen by
             # an earlier position: attention is causal).
-            emb_BTD = self.model.embed_tokens(input_ids.roll(-k, dims=1))
+            if docs is None:
+                ahead_BT, target = input_ids.roll(-k, dims=1), labels.roll(-k, dims=1)
+                target[:, seq_len - k :] = IGNORE_INDEX
+            else:
+                ahead_BT, target = ahead_in_document(input_ids, labels, k, *docs)
+            emb_BTD = self.model.embed_tokens(ahead_BT)
             reused = first_topk_BTK if share_topk else None
-            h_BTD, topk_BTK, kl = layer(h_BTD, emb_BTD, cos_TR, sin_TR, reused, with_kl)
+            doc_start_BT = None if docs is None else docs[0]
+            h_BTD, topk_BTK, kl = layer(
+                h_BTD, emb_BTD, cos_TR, sin_TR, reused, with_kl, doc_start_BT
+            )
             first_topk_BTK = topk_BTK if k == 1 else first_topk_BTK
             kls += [kl] if kl is not None else []
-            target = labels.roll(-k, dims=1)
-            target[:, seq_len - k :] = IGNORE_INDEX
             losses.append(self._head_loss(h_BTD, target))
         return losses
 
@@ -249,9 +283,12 @@ class GLMForCausalLM(nn.Module):
             self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens, check=False
         )
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens."""
-        return self(input_ids, labels, with_mtp=False)["loss"]  # __call__: FSDP2 hooks run
+    def loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, **packing: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean cross-entropy (float32) of next-token labels [B, T] over the non -100 tokens;
+        `packing`: forward's position_ids and doc_ids, if any."""
+        return self(input_ids, labels, with_mtp=False, **packing)["loss"]  # FSDP2 hooks run
 
     def losses(
         self, input_ids: torch.Tensor, labels: torch.Tensor, with_mtp: bool = True

@@ -1,8 +1,9 @@
 """DSA's main attention at sparse cost: each query reads only its kept keys, gathered per query.
 
 Query t attends the keys `idx[t]` that are at or below it (a top-k over fewer than K causal keys
-pads with later positions, which are masked out here). Forward gathers the kept keys and values
-of a chunk of queries at a time and saves only its inputs, the output and the log-sum-exp;
+pads with later positions, or, for packed documents, with -1: both are masked out here).
+Forward gathers the kept keys and values of a chunk of queries at a time and saves only its
+inputs, the output and the log-sum-exp;
 backward gathers them again chunk by chunk and scatter-adds the key/value gradients (the
 recomputation flash attention does, over gathered keys). Memory: O(T x K) for the indices and
 O(chunk x K x width) per chunk, never a [T, S] tensor. Scores and softmax run in float32
@@ -141,7 +142,7 @@ class _SparseAttention(torch.autograd.Function):
             dq_BTNE[:, t0:t1] = torch.einsum(f"bcnk,{g}e->bcne", ds_BCNK, kg).mul_(scale)
             dkg = torch.einsum(f"bcnk,bcne->{g}e", ds_BCNK, q_s)
             dvg = torch.einsum(f"bcnk,bcnv->{g}v", p_BCNK, do)
-            flat = (idx_BTK[:, t0:t1] + base_B11).reshape(-1)
+            flat = (idx_BTK[:, t0:t1].clamp(min=0) + base_B11).reshape(-1)
             if dv_F is None:  # the values are the keys' first value_dim channels
                 dkg[..., :value_dim] += dvg
             else:
@@ -154,9 +155,10 @@ class _SparseAttention(torch.autograd.Function):
 
 def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
     """float32 gathered keys and values of queries t0..t1 ([B, C, K, E] for one key head,
-    else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K])."""
+    else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K]). A negative
+    index (no key: a packed document shorter than K) is masked; row 0 is gathered for it."""
     idx_BCK = idx_BTK[:, t0:t1]
-    flat_BCK = idx_BCK + base_B11
+    flat_BCK = idx_BCK.clamp(min=0) + base_B11
     kg = gather_rows(keys_BSF, flat_BCK).to(work_dtype(keys_BSF.dtype))
     if H > 1:
         kg = kg.unflatten(-1, (H, -1))
@@ -166,7 +168,7 @@ def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
         vg = gather_rows(vals_BSF, flat_BCK).to(work_dtype(vals_BSF.dtype))
         vg = vg.unflatten(-1, (H, -1)) if H > 1 else vg
     rows_C = torch.arange(t0, t1, device=idx_BTK.device)
-    return kg, vg, idx_BCK <= rows_C[None, :, None]
+    return kg, vg, (idx_BCK <= rows_C[None, :, None]) & (idx_BCK >= 0)
 
 
 def sparse_attention(

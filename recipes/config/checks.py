@@ -199,6 +199,15 @@ def _validate_data(cfg: DictConfig) -> None:
                 "needed for a token file (a scripts/prepare_data.py directory's meta.json "
                 "gives it)",
             )
+    if data.pack and data.source != DataSource.stdlib:  # stdlib builds its boundaries
+        from recipes.data_files import PREPARED_FILES, missing_doc_offsets
+
+        path = Path(os.path.expanduser(data.path))
+        files = [path / PREPARED_FILES["train"]] if path.is_dir() else [path]
+        if path.is_dir() and cfg.eval.every:
+            files.append(path / PREPARED_FILES["val"])
+        for why in filter(None, map(missing_doc_offsets, files)):
+            raise _fail("data.pack", True, why)
 
 
 def _resolve_prepared(cfg: DictConfig) -> None:

@@ -311,6 +311,11 @@ class DataConfig:
     )
     seq_len: int = _f(128, "tokens per sequence")
     batch_size: int = _f(8, "sequences per rank per micro-step")
+    pack: bool = _f(
+        False,
+        "documents packed in each sequence: positions restart and attention, top-k and "
+        "labels stay inside each document (needs the token files' document boundaries)",
+    )
 
 
 @dataclass

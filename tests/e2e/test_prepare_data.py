@@ -196,3 +196,38 @@ def test_a_vocabulary_smaller_than_asked_is_reported(tmp_path, capsys):
     assert vocab < 8192
     err = capsys.readouterr().err
     assert f"--train-tokenizer 8192: this corpus gives a vocabulary of {vocab}" in err
+
+
+def test_packed_documents_train_mla_tiny_on_the_prepared_boundaries(tmp_path):
+    """The boundaries prepare_data.py writes are its documents (each ending in EOS), and
+    `data.pack=true` trains and evaluates mla_tiny (DSA, IndexShare, MTP) on them."""
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "prepared"
+    argv = ["--input", str(tmp_path / "corpus"), "--out", str(out), "--val-fraction", "0.2"]
+    assert prepare_data_script().main([*argv, "--train-tokenizer", "300"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    eos = meta["tokenizer"]["eos_id"]
+    for split in ("train", "val"):
+        ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
+        offsets = np.fromfile(out / meta["doc_offsets"][split], dtype=np.int64)
+        assert offsets.tolist() == [0, *(np.flatnonzero(ids == eos) + 1).tolist()]
+        assert offsets.size == meta["splits"][split]["documents"] + 1
+    args = [f"data.path={out}", "data=tokens", "data.pack=true", "model=mla_tiny"]
+    args += ["train.steps=2", "mesh.world_size=1", "mesh.ep=1", "data.seq_len=64"]
+    args += ["data.batch_size=2", "eval.batches=1", "eval.every=2", "logger=none"]
+    args += ["checkpoint.export_hf=false", f"run.root={tmp_path / 'runs'}"]
+    train = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=dict(os.environ, WANDB_MODE="offline"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "default").iterdir()
+    assert "pack: true" in (run_dir / "config.yaml").read_text()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    for key in ("loss", "mtp_loss", "indexer_kl", "val/loss"):
+        assert np.isfinite(last[key]), key

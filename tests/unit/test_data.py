@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from recipes import data
 
@@ -103,3 +104,66 @@ def test_an_evaluation_set_larger_than_the_split_is_reported_once(tmp_path, capl
     assert len(warned) == 1 and "= 128 sequences" in warned[0]
     assert "the validation split holds 70: 58 of them repeat" in warned[0]
     assert Evaluator(stream, batches=2, batch_size=8, bytes_per_token=None).repeated(4) is None
+
+
+def _documents_file(tmp_path, lengths):
+    """A token file of documents of `lengths` (document i: ids 100 i + 1, 100 i + 2, ...),
+    with its boundaries."""
+    docs = [100 * i + 1 + np.arange(n) for i, n in enumerate(lengths)]
+    offsets = np.cumsum([0, *lengths])
+    return data.write_tokens(tmp_path / "d.bin", np.concatenate(docs).astype(np.uint16), offsets)
+
+
+def test_packed_samples_restart_positions_and_stop_labels_at_each_document(tmp_path):
+    lengths = [5, 3, 9, 2, 12, 6]
+    path = _documents_file(tmp_path, lengths)
+    dense = data.TokenStream(path, "uint16", seq_len=8, seed=1, vocab_size=2**16)
+    packed = data.TokenStream(path, "uint16", seq_len=8, seed=1, vocab_size=2**16, pack=True)
+    x, y = dense.batch(0, dense.n_chunks)
+    px, py, pos, doc = packed.batch(0, packed.n_chunks)
+    assert torch.equal(px, x)  # the same samples, with their documents
+    starts = np.cumsum([0, *lengths])
+    for b in range(x.shape[0]):
+        first = dense._chunk(b) * 8  # the sample's first token in the stream
+        for t in range(8):
+            at = first + t
+            d = np.searchsorted(starts, at, side="right") - 1
+            # from 0 at each document's first token, and at the sample's first
+            assert int(pos[b, t]) == at - max(starts[d], first), (b, t)
+            assert int(doc[b, t]) == d - (np.searchsorted(starts, first, side="right") - 1)
+            last = at + 1 == starts[d + 1]  # no label across the boundary
+            assert int(py[b, t]) == (-100 if last else int(y[b, t])), (b, t)
+    assert int((py == -100).sum()) > 0 and int((pos == 0).sum()) > x.shape[0]
+
+
+def test_packing_needs_the_document_boundaries(tmp_path, source):
+    path = data.write_tokens(tmp_path / "t.bin", np.arange(100, dtype=np.uint16))
+    with pytest.raises(ValueError, match=r"data.pack=true needs the document boundaries"):
+        data.TokenStream(path, "uint16", seq_len=8, seed=0, vocab_size=2**16, pack=True)
+    data.write_doc_offsets(path, np.array([0, 40, 90]))  # not ending at the token count
+    with pytest.raises(ValueError, match=r"data.pack=true: .* then 100"):
+        data.TokenStream(path, "uint16", seq_len=8, seed=0, vocab_size=2**16, pack=True)
+    # the stdlib build keeps them: each file with the separator after it
+    built = data.build_stdlib_tokens(str(tmp_path / "cache"), str(source), val_fraction=0.0)
+    offsets = np.fromfile(data.doc_offsets_file(built["train"]), dtype=np.int64)
+    a, b = (len((source / f).read_bytes()) for f in ("a.py", "pkg/b.py"))
+    assert offsets.tolist() == [0, a + 2, a + 2 + b]
+    data.doc_offsets_file(built["train"]).unlink()  # a cache built before: written on use
+    data.build_stdlib_tokens(str(tmp_path / "cache"), str(source), val_fraction=0.0)
+    again = np.fromfile(data.doc_offsets_file(built["train"]), dtype=np.int64)
+    assert again.tolist() == offsets.tolist()
+
+
+def test_a_directory_without_boundaries_is_refused_naming_data_pack(tmp_path):
+    from recipes import config as schema
+    from tests.unit.test_config import _compose, _prepared
+
+    prepared = _prepared(tmp_path / "p")  # as prepared before the boundaries were written
+    args = ["data=tokens", f"data.path={prepared}"]
+    schema.validate(_compose(args))  # data.pack=false reads it as one stream
+    with pytest.raises(schema.ConfigError, match=r"data.pack=True: needs the document"):
+        schema.validate(_compose([*args, "data.pack=true"]))
+    for split in ("train", "val"):
+        n = (prepared / f"{split}.bin").stat().st_size // 2
+        data.write_doc_offsets(prepared / f"{split}.bin", np.array([0, n // 2, n]))
+    schema.validate(_compose([*args, "data.pack=true"]))
