@@ -1,6 +1,6 @@
 """The schema read back as text, one renderer: `schema_lines(node)` lists every leaf key of a
 composed (structured) config as `key = value  [allowed]  # help` (`python train.py --help`
-shows the config its overrides compose, `recipes.help`); `describe()` is that listing for the
+shows the config its overrides compose, `recipes.config.help`); `describe()` is that listing for the
 defaults (`optim=muon`); `key_help(key)` is the help of one key (the message of a
 `ConfigError` ends in it).
 """
