@@ -43,7 +43,7 @@ PATH = re.compile(
 )
 
 
-def _text(path: Path) -> str:
+def doc_text(path: Path) -> str:
     return path.read_text()
 
 
@@ -58,7 +58,7 @@ def _overrides() -> list[tuple[str, str, str, str]]:
     """(doc, prefix, key, value) of every override the docs write."""
     found = []
     for doc in DOCS:
-        for span in _code_spans(_text(doc)):
+        for span in _code_spans(doc_text(doc)):
             if "=" not in span or span.lstrip().startswith(("from ", "import ")):
                 continue
             for prefix, key, value in OVERRIDE.findall(span):
@@ -117,7 +117,7 @@ def test_every_override_in_the_docs_composes(doc, prefix, key, value):
 def test_every_path_in_the_docs_exists():
     missing = []
     for doc in DOCS:
-        text = _text(doc)
+        text = doc_text(doc)
         for name in PATH.findall(text):
             name = name.rstrip(".,:")
             if "<" in name or "*" in name:
@@ -164,7 +164,7 @@ def test_every_stated_default_equals_the_code():
     defaults_list = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "train.yaml").defaults)
     group_defaults = {k: v for d in defaults_list if isinstance(d, dict) for k, v in d.items()}
     for doc in DOCS:
-        text = _text(doc)
+        text = doc_text(doc)
         # `key` (value...: a schema key followed by its value in parentheses
         for key, stated in re.findall(r"`([a-z_]+\.[a-z_.]+)` \((`[^`]+`|[-\d.e]+)[:),]", text):
             if key.split(".")[0] in SECTIONS and not _same(stated, _default(key)):
@@ -273,7 +273,7 @@ def test_design_layout_and_import_rules_hold():
     """docs/design.md names every muon/ module in its layout, and its import rules are the
     imports the packages make: muon imports torch only, models torch and safetensors, neither
     imports the other, and nothing in the libraries imports scripts/."""
-    design = _text(ROOT / "docs" / "design.md")
+    design = doc_text(ROOT / "docs" / "design.md")
     layout = re.search(r"## Layout.*?```(.*?)```", design, re.S).group(1)
     for module in sorted((ROOT / "muon").glob("*.py")):
         if module.name != "__init__.py":
