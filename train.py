@@ -23,7 +23,7 @@ from recipes.config.preflight import check_path_overrides
 _HYDRA_ONLY = ("-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "-sc", "--shell-completion")
 
 
-def _starts_a_local_world(argv: list[str]) -> bool:
+def starts_a_local_world(argv: list[str]) -> bool:
     """No launcher's world to join (torchrun, Slurm), no job for another Hydra launcher, no
     help or config printout asked instead of training."""
     launched = "RANK" in os.environ or "SUBMITIT_FOLDER" in os.environ
@@ -71,7 +71,7 @@ def cli(argv: list[str]) -> None:
         preflight(argv)
     except _config.ConfigError as err:
         sys.exit(f"train.py: config error: {err}")
-    if _starts_a_local_world(argv):
+    if starts_a_local_world(argv):
         from recipes.world import start_fork_server
 
         start_fork_server()

@@ -93,16 +93,16 @@ def step_fits(config_yaml: str, world_size: int, device: str, budget: int) -> di
         need = total(activation_checkpointing=True)
         if need <= budget:
             out["fits"].append(("train.activation_checkpointing=full", need))
-    b = _largest(batch - 1, lambda b: total(tokens=b * seq) <= budget)
+    b = largest_fitting(batch - 1, lambda b: total(tokens=b * seq) <= budget)
     if b:
         out["fits"].append((f"data.batch_size={b}", total(tokens=b * seq)))
-    s = _largest(seq - 1, lambda s: total(tokens=batch * s, seq_len=s) <= budget)
+    s = largest_fitting(seq - 1, lambda s: total(tokens=batch * s, seq_len=s) <= budget)
     if s:
         out["fits"].append((f"data.seq_len={s}", total(tokens=batch * s, seq_len=s)))
     return out
 
 
-def _largest(high: int, fits) -> int | None:
+def largest_fitting(high: int, fits) -> int | None:
     """The largest n in [1, high] with fits(n), for fits monotone (true below some n)."""
     if high < 1 or not fits(1):
         return None

@@ -124,7 +124,7 @@ def _last_step(path: Path) -> int:
     return int(text) if text else 0
 
 
-def _truncate_after(path: Path, step: int) -> None:
+def truncate_after(path: Path, step: int) -> None:
     """Keep the rows up to `step` (a resume drops what the killed process logged after its
     checkpoint); a cut last line is dropped with a warning, any other bad line raises."""
     if not path.exists():
@@ -156,7 +156,7 @@ class MetricsLog:
         """`world` ({"world_size": W, "hosts": [rank 0's host, ...]}) goes into the first row
         written by this process (each start or resume) and into the W&B run's config."""
         self.path = Path(run_dir) / "metrics.jsonl"
-        _truncate_after(self.path, start_step)
+        truncate_after(self.path, start_step)
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.world = dict(world or {})
         self.wandb_run = None

@@ -8,6 +8,9 @@ figure above a budget; `fmt_bytes` writes bytes in binary units.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from recipes.units import GiB, KiB, MiB, TiB
 
 
@@ -62,13 +65,80 @@ def _merge(batches: list) -> str:
     )
 
 
-def format_report(report: dict) -> str:
-    """Plain-text tables of a `plan()` report."""
-    meta, budget = report["meta"], report["meta"]["budget_bytes"]
-    view = meta["rank"]
+class _Row(NamedTuple):
+    """One strategy of one shape group in the mesh group's table."""
+
+    index: int
+    group: dict
+    strategy: str
+    plan: dict  # the group's figures under `strategy`
+    first: bool  # the group's first row: it names the group
+    budget: float | None
+
+    @property
+    def figs(self) -> dict:
+        """The remainder batch's figures, or the whole group's when it has none."""
+        return self.plan["remainder_batch"] or self.plan["group"]
+
+
+def _first(cell: Callable[[_Row], str]) -> Callable[[_Row], str]:
+    return lambda r: cell(r) if r.first else ""
+
+
+#: the mesh group's table, a column each: (header, cell of a `_Row`); left-aligned: LEFT
+_GROUP_COLUMNS: list[tuple[str, Callable[[_Row], str]]] = [
+    ("#", _first(lambda r: str(r.index))),
+    ("shape", _first(lambda r: "x".join(map(str, r.group["shape"])))),
+    ("blocks", _first(lambda r: _blocks(r.group))),
+    ("params", _first(lambda r: str(r.group["params"]))),
+    ("batches", lambda r: _merge(r.plan["batches"])),
+    ("rem", lambda r: str(r.plan["remainder"])),
+    ("strategy", lambda r: r.strategy if r.plan["remainder"] else "(no remainder)"),
+    ("busy sent", lambda r: _cell(r.figs["busy"], "bytes_sent")),
+    ("busy coll", lambda r: _cell(r.figs["busy"], "collective_buffer_bytes", r.budget)),
+    ("busy peak", lambda r: _cell(r.figs["busy"], "peak_bytes", r.budget)),
+    ("idle sent", lambda r: _cell(r.figs["idle"], "bytes_sent")),
+    ("idle coll", lambda r: _cell(r.figs["idle"], "collective_buffer_bytes", r.budget)),
+    ("idle peak", lambda r: _cell(r.figs["idle"], "peak_bytes", r.budget)),
+    ("rank {view} sent", lambda r: _cell(r.plan["group"]["view"], "bytes_sent")),
+    ("rank {view} peak", lambda r: _cell(r.plan["group"]["view"], "peak_bytes", r.budget)),
+]
+_GROUP_LEFT = {"batches", "strategy"}
+
+
+def _share(ns: dict) -> str:
+    return f"{ns['ns_share_of_step']:.2%}" if ns["ns_share_of_step"] is not None else "-"
+
+
+def _comm_range(ns: dict) -> str:
+    group = ns.get("ns_flops_per_rank") or [0]
+    return f"{min(group) / 1e12:.2f}..{max(group) / 1e12:.2f}"
+
+
+#: the Newton-Schulz table, a column each: (header, cell of (strategy, its `ns` totals))
+_NS_COLUMNS: list[tuple[str, Callable[[str, dict], str]]] = [
+    ("strategy", lambda s, ns: s),
+    ("busiest", lambda s, ns: f"{ns['ns_flops_busiest'] / 1e12:.2f}"),
+    ("mean", lambda s, ns: f"{ns['ns_flops_mean'] / 1e12:.2f}"),
+    ("ideal", lambda s, ns: f"{ns['ns_flops_ideal'] / 1e12:.2f}"),
+    ("busiest/ideal", lambda s, ns: f"{ns['busiest_over_ideal']:.3f}"),
+    ("NS share", lambda s, ns: _share(ns)),
+    ("comm group min..max", lambda s, ns: _comm_range(ns)),
+    ("busiest sent", lambda s, ns: fmt_bytes(ns.get("bytes_sent_busiest"))),
+]
+
+
+def _table(columns: list, rows: list[tuple], left: set[str], **header) -> list[str]:
+    """`columns` (header, cell) rendered over `rows` (the arguments of every cell)."""
+    heads = [h.format(**header) for h, _ in columns]
+    cells = [[cell(*row) for _, cell in columns] for row in rows]
+    return _render(heads, cells, left={i for i, (h, _) in enumerate(columns) if h in left})
+
+
+def _preamble(meta: dict, budget: float | None) -> list[str]:
     lines = [
         f"model {meta['model']} on {meta['world_size']} ranks, ep {meta['ep']} "
-        f"(expert FSDP group {meta['efsdp']}), view of rank {view}; "
+        f"(expert FSDP group {meta['efsdp']}), view of rank {meta['rank']}; "
         f"params {meta['dtype']}, NS {meta['ns_dtype']} {meta['ns_algorithm']}, "
         f"nesterov {meta['nesterov']}, "
         f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
@@ -82,51 +152,38 @@ def format_report(report: dict) -> str:
     ]
     if budget is not None:
         lines.append(f"budget {fmt_bytes(budget)}: '!' marks figures above it.")
-    header = ["#", "shape", "blocks", "params", "batches", "rem", "strategy"]
-    header += ["busy sent", "busy coll", "busy peak", "idle sent", "idle coll", "idle peak"]
-    header += [f"rank {view} sent", f"rank {view} peak"]
+    return lines
+
+
+def _mesh_groups(report: dict) -> list[str]:
+    """Per mesh group, its table of shape groups (a row per strategy that changes something)
+    and the parameter names of each."""
+    meta, groups, lines = report["meta"], report["groups"], []
     by_mesh: dict[int, list[int]] = {}
-    for i, g in enumerate(report["groups"]):
+    for i, g in enumerate(groups):
         by_mesh.setdefault(g["mesh_group"], []).append(i)
     for mesh_index, members in by_mesh.items():
-        g0 = report["groups"][members[0]]
         rows = []
         for i in members:
-            g = report["groups"][i]
             for j, s in enumerate(meta["strategies"]):
-                st = g["strategies"][s]
-                if j and not st["remainder"]:
+                plan = groups[i]["strategies"][s]
+                if j and not plan["remainder"]:
                     break  # no remainder batch: the strategy changes nothing
-                figs = st["remainder_batch"] or st["group"]
-                busy, idle, me = figs["busy"], figs["idle"], st["group"]["view"]
-                first = j == 0
-                rows.append(
-                    [
-                        str(i) if first else "",
-                        "x".join(map(str, g["shape"])) if first else "",
-                        _blocks(g) if first else "",
-                        str(g["params"]) if first else "",
-                        _merge(st["batches"]),
-                        str(st["remainder"]),
-                        s if st["remainder"] else "(no remainder)",
-                        _cell(busy, "bytes_sent"),
-                        _cell(busy, "collective_buffer_bytes", budget),
-                        _cell(busy, "peak_bytes", budget),
-                        _cell(idle, "bytes_sent"),
-                        _cell(idle, "collective_buffer_bytes", budget),
-                        _cell(idle, "peak_bytes", budget),
-                        _cell(me, "bytes_sent"),
-                        _cell(me, "peak_bytes", budget),
-                    ]
-                )
+                rows.append((_Row(i, groups[i], s, plan, j == 0, meta["budget_bytes"]),))
+        g0 = groups[members[0]]
         lines += [
             "",
             f"mesh group {mesh_index}: FSDP group of {g0['fsdp_size']} ranks, non-FSDP (EP) shard "
             f"factor {g0['non_fsdp_shard_factor']}",
-            *_render(header, rows, left={4, 6}),
+            *_table(_GROUP_COLUMNS, rows, _GROUP_LEFT, view=meta["rank"]),
         ]
-        lines += [f"  {i}: {', '.join(report['groups'][i]['names'])}" for i in members]
-    lines += ["", f"rank {view}, whole step, per strategy:"]
+        lines += [f"  {i}: {', '.join(groups[i]['names'])}" for i in members]
+    return lines
+
+
+def _step_totals(report: dict) -> list[str]:
+    meta, budget = report["meta"], report["meta"]["budget_bytes"]
+    lines = ["", f"rank {meta['rank']}, whole step, per strategy:"]
     for s in meta["strategies"]:
         t = report["totals"][s]
         bound, peak = t["view_step_bound_bytes"], t["view_max_batch_peak_bytes"]
@@ -137,32 +194,20 @@ def format_report(report: dict) -> str:
             f"<= {fmt_bytes(bound)}{_over(bound, budget)}; + resident params/grads/state "
             f"{fmt_bytes(t['resident_bytes'])} = {fmt_bytes(need)}{_over(need, budget)}"
         )
-    lines += [
+    return lines
+
+
+def _newton_schulz(report: dict) -> list[str]:
+    meta = report["meta"]
+    lines = [
         "",
         f"Newton-Schulz work per rank, whole step: busiest / mean rank and ideal (useful work / "
         f"{meta['world_size']} ranks), TFLOP; NS share = busiest / (busiest + 6 x "
         f"{meta['active_parameters'] / 1e9:.1f}B active params x {meta['tokens_per_step']} tokens "
         f"/ ranks); sent = bytes the busiest rank of comm group g sends (whole step)",
     ]
-    rows = []
-    for s in meta["strategies"]:
-        ns = report["totals"][s]["ns"]
-        group = ns.get("ns_flops_per_rank") or [0]
-        rows.append(
-            [
-                s,
-                f"{ns['ns_flops_busiest'] / 1e12:.2f}",
-                f"{ns['ns_flops_mean'] / 1e12:.2f}",
-                f"{ns['ns_flops_ideal'] / 1e12:.2f}",
-                f"{ns['busiest_over_ideal']:.3f}",
-                f"{ns['ns_share_of_step']:.2%}" if ns["ns_share_of_step"] is not None else "-",
-                f"{min(group) / 1e12:.2f}..{max(group) / 1e12:.2f}",
-                fmt_bytes(ns.get("bytes_sent_busiest")),
-            ]
-        )
-    header = ["strategy", "busiest", "mean", "ideal", "busiest/ideal", "NS share"]
-    header += ["comm group min..max", "busiest sent"]
-    lines += _render(header, rows, left={0})
+    rows = [(s, report["totals"][s]["ns"]) for s in meta["strategies"]]
+    lines += _table(_NS_COLUMNS, rows, {"strategy"})
     first = report["totals"][meta["strategies"][0]]["ns"]
     if first.get("subgroup_widening", 1) > 1:
         narrow = first["ns_flops_busiest_unwidened"]
@@ -176,6 +221,11 @@ def format_report(report: dict) -> str:
         lines.append(
             f"  comm group g (per-rank lists in --json): ranks {g[:4]}... ({len(g)} ranks)"
         )
+    return lines
+
+
+def _attention_and_budget(report: dict) -> list[str]:
+    meta, budget, lines = report["meta"], report["meta"]["budget_bytes"], []
     att = report.get("attention")
     if att:
         share = att["qk_clip_record_share"]
@@ -191,7 +241,16 @@ def format_report(report: dict) -> str:
         over = report["over_budget"]
         lines.append(f"over budget ({fmt_bytes(budget)}): {len(over)}")
         lines += [f"  {o}" for o in over]
-    return "\n".join(lines)
+    return lines
+
+
+def format_report(report: dict) -> str:
+    """Plain-text tables of a `plan()` report: the run, the mesh groups' tables, the viewed
+    rank's step totals, the Newton-Schulz balance, the attention knobs and the budget."""
+    meta = report["meta"]
+    parts = [_preamble(meta, meta["budget_bytes"]), _mesh_groups(report), _step_totals(report)]
+    parts += [_newton_schulz(report), _attention_and_budget(report)]
+    return "\n".join(line for part in parts for line in part)
 
 
 def over_budget(report: dict, budget: float | None) -> list[str]:

@@ -39,124 +39,52 @@ where nothing needs seeding and every read listed above would block the host on 
 
 The Tensor entries that do not dispatch (`tolist`, `numpy`, `cpu`, `to`, and the Python side of
 `item`/`bool`/`float`/`int`) and torch's factories are wrapped while `tracking()` is on. Counts
-are deterministic for a given model, mesh and data: tests may assert them.
+are deterministic for a given model, mesh and data: tests may assert them. What counts as
+which read, `Count` and the site of a call are in probe_count.py (pure functions, no state).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import sys
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from recipes.bench.probe_modes import PROBE_FILES, Dispatch, local, patched, tensors
-
-_SKIPPED_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(contextlib.__file__) + os.sep,  # the standard library and site-packages
+from recipes.bench.probe_count import (
+    FACTORIES,
+    NOT_COLLECTIVES,
+    READS,
+    SCALAR_METHODS,
+    Count,
+    in_collective,
+    op_name,
+    read_kind,
+    site,
+    target_device,
+    tensors,
+    writes,
 )
+
 #: optimizer state entries torch.optim keeps on the host (non-capturable path)
 HOST_STATE_KEYS = ("step",)
-_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # plain tensors and Parameters
+
+__all__ = ["HOST_STATE_KEYS", "Count", "DeviceProbe", "all_on_device"]
 
 
-@dataclass
-class Count:
-    """What one region cost: syncs by (kind, site), async copies by site, ops by name and by
-    site, collectives by kind."""
+class _Mode(TorchDispatchMode):
+    """Every dispatched op, handed to its probe (`DeviceProbe.dispatch`)."""
 
-    syncs: Counter = field(default_factory=Counter)
-    async_copies: Counter = field(default_factory=Counter)
-    ops: Counter = field(default_factory=Counter)
-    ops_by_site: Counter = field(default_factory=Counter)
-    collectives: Counter = field(default_factory=Counter)
-    calls: int = 0
+    def __init__(self, probe: DeviceProbe) -> None:
+        super().__init__()
+        self.probe = probe
 
-    @property
-    def n_syncs(self) -> int:
-        """Host syncs in all."""
-        return sum(self.syncs.values())
-
-    @property
-    def n_ops(self) -> int:
-        """Dispatched ops in all."""
-        return sum(self.ops.values())
-
-    @property
-    def n_collectives(self) -> int:
-        """Collectives in all."""
-        return sum(self.collectives.values())
-
-    def syncs_by_site(self) -> Counter:
-        """Syncs per site, whatever their kind."""
-        out: Counter = Counter()
-        for (_, site), n in self.syncs.items():
-            out[site] += n
-        return out
-
-    def syncs_by_kind(self) -> Counter:
-        """Syncs per kind (item, tolist, h2d, nonzero, ...), wherever they are."""
-        out: Counter = Counter()
-        for (kind, _), n in self.syncs.items():
-            out[kind] += n
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data (JSON, pickles across ranks)."""
-        return {
-            "calls": self.calls,
-            "syncs": self.n_syncs,
-            "ops": self.n_ops,
-            "collectives": dict(self.collectives),
-            "syncs_by_site": [
-                {"kind": kind, "site": site, "count": n}
-                for (kind, site), n in sorted(self.syncs.items(), key=lambda kv: (-kv[1], kv[0]))
-            ],
-            "async_copies": dict(self.async_copies),
-            "ops_by_name": dict(self.ops.most_common()),
-            "ops_by_site": dict(self.ops_by_site.most_common()),
-        }
-
-
-def _site() -> str:
-    """`file:line` of the innermost frame outside the Python installation and this module
-    (paths under a checkout relative to it)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name not in PROBE_FILES and not name.startswith(_SKIPPED_DIRS) and name[:1] != "<":
-            return f"{_relative(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
-@functools.cache
-def _relative(path: str) -> str:
-    """`path` relative to the checkout it belongs to: this one, or another one on sys.path
-    (a baseline's), else as it is."""
-    roots = [Path(__file__).resolve().parents[2]]
-    roots += [Path(p).resolve() for p in sys.path if p and os.path.isdir(os.path.join(p, "muon"))]
-    resolved = Path(path).resolve()
-    for root in roots:
-        if resolved.is_relative_to(root):
-            return str(resolved.relative_to(root))
-    return path
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage of `t`'s (local) data: views, bases and FSDP's flat buffers share it."""
-    try:
-        return local(t).untyped_storage()
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass without data)
-        return None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.probe.dispatch(func, types, args, kwargs or {})
 
 
 class DeviceProbe:
@@ -184,9 +112,21 @@ class DeviceProbe:
         self._entry: str | None = None  # the Python entry of a scalar read under way
 
     # ------------------------------------------------------------------------ device set
+    def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        """The storage of `t`'s (local) data: views, bases and FSDP's flat buffers share it."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):  # a Parameter's local tensor comes as a view: not counted
+            with self.paused(), torch.no_grad():
+                t = t.to_local()
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (a subclass without data)
+            return None
+
     def is_device(self, t: torch.Tensor) -> bool:
         """Would `t` (a DTensor: its local shard) live on the device?"""
-        storage = _storage(t)
+        storage = self._storage(t)
         return storage is not None and (self.every_tensor or storage in self._device)
 
     def mark(self, *objs: Any) -> None:
@@ -199,13 +139,13 @@ class DeviceProbe:
                 self.mark(list(obj.parameters()), list(obj.buffers()))
                 continue
             for t in tensors(obj):
-                storage = _storage(t)
+                storage = self._storage(t)
                 if storage is not None:
                     self._device[storage] = True
 
     def unmark(self, t: torch.Tensor) -> None:
         """Take `t`'s storage off the device."""
-        storage = _storage(t)
+        storage = self._storage(t)
         if storage is not None:
             self._device.pop(storage, None)
 
@@ -243,29 +183,30 @@ class DeviceProbe:
     ) -> Iterator[Count]:
         """While inside, every call of `obj.attr` is counted under `name` (`before()` runs
         first, e.g. to seed the gradients the call reads)."""
-        original = getattr(obj, attr)
-        own = attr in vars(obj)  # an instance attribute already (a wrapper of torch's, say)
 
-        @functools.wraps(original)
-        def counted(*args, **kwargs):
-            if before is not None:
-                before()
-            with self.region(name):
-                return original(*args, **kwargs)
+        def counted(original, _):
+            def call(*args, **kwargs):
+                if before is not None:
+                    before()
+                with self.region(name):
+                    return original(*args, **kwargs)
 
-        setattr(obj, attr, counted)
-        try:
+            return call
+
+        with _patched([(obj, attr, counted)]):
             yield self.counts.setdefault(name, Count())
-        finally:
-            if own:
-                setattr(obj, attr, original)
-            else:
-                delattr(obj, attr)  # the class's method comes back
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[DeviceProbe]:
-        """Propagate the device set and count inside the active regions."""
-        with patched(self), Dispatch(self):
+        """Propagate the device set and count inside the active regions: every dispatched
+        op (`dispatch`) and the entries that do not dispatch, wrapped (torch's autograd
+        engine runs backward hooks, FSDP's among them, without function modes, so wrapping
+        is what sees them everywhere)."""
+        entries = [(torch.Tensor, n, self._scalar_entry) for n in SCALAR_METHODS]
+        entries += [(torch.Tensor, n, self._reader) for n in ("tolist", "numpy")]
+        entries += [(torch.Tensor, "cpu", self._to_host), (torch.Tensor, "to", self._mover)]
+        entries += [(torch, n, self._factory) for n in FACTORIES]
+        with _patched(entries), _Mode(self):
             yield self
 
     @contextlib.contextmanager
@@ -277,40 +218,169 @@ class DeviceProbe:
         finally:
             self._paused -= 1
 
+    # -------------------------------------------------------------------------- dispatch
+    def dispatch(self, func, types, args: tuple, kwargs: dict):
+        """One dispatched op: run it, count it and its host reads, and grow the device set
+        (a device input makes device outputs and marks the arguments it writes)."""
+        subclasses = [t for t in types if t.__torch_dispatch__ is not _PLAIN_DISPATCH]
+        if subclasses:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            if any(issubclass(t, FakeTensor) for t in subclasses):  # DTensor's shape inference
+                return func(*args, **kwargs)
+            return NotImplemented  # a subclass (DTensor): its local ops come back here
+        if self._paused:
+            return func(*args, **kwargs)
+        inputs = tensors((args, kwargs))
+        if any(t.device.type == "meta" for t in inputs):
+            return func(*args, **kwargs)
+        on_device = [self.is_device(t) for t in inputs]
+        copy = op_name(func)[0] == "copy_"
+        if copy:
+            self._copy_kind(args, kwargs)
+        elif any(on_device):
+            kind = read_kind(func, args, kwargs, self._entry)
+            for _ in range(READS.get(kind, 1) if kind is not None else 0):
+                self._sync(kind)
+        out = func(*args, **kwargs)
+        self._op(func)
+        if any(on_device) and not copy:
+            self.mark(out)
+            for arg in writes(func, args):
+                self.mark(arg)
+        return out
+
+    def _copy_kind(self, args: tuple, kwargs: dict) -> None:
+        """`dst.copy_(src)`: a host-to-device copy, a device-to-host read, or neither."""
+        dst, src = args[0], args[1]
+        into, out_of = self.is_device(dst), self.is_device(src)
+        if into != out_of and in_collective():
+            return  # gloo's own staging copy (as `work.wait()` completes): none under NCCL
+        if into and not out_of:
+            if kwargs.get("non_blocking") or (len(args) > 2 and args[2]):
+                self._async_copy()
+            else:
+                self._sync("h2d")
+        elif out_of and not into:
+            self._sync("d2h")
+
     # -------------------------------------------------------------------------- counting
     def _sync(self, kind: str) -> None:
         if self._active:
-            site = _site()
+            where = site()
             for c in self._active:
-                c.syncs[(kind, site)] += 1
+                c.syncs[(kind, where)] += 1
 
     def _async_copy(self) -> None:
         if self._active:
-            site = _site()
+            where = site()
             for c in self._active:
-                c.async_copies[site] += 1
+                c.async_copies[where] += 1
 
     def _op(self, func) -> None:
-        name = f"{func.namespace}::{func._opname}"
+        name = op_name(func)[0]
         collective = func.namespace in ("c10d", "_c10d_functional")
-        if collective and func._opname in _NOT_COLLECTIVES:
+        if collective and name in NOT_COLLECTIVES:
             return
         if not self._active:
             return
-        site = None if collective else _site()
+        where = None if collective else site()
         for c in self._active:
             if collective:
-                c.collectives[name] += 1
+                c.collectives[f"{func.namespace}::{name}"] += 1
             else:
-                c.ops[name] += 1
-                c.ops_by_site[site] += 1
+                c.ops[f"{func.namespace}::{name}"] += 1
+                c.ops_by_site[where] += 1
 
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A fresh host tensor equal to `t` (what `cpu()` of a device tensor returns)."""
-        with self.paused():
-            out = t.clone()
-        self.unmark(out)
+    # ------------------------------------------------- the entries that do not dispatch
+    def _scalar_entry(self, f: Callable, name: str) -> Callable:
+        """`item`, `bool`, ...: the read dispatches `_local_scalar_dense`; this names it."""
+
+        def entry(t, *args, **kwargs):
+            outer, self._entry = self._entry, SCALAR_METHODS[name]
+            try:
+                return f(t, *args, **kwargs)
+            finally:
+                self._entry = outer
+
+        return entry
+
+    def _reader(self, f: Callable, kind: str) -> Callable:
+        def read(t, *args, **kwargs):
+            if not self._paused and self.is_device(t):
+                self._sync(kind)
+            return f(t, *args, **kwargs)
+
+        return read
+
+    def _to_host(self, f: Callable, _: str) -> Callable:
+        def cpu(t, *args, **kwargs):
+            if self._paused or not self.is_device(t):
+                return f(t, *args, **kwargs)
+            self._sync("cpu")
+            out = f(t, *args, **kwargs)
+            with self.paused():  # a fresh host tensor, what `cpu()` of a device tensor is
+                out = out.clone()
+            self.unmark(out)
+            return out
+
+        return cpu
+
+    def _mover(self, f: Callable, _: str) -> Callable:
+        def to(t, *args, **kwargs):
+            if self._paused or not target_device(args, kwargs):
+                return f(t, *args, **kwargs)
+            return self._to_device(f, t, args, kwargs)
+
+        return to
+
+    def _factory(self, f: Callable, name: str) -> Callable:
+        def factory(*args, **kwargs):
+            out = f(*args, **kwargs)
+            if self._paused or kwargs.get("device") is None:
+                return out
+            copied = name in ("tensor", "as_tensor")
+            if copied and not any(self.is_device(t) for t in tensors(args)):
+                self._sync("h2d")  # host data copied to the device
+            self.mark(out)
+            return out
+
+        return factory
+
+    def _to_device(self, f: Callable, source, args: tuple, kwargs: dict):
+        """`t.to(device)`: stays on the device, or a host-to-device copy."""
+        out = f(source, *args, **kwargs)
+        if self.is_device(source):
+            self.mark(out)
+            return out
+        if kwargs.get("non_blocking"):
+            self._async_copy()
+        else:
+            self._sync("h2d")
+        if out is source:  # a CPU run's no-op: the host tensor itself must stay a host tensor
+            with self.paused():
+                out = source.clone()
+        self.mark(out)
         return out
+
+
+@contextlib.contextmanager
+def _patched(entries: list[tuple[Any, str, Callable]]) -> Iterator[None]:
+    """`owner.name` replaced by `make(original, name)` inside, each (owner, name, make) of
+    `entries`; what was there comes back (an instance's own attribute, or the class's)."""
+    saved: list[tuple[Any, str, Any, bool]] = []
+    for owner, name, make in entries:
+        original = getattr(owner, name)
+        saved.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, functools.wraps(original)(make(original, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original, own in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
 
 @contextlib.contextmanager

@@ -33,8 +33,6 @@ def sweep(cfg: dict) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from muon import Muon
-    from muon.newton_schulz import orthogonalize_blocks
     from recipes.memory import MemoryMeter
 
     rank = dist.get_rank()
@@ -47,98 +45,115 @@ def sweep(cfg: dict) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     mesh = init_device_mesh(device.type, (cfg["world_size"],), mesh_dim_names=("fsdp",))
     meter = MemoryMeter(device)  # before any parameter: cross-thread tracking from the start
-    dtype, ns_dtype = DTYPES[cfg["dtype"]], DTYPES[cfg["ns_dtype"]]
-    rows, cols = cfg["rows"], cfg["cols"]
     strategies = cfg["strategies"]
-
-    def build(strategy: str, count: int, seed: int) -> Muon:
-        gen = torch.Generator().manual_seed(seed)
-        params = sharded_matrices(
-            [(rows, cols)] * count, mesh, generator=gen, dtype=dtype, device=device
-        )
-        return Muon(params, ns_dtype=ns_dtype, remainder_strategy=strategy, **cfg["ns_variant"])
-
-    def timed_(fn) -> float:
-        return timed(fn, sync=sync)
-
     records = []
     for R in cfg["r_values"]:
-        opts = {s: build(s, R, cfg["seed"] + R) for s in strategies}
+        opts = {s: _muon(cfg, mesh, device, s, R) for s in strategies}
         for _ in range(cfg["warmup"]):
             for s in strategies:
                 opts[s].step()
         # Newton-Schulz work of the step, without communication: as many matrices as this rank
         # orthogonalized in the step (padded: idle ranks too, on their zero matrix).
-        ns_inputs = {}
-        for s in strategies:
-            count = int(opts[s].step_stats["muon/matrices"])
-            gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)
-            ns_inputs[s] = [
-                torch.randn(rows, cols, generator=gen).to(device, dtype) for _ in range(count)
-            ]
-
-        g = opts[strategies[0]].param_groups[0]  # the optimizer's own Newton-Schulz settings
-
-        def ns_only(mats, g=g):
-            for m in mats:
-                orthogonalize_blocks(
-                    m,
-                    1,
-                    g["ns_steps"],
-                    g["ns_coefficients"],
-                    ns_dtype,
-                    g["eps"],
-                    algorithm=g["ns_algorithm"],
-                )
-
+        ns_inputs = {s: _ns_inputs(cfg, opts[s], rank, device) for s in strategies}
+        ns_only = _ns_only(opts[strategies[0]].param_groups[0], DTYPES[cfg["ns_dtype"]])
         for s in strategies:
             ns_only(ns_inputs[s])  # warm-up
-        step_s = {s: [] for s in strategies}
-        ns_only_s = {s: [] for s in strategies}
-        ns_in_step_s = {s: [] for s in strategies}
-        wait_s = {s: [] for s in strategies}
+        keys = ("step_s", "ns_in_step_s", "wait_s", "ns_only_s")
+        times = {s: {k: [] for k in keys} for s in strategies}
         for s in rotations(strategies, cfg["steps"]):  # fair background load
-            step_s[s].append(timed_(opts[s].step))
-            ns_in_step_s[s].append(opts[s].step_stats["muon/ns_s"])
-            wait_s[s].append(opts[s].step_stats["muon/wait_s"])
-            ns_only_s[s].append(timed_(lambda m=ns_inputs[s]: ns_only(m)))
+            t = times[s]
+            t["step_s"].append(timed(opts[s].step, sync=sync))
+            t["ns_in_step_s"].append(opts[s].step_stats["muon/ns_s"])
+            t["wait_s"].append(opts[s].step_stats["muon/wait_s"])
+            t["ns_only_s"].append(timed(lambda m=ns_inputs[s], f=ns_only: f(m), sync=sync))
         for s in strategies:
-            opt = opts[s]
-            stats = dict(opt.step_stats)
-            peak = peak_bytes(meter, opt.step, cfg["mem_steps"], sync=sync)
-            (mesh_plan, batches) = opt.plans[0]
-            assert len(opt.plans) == 1 and len(batches) == 1, "one remainder batch expected"
-            b = batches[0]
-            assert b.path == s, (b.path, s)
-            me = mesh_plan.fsdp_rank
-            records.append(
-                dict(
-                    rank=rank,
-                    strategy=s,
-                    R=R,
-                    step_s=step_s[s],
-                    ns_in_step_s=ns_in_step_s[s],
-                    ns_only_s=ns_only_s[s],
-                    wait_s=wait_s[s],
-                    peak_delta_bytes=int(peak),
-                    bytes_sent=stats["muon/bytes_sent"],
-                    bytes_recv=stats["muon/bytes_recv"],
-                    ns_matrices=stats["muon/matrices"],
-                    owned=batch_cost.blocks_on(b, me),
-                    matrix_bytes=b.matrix_bytes,
-                    plan_bytes_sent=batch_cost.bytes_sent(b, me),
-                    plan_collective_buffer_bytes=batch_cost.collective_buffer_bytes(b, me),
-                    plan_exchange_buffer_bytes=batch_cost.exchange_buffer_bytes(b, me),
-                    plan_ns_workspace_bytes=batch_cost.ns_workspace_bytes(
-                        b, me, torch.empty(0, dtype=ns_dtype).element_size()
-                    ),
-                )
-            )
+            stats = dict(opts[s].step_stats)  # the last timed step's, before the memory steps
+            peak = peak_bytes(meter, opts[s].step, cfg["mem_steps"], sync=sync)
+            records.append(_record(cfg, opts[s], stats, s, R, rank, times[s], peak))
         del opts, ns_inputs
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     return records
+
+
+def _muon(cfg: dict, mesh, device: torch.device, strategy: str, count: int):
+    """A `muon.Muon` over `count` fresh FSDP2-sharded matrices of the configured shape."""
+    from muon import Muon
+
+    gen = torch.Generator().manual_seed(cfg["seed"] + count)
+    params = sharded_matrices(
+        [(cfg["rows"], cfg["cols"])] * count,
+        mesh,
+        generator=gen,
+        dtype=DTYPES[cfg["dtype"]],
+        device=device,
+    )
+    return Muon(
+        params,
+        ns_dtype=DTYPES[cfg["ns_dtype"]],
+        remainder_strategy=strategy,
+        **cfg["ns_variant"],
+    )
+
+
+def _ns_inputs(cfg: dict, opt, rank: int, device: torch.device) -> list[torch.Tensor]:
+    """As many random matrices as this rank orthogonalized in `opt`'s last step."""
+    count = int(opt.step_stats["muon/matrices"])
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank)
+    dtype = DTYPES[cfg["dtype"]]
+    return [
+        torch.randn(cfg["rows"], cfg["cols"], generator=gen).to(device, dtype) for _ in range(count)
+    ]
+
+
+def _ns_only(g: dict, ns_dtype: torch.dtype):
+    """Orthogonalize matrices one by one with the optimizer's own Newton-Schulz settings."""
+    from muon.newton_schulz import orthogonalize_blocks
+
+    def ns_only(mats):
+        for m in mats:
+            orthogonalize_blocks(
+                m,
+                1,
+                g["ns_steps"],
+                g["ns_coefficients"],
+                ns_dtype,
+                g["eps"],
+                algorithm=g["ns_algorithm"],
+            )
+
+    return ns_only
+
+
+def _record(cfg: dict, opt, stats: dict, s: str, R: int, rank: int, times: dict, peak: int) -> dict:
+    """This rank's record of strategy `s` at `R`: its times, measured peak and exchange, and
+    what the plan says of its one remainder batch."""
+    (mesh_plan, batches) = opt.plans[0]
+    assert len(opt.plans) == 1 and len(batches) == 1, "one remainder batch expected"
+    b = batches[0]
+    assert b.path == s, (b.path, s)
+    me = mesh_plan.fsdp_rank
+    ns_itemsize = torch.empty(0, dtype=DTYPES[cfg["ns_dtype"]]).element_size()
+    return dict(
+        rank=rank,
+        strategy=s,
+        R=R,
+        step_s=times["step_s"],
+        ns_in_step_s=times["ns_in_step_s"],
+        ns_only_s=times["ns_only_s"],
+        wait_s=times["wait_s"],
+        peak_delta_bytes=int(peak),
+        bytes_sent=stats["muon/bytes_sent"],
+        bytes_recv=stats["muon/bytes_recv"],
+        ns_matrices=stats["muon/matrices"],
+        owned=batch_cost.blocks_on(b, me),
+        matrix_bytes=b.matrix_bytes,
+        plan_bytes_sent=batch_cost.bytes_sent(b, me),
+        plan_collective_buffer_bytes=batch_cost.collective_buffer_bytes(b, me),
+        plan_exchange_buffer_bytes=batch_cost.exchange_buffer_bytes(b, me),
+        plan_ns_workspace_bytes=batch_cost.ns_workspace_bytes(b, me, ns_itemsize),
+    )
 
 
 def aggregate(per_rank: list[list[dict]], cfg: dict) -> list[dict]:

@@ -15,6 +15,8 @@ One module per purpose, every public name re-exported here (`from recipes.config
 - `preflight`: checks of the run's surroundings any caller may run on their own (`run.name`
   inside `run.root`, on the command line too; token ids below `data.vocab_size`);
 - `describe`: the schema as text, one renderer (`schema_lines`, `describe`, `key_help`);
+- `help`: `python train.py --help`'s resolvers (`schema_help`: the composed config's keys,
+  `config_groups`), registered by `store`;
 - `keys`: an unknown key on the command line, with or without `+`, named with the nearest real
   one (`check_command_line`, `known_keys`, `nearest_key`);
 - `run_dir`: the run directory's name (`same_run_keys`, `run_id`) and how to pass it back

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.config.describe import key_help
+from recipes.config.describe import config_error as _fail
 from recipes.config.keys import nearest_key
 from recipes.config.preflight import check_run_name
 from recipes.config.schema import (
@@ -33,10 +33,6 @@ from recipes.config.schema import (
     ModelPreset,
     OptimName,
 )
-
-
-def _fail(key: str, value: Any, rule: str) -> ConfigError:
-    return ConfigError(f"{key}={value}: {rule} ({key}: {key_help(key)})")
 
 
 def _positive(cfg: DictConfig, *keys: str, allow_zero: bool = False) -> None:

@@ -1,8 +1,8 @@
 """The schema read back as text, one renderer: `schema_lines(node)` lists every leaf key of a
 composed (structured) config as `key = value  [allowed]  # help` (`python train.py --help`
-shows the config its overrides compose, `recipes.help`); `describe()` is that listing for the
-defaults (`optim=muon`); `key_help(key)` is the help of one key (the message of a
-`ConfigError` ends in it).
+shows the config its overrides compose, `recipes.config.help`); `describe()` is that listing
+for the defaults (`optim=muon`); `key_help(key)` is the help of one key, which the message of
+`config_error(key, value, rule)`, every check's `ConfigError`, ends in.
 """
 
 import dataclasses
@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.config.schema import Config
+from recipes.config.schema import Config, ConfigError
 
 
 def allowed_values(annotation: Any) -> str:
@@ -73,3 +73,8 @@ def key_help(key: str) -> str:
         node = fields[part].default_factory
         node = node if dataclasses.is_dataclass(node) else None
     return help_text
+
+
+def config_error(key: str, value: Any, rule: str) -> ConfigError:
+    """The error of `key=value` breaking `rule`, ending in the key's help."""
+    return ConfigError(f"{key}={value}: {rule} ({key}: {key_help(key)})")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.config.checks import _fail
+from recipes.config.describe import config_error
 from recipes.config.preflight import check_token_ids
 from recipes.config.schema import ConfigError, Device, ModelPreset
 
@@ -35,7 +35,7 @@ def validate_model(
         import torch
 
         if torch.cuda.device_count() < (1 if env_world_size else mesh.world_size):
-            raise _fail(
+            raise config_error(
                 "mesh.device",
                 "cuda",
                 f"needs {mesh.world_size} CUDA devices; "
@@ -54,7 +54,7 @@ def _validate_model(cfg: DictConfig) -> "GLMConfig":
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
     for key in model.overrides:
         if key not in allowed:
-            raise _fail(
+            raise config_error(
                 f"model.overrides.{key}",
                 model.overrides[key],
                 f"not a GLMConfig field; allowed: {', '.join(allowed)}",
@@ -65,7 +65,7 @@ def _validate_model(cfg: DictConfig) -> "GLMConfig":
     except (TypeError, ValueError) as err:
         raise _model_error(cfg, str(err)) from None
     if from_hf and cfg.data.vocab_size > config.vocab_size:
-        raise _fail(
+        raise config_error(
             "data.vocab_size",
             cfg.data.vocab_size,
             f"token ids must fit the vocabulary of {model.path}/config.json "
@@ -74,9 +74,9 @@ def _validate_model(cfg: DictConfig) -> "GLMConfig":
     try:
         check_layout(config, world_size=cfg.mesh.world_size, ep=cfg.mesh.ep)
     except ValueError as err:
-        raise _fail("mesh.ep", cfg.mesh.ep, str(err)) from None
+        raise config_error("mesh.ep", cfg.mesh.ep, str(err)) from None
     if cfg.data.seq_len > config.max_position_embeddings:
-        raise _fail(
+        raise config_error(
             "data.seq_len",
             cfg.data.seq_len,
             f"exceeds the model's max_position_embeddings={config.max_position_embeddings} "
@@ -95,10 +95,10 @@ def _model_error(cfg: DictConfig, message: str) -> ConfigError:
     found = [(m.start(), key) for key, name in keys.items() for m in [_word(name, message)] if m]
     if found:
         key = min(found)[1]
-        return _fail(key, OmegaConf.select(cfg, key), message)
+        return config_error(key, OmegaConf.select(cfg, key), message)
     if from_hf:
-        return _fail("model.path", cfg.model.path, message)
-    return _fail("model.preset", cfg.model.preset.value, message)
+        return config_error("model.path", cfg.model.path, message)
+    return config_error("model.preset", cfg.model.preset.value, message)
 
 
 def _word(name: str, text: str) -> re.Match | None:
@@ -112,7 +112,7 @@ def _validate_checkpoint(cfg: DictConfig, config: "GLMConfig") -> None:
         try:  # the final export needs a transformers layout of the model
             config_to_hf(config)
         except ValueError as err:
-            raise _fail("checkpoint.export_hf", True, f"{err}; or set it to false") from None
+            raise config_error("checkpoint.export_hf", True, f"{err}; or set it to false") from None
     path = cfg.checkpoint.init_from
     if path is None:
         return

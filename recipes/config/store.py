@@ -14,7 +14,7 @@ from recipes.config.schema import OPTIM_SCHEMAS, ConfigError, ConfigSchema
 
 def register() -> None:
     """Register the schemas and the resolvers of conf/train.yaml (idempotent)."""
-    from recipes.help import config_groups, schema_help
+    from recipes.config.help import config_groups, schema_help
 
     store = ConfigStore.instance()
     store.store(name="config_schema", node=ConfigSchema)

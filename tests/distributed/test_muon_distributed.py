@@ -93,7 +93,7 @@ def _wide_blocks(specs):
     return [((r, 3 * c) if b > 1 else (r, c), b) for (r, c), b in specs]
 
 
-def _run_case(specs, shard_fn, strategy, all2all, seed=0, expert_aware=True, ns=None):
+def run_case(specs, shard_fn, strategy, all2all, seed=0, expert_aware=True, ns=None):
     """Run STEPS steps distributed and as a single-process reference; return max errors."""
     init = _random(specs, seed)
     ref_params = [nn.Parameter(t.clone()) for t in init]
@@ -161,14 +161,14 @@ def _local_error(t, ref: torch.Tensor, rows, p) -> float:
     return (got - want).abs().max().item() if got.numel() else 0.0
 
 
-def _flat_shard(mesh):
+def flat_shard(mesh):
     def shard(holder):
         fully_shard(holder, mesh=mesh)
 
     return shard
 
 
-def _ep_shard(mesh):
+def ep_shard(mesh):
     """Experts over ep (Shard(0)) then FSDP2 over efsdp: FSDP2's strided expert layout."""
 
     def shard(holder):
@@ -215,15 +215,15 @@ def _world_cases(world: int):
     results = []
     flat = init_mesh((world,), ("fsdp",))
     for strategy, a2a in CONFIGS:
-        err, opt = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a)
+        err, opt = run_case(_flat_specs(world), flat_shard(flat), strategy, a2a)
         results.append((f"flat W={world} {strategy} a2a={a2a}", err))
         results.append((f"paths W={world} {strategy} a2a={a2a}", _paths(opt)))
     for strategy, a2a in CONFIGS:  # NorMuon: each owner normalizes whole blocks
-        err, _ = _run_case(_flat_specs(world), _flat_shard(flat), strategy, a2a, ns=NORMUON)
+        err, _ = run_case(_flat_specs(world), flat_shard(flat), strategy, a2a, ns=NORMUON)
         results.append((f"flat W={world} {strategy} a2a={a2a} normuon", err))
     for strategy, a2a in CONFIGS[1:3]:
         specs = _wide_blocks(_flat_specs(world))
-        err, opt = _run_case(specs, _flat_shard(flat), strategy, a2a, ns=VARIANT)
+        err, opt = run_case(specs, flat_shard(flat), strategy, a2a, ns=VARIANT)
         results.append((f"flat W={world} {strategy} a2a={a2a} variant", err))
         results.append((f"paths W={world} {strategy} a2a={a2a} variant", _paths(opt)))
     if world in (4, 8):
@@ -231,17 +231,17 @@ def _world_cases(world: int):
         mesh = init_mesh((efsdp, ep), ("efsdp", "ep"))
         for strategy, a2a in CONFIGS:
             for aware in (True, False):
-                err, _ = _run_case(
-                    _ep_specs(ep, efsdp), _ep_shard(mesh), strategy, a2a, expert_aware=aware
+                err, _ = run_case(
+                    _ep_specs(ep, efsdp), ep_shard(mesh), strategy, a2a, expert_aware=aware
                 )
                 results.append((f"ep={ep} efsdp={efsdp} {strategy} a2a={a2a} aware={aware}", err))
         specs = _wide_blocks(_ep_specs(ep, efsdp))
-        err, _ = _run_case(specs, _ep_shard(mesh), "pad_all2all", True, ns=VARIANT)
+        err, _ = run_case(specs, ep_shard(mesh), "pad_all2all", True, ns=VARIANT)
         results.append((f"ep={ep} efsdp={efsdp} pad_all2all a2a=True aware=True variant", err))
         for aware in (True, False):
-            err, _ = _run_case(
+            err, _ = run_case(
                 _ep_specs(ep, efsdp),
-                _ep_shard(mesh),
+                ep_shard(mesh),
                 "pad_all2all",
                 True,
                 expert_aware=aware,
@@ -266,7 +266,7 @@ def _split_world(world: int):
         ("pad_all2all", {"ns_dtype": torch.bfloat16}),  # float32 params, bf16 on the wire
     )
     for strategy, ns in cases:
-        err, opt = _run_case(_split_specs(world), _flat_shard(flat), strategy, True, ns=ns)
+        err, opt = run_case(_split_specs(world), flat_shard(flat), strategy, True, ns=ns)
         results.append((f"split W={world} {strategy} {ns}", err, _paths(opt)))
     return results
 

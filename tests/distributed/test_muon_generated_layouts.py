@@ -1,5 +1,5 @@
 """Generated parameter sets and split layouts on two gloo ranks against the single-process
-optimizer (`_run_case` of test_muon_distributed.py: parameters, momentum and NorMuon moments
+optimizer (`run_case` of test_muon_distributed.py: parameters, momentum and NorMuon moments
 after three float32 steps).
 
 The cases are drawn in the parent with a fixed seed, so every run checks the same ones, and
@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
-from tests.distributed.test_muon_distributed import NORMUON, _ep_shard, _flat_shard, _run_case
+from tests.distributed.test_muon_distributed import NORMUON, ep_shard, flat_shard, run_case
 from tests.harness import init_mesh, run_world
 
 SEED, CASES = 28, 8
@@ -64,9 +64,9 @@ def _generated_world(cases: list[dict]) -> list[tuple[str, float]]:
     flat, ep = init_mesh((2,), ("fsdp",)), init_mesh((1, 2), ("efsdp", "ep"))
     results = []
     for case in cases:
-        shard = _flat_shard(flat) if case["mesh"] == "flat" else _ep_shard(ep)
+        shard = flat_shard(flat) if case["mesh"] == "flat" else ep_shard(ep)
         ns = NORMUON if case["normuon"] else None
-        err, _ = _run_case(case["specs"], shard, case["strategy"], case["a2a"], ns=ns)
+        err, _ = run_case(case["specs"], shard, case["strategy"], case["a2a"], ns=ns)
         results.append((case["label"], err))
     return results
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from muon.batch_cost import bytes_sent
 from muon.plan import REMAINDER_STRATEGIES
-from tests.distributed.test_muon_distributed import NORMUON, _flat_shard, _run_case
+from tests.distributed.test_muon_distributed import NORMUON, flat_shard, run_case
 from tests.harness import init_mesh, run_world
 
 W = 4
@@ -38,7 +38,7 @@ def _cases():
     results = []
     for strategy in REMAINDER_STRATEGIES:
         for ns in (None, NORMUON):
-            err, opt = _run_case(SPECS, _flat_shard(mesh), strategy, True, ns=ns)
+            err, opt = run_case(SPECS, flat_shard(mesh), strategy, True, ns=ns)
             planned = sum(bytes_sent(b, mp.fsdp_rank) for mp, bs in opt.plans for b in bs)
             results.append(
                 (

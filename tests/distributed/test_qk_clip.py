@@ -24,7 +24,7 @@ import torch.distributed as dist
 from models.glm.parallelize import build_meshes, parallelize
 from models.glm.qk_clip import clip_factors
 from tests.harness import run_world
-from tests.unit.test_qk_clip import _mla_model, _model
+from tests.unit.test_qk_clip import gqa_model, mla_model
 
 B, T, LR = 2, 10, 0.1  # sequences per rank, tokens per sequence, SGD learning rate
 EPS = 2.0**-24  # float32 unit roundoff
@@ -33,11 +33,11 @@ EPS = 2.0**-24  # float32 unit roundoff
 #: heads 1 and 2), kv_b_proj rows 4 x (16 + 16) = 128 cut at 43 and 86 (heads 1 and 2).
 #: GQA: q_proj 32 rows cut at 11 and 22, k_proj 16 rows at 6 and 12 (8-row heads).
 CASES = {
-    "gqa": (_model, 1),
-    "gqa_qk_norm": (partial(_model, use_qk_norm=True), 1),
-    "mla": (partial(_mla_model, 2), 1),
-    "mla_q_proj": (partial(_mla_model, 2, q_lora=False), 1),
-    "mla_ep": (partial(_mla_model, 2, n_routed_experts=6), 3),
+    "gqa": (gqa_model, 1),
+    "gqa_qk_norm": (partial(gqa_model, use_qk_norm=True), 1),
+    "mla": (partial(mla_model, 2), 1),
+    "mla_q_proj": (partial(mla_model, 2, q_lora=False), 1),
+    "mla_ep": (partial(mla_model, 2, n_routed_experts=6), 3),
 }
 
 #: the max logits of a rank's sequences are the same float32 products as the full batch's, but

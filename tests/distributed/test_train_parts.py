@@ -8,7 +8,7 @@ import torch
 
 from tests.harness import run_world
 from tests.reference import assert_same_step
-from tests.unit.test_train_parts import _cfg
+from tests.unit.test_train_parts import train_cfg
 
 
 def _norms_world():
@@ -50,7 +50,9 @@ def _accum_and_clip_world(cache: str):
         "batch": ["train.grad_accum_steps=1", "data.batch_size=2"],
     }.items():
         # float32 Newton-Schulz: the two sum the gradients in another order (see the bound).
-        cfg = _cfg(f"data.cache_dir={cache}", "train.grad_clip=0", "optim.ns_dtype=float32", *extra)
+        cfg = train_cfg(
+            f"data.cache_dir={cache}", "train.grad_clip=0", "optim.ns_dtype=float32", *extra
+        )
         trainer = Trainer(cfg, Path("/nonexistent"), torch.device("cpu"))
         out["init"] = _full_params(trainer.model)
         metrics = trainer.train_step(measure=False)
@@ -58,7 +60,7 @@ def _accum_and_clip_world(cache: str):
         out["ns_dtype"] = {g["ns_dtype"] for g in trainer.opt.param_groups if "ns_dtype" in g}
     # Clipping: AdamW groups are scaled to the limit; Muon groups only with clip_muon.
     for clip_muon in (False, True):
-        cfg = _cfg(
+        cfg = train_cfg(
             f"data.cache_dir={cache}", "train.grad_clip=0.01", f"train.clip_muon={clip_muon}"
         )
         trainer = Trainer(cfg, Path("/nonexistent"), torch.device("cpu"))

@@ -6,15 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.test_docs import DOCS, ROOT, _text
+from tests.unit.test_docs import DOCS, ROOT, doc_text
 
 
 def test_every_script_is_named_in_the_readme_and_answers_help():
     """One process runs each script's --help (torch imported once, not once per script)."""
-    readme = _text(ROOT / "README.md")
+    readme = doc_text(ROOT / "README.md")
     scripts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "scripts").glob("*.py"))
     assert [s for s in scripts if Path(s).name not in readme] == [], "not named in README.md"
-    named = {s for doc in DOCS for s in re.findall(r"scripts/\w+\.py", _text(doc))}
+    named = {s for doc in DOCS for s in re.findall(r"scripts/\w+\.py", doc_text(doc))}
     program = (
         "import runpy, sys\n"
         "bad = []\n"

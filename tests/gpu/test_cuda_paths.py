@@ -194,7 +194,7 @@ def test_auto_device_picks_cuda_when_every_local_rank_has_a_gpu():
     assert choose_device("cpu", 1) == "cpu"
 
 
-def _syncs(fn) -> int:
+def host_syncs(fn) -> int:
     """Host-device synchronizations `fn()` makes (CUDA's sync debug mode, one warning each)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -220,9 +220,9 @@ def test_gram_blow_up_check_syncs_once_per_call_not_per_block():
         G = torch.randn(blocks, 256, 768, device="cuda", generator=gen)
         run = lambda G=G: newton_schulz(G, coefficients="polar_express", algorithm="gram")  # noqa: E731
         run()  # warm-up: cuBLAS handles and workspaces
-        counts[("finite", blocks)] = _syncs(run)
+        counts[("finite", blocks)] = host_syncs(run)
         G[0] = float("nan")  # a block the check must send to the standard iteration
-        counts[("nan", blocks)] = _syncs(run)
+        counts[("nan", blocks)] = host_syncs(run)
     assert counts[("finite", 2)] == counts[("finite", 8)] <= 1, counts
     assert counts[("nan", 2)] == counts[("nan", 8)], counts
 
@@ -237,5 +237,5 @@ def test_gram_blow_up_flags_left_on_the_device_sync_never():
     flags: list = []
     run = lambda: newton_schulz(G, coefficients="polar_express", algorithm="gram", blowups=flags)  # noqa: E731
     run()  # warm-up: cuBLAS handles, the check's start vector
-    assert _syncs(run) == 0
+    assert host_syncs(run) == 0
     assert flags[-1].tolist() == [True, False, False, False]

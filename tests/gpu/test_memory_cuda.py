@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from recipes.memory import MemoryMeter, MiB
-from tests.unit.test_memory import _bytes, _close
+from tests.unit.test_memory import close_to, tensor_of_bytes
 
 
 # -- CUDA ---------------------------------------------------------------------------------
@@ -16,27 +16,27 @@ def test_cuda_regions_and_span():
     with meter.measure() as m:
         assert not torch._C._autograd._profiler_enabled()  # CUDA reads allocator stats
         with m.region("alloc"):
-            kept = _bytes(8 * MiB, device)
+            kept = tensor_of_bytes(8 * MiB, device)
         with m.region("seq"):
             for _ in range(3):
-                t = _bytes(4 * MiB, device)
+                t = tensor_of_bytes(4 * MiB, device)
                 t.fill_(1)
                 del t
         with m.region("outer"):
             with m.region("inner"):
-                c = _bytes(16 * MiB, device)
+                c = tensor_of_bytes(16 * MiB, device)
                 del c
-            d = _bytes(2 * MiB, device)
+            d = tensor_of_bytes(2 * MiB, device)
             del d
     # The caching allocator counts whole blocks: sizes here are multiples of 2 MiB, so exact
     # unless a cached block is reused unsplit; allow the usual tolerance.
-    assert _close(m.peak_delta_bytes("alloc"), 8 * MiB), m
-    assert _close(m.peak_delta_bytes("seq"), 4 * MiB), m
-    assert _close(m.peak_delta_bytes("inner"), 16 * MiB), m
-    assert _close(m.peak_delta_bytes("outer"), 16 * MiB), m
-    assert _close(m.peak_delta_bytes(), 24 * MiB), m  # kept + c
+    assert close_to(m.peak_delta_bytes("alloc"), 8 * MiB), m
+    assert close_to(m.peak_delta_bytes("seq"), 4 * MiB), m
+    assert close_to(m.peak_delta_bytes("inner"), 16 * MiB), m
+    assert close_to(m.peak_delta_bytes("outer"), 16 * MiB), m
+    assert close_to(m.peak_delta_bytes(), 24 * MiB), m  # kept + c
     assert m.peak_bytes() == m.peak_bytes("inner") >= m.peak_delta_bytes()
-    assert _close(m.end_bytes() - m.start_bytes(), 8 * MiB), m
+    assert close_to(m.end_bytes() - m.start_bytes(), 8 * MiB), m
     assert m.start_bytes() == m.start_bytes("alloc")
     assert m.end_bytes() == torch.cuda.memory_allocated(device)
     del kept

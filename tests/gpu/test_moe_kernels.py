@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from models.glm.moe import MoE, expert_kernel
-from tests.gpu.test_cuda_paths import _syncs
+from tests.gpu.test_cuda_paths import host_syncs
 from tests.models import tiny_glm
-from tests.unit.test_models_moe import _experts_case, _gamma, _run
+from tests.unit.test_models_moe import experts_case, gamma_n, run_kernel
 
 UB = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 SILU_SLOPE, SILU_CURVE = 1.1, 0.5  # max |silu'| = 1.0998..., max |silu''| = 0.5 (at 0)
@@ -53,26 +53,26 @@ def _bf16_bounds(experts, x_SD, g_SD, counts: list[int]) -> dict:
             -1,
         )
         wd, wg = w_down[j].abs(), w_gu[j].abs()
-        out["y"].append(err_h @ wd.T + (UB + 2 * _gamma(I)) * (h.abs() @ wd.T))
-        out["down_proj"].append(g.abs().T @ err_h + (UB + 2 * _gamma(S)) * (g.abs().T @ h.abs()))
-        out["x"].append(err_dgu @ wg + (UB + 2 * _gamma(2 * I)) * (dgu @ wg))
-        out["gate_up_proj"].append((err_dgu.T + (UB + 2 * _gamma(S)) * dgu.T) @ x.abs())
+        out["y"].append(err_h @ wd.T + (UB + 2 * gamma_n(I)) * (h.abs() @ wd.T))
+        out["down_proj"].append(g.abs().T @ err_h + (UB + 2 * gamma_n(S)) * (g.abs().T @ h.abs()))
+        out["x"].append(err_dgu @ wg + (UB + 2 * gamma_n(2 * I)) * (dgu @ wg))
+        out["gate_up_proj"].append((err_dgu.T + (UB + 2 * gamma_n(S)) * dgu.T) @ x.abs())
     return {k: 1.25 * torch.cat(v) for k, v in out.items()}
 
 
 def test_grouped_mm_in_bf16_matches_the_float32_loop_within_the_bf16_bound():
     counts = [37, 0, 64, 5, 0, 120, 1, 29]  # empty experts inside, one of a single row
-    experts, x_SD, g_SD = _experts_case(counts, D=64, I=32)
+    experts, x_SD, g_SD = experts_case(counts, D=64, I=32)
     # The reference on the CPU: on CUDA a float32 matmul may run in TF32 (10-bit mantissa).
-    want = _run(experts, "loop", x_SD, g_SD, torch.tensor(counts))
+    want = run_kernel(experts, "loop", x_SD, g_SD, torch.tensor(counts))
     experts.cuda().bfloat16()
     counts_L = torch.tensor(counts, device="cuda")
     x16, g16 = x_SD.cuda().bfloat16(), g_SD.cuda().bfloat16()
     w_gu = experts.gate_up_proj.view(len(counts), -1, 64)
     if expert_kernel(x16, w_gu) != "grouped_mm":
         pytest.skip(f"no native bf16 grouped kernel on {torch.cuda.get_device_name()}")
-    assert _run(experts, "auto", x16, g16, counts_L)["y"].dtype == torch.bfloat16
-    got = _run(experts, "grouped_mm", x16, g16, counts_L)
+    assert run_kernel(experts, "auto", x16, g16, counts_L)["y"].dtype == torch.bfloat16
+    got = run_kernel(experts, "grouped_mm", x16, g16, counts_L)
     bounds = _bf16_bounds(experts, x_SD, g_SD, counts)
     for name, bound in bounds.items():
         diff = (got[name].double().cpu() - want[name].double().cpu()).abs()
@@ -90,7 +90,7 @@ def test_moe_layer_forward_and_backward_make_no_host_sync_on_cuda():
         moe(x).float().square().sum().backward()
 
     step()  # warm-up: cuBLAS handles, workspaces
-    syncs = _syncs(step)
+    syncs = host_syncs(step)
     if expert_kernel(x.view(-1, 32), moe.experts.gate_up_proj) == "grouped_mm":
         assert syncs == 0
     else:  # the padded bmm reads its slot size once per forward

@@ -10,7 +10,7 @@ by `scripts/gpu_check.sh --only graph`."""
 import pytest
 import torch
 
-from tests.unit.test_muon_graph_ready import _fill_grads, _optimizer
+from tests.unit.test_muon_graph_ready import fill_grads, graph_optimizer
 
 pytestmark = pytest.mark.gpu
 
@@ -19,27 +19,27 @@ pytestmark = pytest.mark.gpu
 def test_captured_update_replays_the_eager_step(gram):
     """With `gram`, a Gram Newton-Schulz block and its output check are captured too."""
     device = torch.device("cuda", 0)
-    graphed, gp = _optimizer(device, gram=gram)
-    eager, ep = _optimizer(device, gram=gram)
+    graphed, gp = graph_optimizer(device, gram=gram)
+    eager, ep = graph_optimizer(device, gram=gram)
     assert {b.path for _, batches in graphed.plans for b in batches} == {"local"}
     for step in range(2):  # warm up both (the census once, state moved in place)
         for opt, params in ((graphed, gp), (eager, ep)):
-            _fill_grads(params, step)
+            fill_grads(params, step)
             opt.step()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # capture wants a warm-up on a side stream (torch.cuda.graphs)
         for opt, params in ((graphed, gp), (eager, ep)):
-            _fill_grads(params, 2)
+            fill_grads(params, 2)
             opt.update(timed=False)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # records the step; nothing is applied until a replay
         graphed.update(timed=False)
     for step in range(3, 6):
-        _fill_grads(gp, step)
+        fill_grads(gp, step)
         graph.replay()
-        _fill_grads(ep, step)
+        fill_grads(ep, step)
         eager.update(timed=False)
     torch.cuda.synchronize()
     # the same kernels on the same inputs; float32 Newton-Schulz, so a different cuBLAS choice

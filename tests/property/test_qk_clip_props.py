@@ -30,17 +30,17 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.unit.test_qk_clip import IDS, _mla_model, _model
+from tests.unit.test_qk_clip import IDS, gqa_model, mla_model
 
 RTOL = 1e-9  # of the layer's largest |logit|: see the module docstring
 
 VARIANTS = {
-    "gqa_kv1": lambda: _model(num_hidden_layers=1, num_key_value_heads=1),
-    "gqa_kv2": lambda: _model(num_hidden_layers=1),
-    "gqa_kv4": lambda: _model(num_hidden_layers=1, num_key_value_heads=4),
-    "gqa_qk_norm": lambda: _model(num_hidden_layers=1, use_qk_norm=True),
-    "mla_dsa": lambda: _mla_model(1),  # + its MTP layer's attention, unseen: -inf, never clipped
-    "mla_q_proj": lambda: _mla_model(1, q_lora=False),
+    "gqa_kv1": lambda: gqa_model(num_hidden_layers=1, num_key_value_heads=1),
+    "gqa_kv2": lambda: gqa_model(num_hidden_layers=1),
+    "gqa_kv4": lambda: gqa_model(num_hidden_layers=1, num_key_value_heads=4),
+    "gqa_qk_norm": lambda: gqa_model(num_hidden_layers=1, use_qk_norm=True),
+    "mla_dsa": lambda: mla_model(1),  # + its MTP layer's attention, unseen: -inf, never clipped
+    "mla_q_proj": lambda: mla_model(1, q_lora=False),
 }
 
 

@@ -4,7 +4,7 @@ T > K and T <= K, in chunks of any size; the chunked indexer against the plain a
 formula ([B, T, M, S] scores, top-k, KL over the masked [B, T, S] rows); the whole mla_tiny
 model (a shared layer, an MTP layer) under every `dsa_impl`, kl and frozen."""
 
-import sys
+import inspect
 import weakref
 
 import pytest
@@ -237,7 +237,7 @@ class _ChunkPeaks(TorchDispatchMode):
 
     def chunks(self, original):
         def counted(T, chunk):
-            caller = sys._getframe(1).f_code
+            caller = inspect.currentframe().f_back.f_code
             site = f"{caller.co_filename.rsplit('/', 1)[-1]}:{caller.co_name}"
             for t0, t1 in original(T, chunk):
                 start = self.window = self.live

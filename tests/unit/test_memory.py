@@ -18,11 +18,11 @@ from recipes.ranks import gather_peaks, rank_metrics
 TOL = 0.02  # relative tolerance on figures that should be exact sizes
 
 
-def _bytes(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
+def tensor_of_bytes(n: int, device: str | torch.device = "cpu") -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8, device=device)
 
 
-def _close(value: int, expected: int, tol: float = TOL) -> bool:
+def close_to(value: int, expected: int, tol: float = TOL) -> bool:
     return abs(value - expected) <= tol * expected
 
 
@@ -30,9 +30,9 @@ def _close(value: int, expected: int, tol: float = TOL) -> bool:
 def test_region_delta_of_a_known_tensor():
     meter = MemoryMeter("cpu")
     with meter.measure() as m, m.region("alloc"):
-        kept = _bytes(8 * MiB)
-    assert _close(m.peak_delta_bytes("alloc"), 8 * MiB), m
-    assert _close(m.end_bytes("alloc") - m.start_bytes("alloc"), 8 * MiB), m
+        kept = tensor_of_bytes(8 * MiB)
+    assert close_to(m.peak_delta_bytes("alloc"), 8 * MiB), m
+    assert close_to(m.end_bytes("alloc") - m.start_bytes("alloc"), 8 * MiB), m
     assert m.peak_bytes("alloc") >= m.peak_delta_bytes("alloc")
     assert m.peak_bytes() >= m.peak_delta_bytes() >= m.peak_delta_bytes("alloc")
     # The tensor is alive after the span: the absolute counter includes it.
@@ -44,36 +44,36 @@ def test_sequential_allocations_peak_at_one_not_their_sum():
     meter = MemoryMeter("cpu")
     with meter.measure() as m, m.region("seq"):
         for _ in range(3):
-            t = _bytes(4 * MiB)
+            t = tensor_of_bytes(4 * MiB)
             t.fill_(1)
             del t
-    assert _close(m.peak_delta_bytes("seq"), 4 * MiB), m
-    assert _close(m.peak_delta_bytes(), 4 * MiB), m
+    assert close_to(m.peak_delta_bytes("seq"), 4 * MiB), m
+    assert close_to(m.peak_delta_bytes(), 4 * MiB), m
     assert abs(m.end_bytes() - m.start_bytes()) < 64 * 1024, m
 
 
 def test_nested_and_repeated_regions_are_consistent():
     meter = MemoryMeter("cpu")
     with meter.measure("train") as m:
-        a = _bytes(2 * MiB)
+        a = tensor_of_bytes(2 * MiB)
         with m.region("outer"):
-            b = _bytes(4 * MiB)
+            b = tensor_of_bytes(4 * MiB)
             with m.region("inner"):
-                c = _bytes(8 * MiB)
+                c = tensor_of_bytes(8 * MiB)
                 del c
-            d = _bytes(1 * MiB)
+            d = tensor_of_bytes(1 * MiB)
         for size in (1 * MiB, 3 * MiB):
             with m.region("again"):
-                e = _bytes(size)
+                e = tensor_of_bytes(size)
                 del e
         del a, b, d
     assert m.regions == ["outer", "inner", "again"]
-    assert _close(m.peak_delta_bytes("inner"), 8 * MiB), m
-    assert _close(m.peak_delta_bytes("outer"), 12 * MiB), m  # b + c
-    assert _close(m.peak_delta_bytes(), 14 * MiB), m  # a + b + c
-    assert _close(m.peak_delta_bytes("again"), 3 * MiB), m  # the larger entry
-    assert _close(m.start_bytes("inner") - m.start_bytes("outer"), 4 * MiB), m
-    assert _close(m.end_bytes("outer") - m.start_bytes("outer"), 5 * MiB), m
+    assert close_to(m.peak_delta_bytes("inner"), 8 * MiB), m
+    assert close_to(m.peak_delta_bytes("outer"), 12 * MiB), m  # b + c
+    assert close_to(m.peak_delta_bytes(), 14 * MiB), m  # a + b + c
+    assert close_to(m.peak_delta_bytes("again"), 3 * MiB), m  # the larger entry
+    assert close_to(m.start_bytes("inner") - m.start_bytes("outer"), 4 * MiB), m
+    assert close_to(m.end_bytes("outer") - m.start_bytes("outer"), 5 * MiB), m
     assert m.peak_bytes() == m.peak_bytes("outer") == m.peak_bytes("inner"), m
     assert m.peak_bytes("again") < m.peak_bytes("outer")
     for region in (None, "outer", "inner", "again"):
@@ -93,14 +93,15 @@ def test_tensors_of_a_marker_size_do_not_confuse_the_boundaries():
     # Boundary markers 0..3 of this span: span start, region start, region end, span end.
     sizes = [memory._marker_bytes(i) for i in range(4)]
     with meter.measure() as m:
-        early = _bytes(sizes[1])  # same size as the region-start marker, allocated before it
+        # same size as the region-start marker, allocated before it
+        early = tensor_of_bytes(sizes[1])
         with m.region("r"):
-            decoy = _bytes(sizes[2])  # same size as the region-end marker, freed later
-            big = _bytes(4 * MiB)
+            decoy = tensor_of_bytes(sizes[2])  # same size as the region-end marker, freed later
+            big = tensor_of_bytes(4 * MiB)
             del decoy
-            kept = _bytes(sizes[3])  # same size as the span-end marker, kept
+            kept = tensor_of_bytes(sizes[3])  # same size as the span-end marker, kept
         del big
-    assert _close(m.peak_delta_bytes("r"), 4 * MiB + sizes[2]), m
+    assert close_to(m.peak_delta_bytes("r"), 4 * MiB + sizes[2]), m
     assert m.end_bytes("r") - m.start_bytes("r") == 4 * MiB + sizes[3], m
     assert m.start_bytes("r") - m.start_bytes() == sizes[1], m
     del early, kept
@@ -116,12 +117,12 @@ def test_free_on_another_thread_is_not_retained():
     def span():
         gc.collect()  # no unrelated garbage freed inside the span
         with meter.measure() as m:
-            box = [_bytes(16 * MiB)]  # allocated here, freed on the worker
+            box = [tensor_of_bytes(16 * MiB)]  # allocated here, freed on the worker
             out = []
 
             def worker():
                 box.clear()
-                out.append(_bytes(24 * MiB))  # allocated on the worker, freed here
+                out.append(tensor_of_bytes(24 * MiB))  # allocated on the worker, freed here
 
             t = threading.Thread(target=worker)
             t.start()
@@ -132,7 +133,7 @@ def test_free_on_another_thread_is_not_retained():
     spans = [span() for _ in range(3)]
     for m in spans:
         # The 24 MiB peak shows only in the free event's "counter before the free".
-        assert _close(m.peak_delta_bytes(), 24 * MiB), m
+        assert close_to(m.peak_delta_bytes(), 24 * MiB), m
         assert abs(m.end_bytes() - m.start_bytes()) < 64 * 1024, m
     # Without the flag each span would start 16 MiB higher than the one before.
     assert abs(spans[2].start_bytes() - spans[0].start_bytes()) < 64 * 1024
@@ -171,8 +172,8 @@ def test_misuse_is_reported_and_a_failed_span_cleans_up():
         failed.peak_bytes()
     assert not torch._C._autograd._profiler_enabled()
     with meter.measure() as again:  # the profiler was stopped: a new span works
-        _bytes(MiB)
-    assert _close(again.peak_delta_bytes(), MiB)
+        tensor_of_bytes(MiB)
+    assert close_to(again.peak_delta_bytes(), MiB)
     with pytest.raises(ValueError, match="cpu and cuda"):
         MemoryMeter("meta")
 

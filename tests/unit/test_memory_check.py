@@ -66,7 +66,7 @@ def test_seq_len_100000_on_tiny_is_refused_with_the_estimate_and_settings_that_f
 
 
 def test_largest_is_the_largest_that_fits():
-    assert memory_check._largest(100, lambda n: n <= 37) == 37
-    assert memory_check._largest(100, lambda n: True) == 100
-    assert memory_check._largest(100, lambda n: False) is None
-    assert memory_check._largest(0, lambda n: True) is None
+    assert memory_check.largest_fitting(100, lambda n: n <= 37) == 37
+    assert memory_check.largest_fitting(100, lambda n: True) == 100
+    assert memory_check.largest_fitting(100, lambda n: False) is None
+    assert memory_check.largest_fitting(0, lambda n: True) is None

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from recipes.metrics import _truncate_after
+from recipes.metrics import truncate_after
 from recipes.metrics_file import MetricsFileError, read_metrics
 
 
@@ -21,7 +21,7 @@ def test_a_cut_last_line_is_dropped_on_resume_with_a_warning(tmp_path, caplog):
     found = read_metrics(path)
     assert (found.rows, found.cut, found.cut_line) == (rows, '{"step": 4, "loss": 4.1870074272', 4)
     with caplog.at_level(logging.WARNING, logger="recipes"):
-        _truncate_after(path, 2)
+        truncate_after(path, 2)
     assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows[:2])
     (record,) = caplog.records
     assert f"{path}:4: the last line is cut" in record.getMessage()
@@ -35,7 +35,7 @@ def test_any_other_bad_line_is_an_error_naming_its_line(tmp_path, bad):
     with pytest.raises(MetricsFileError, match=r"metrics.jsonl:3: not a metrics row"):
         read_metrics(path)
     with pytest.raises(MetricsFileError, match=r"fix or remove line 3"):
-        _truncate_after(path, 3)
+        truncate_after(path, 3)
     assert path.read_text().startswith('{"step": 1}\n\n')  # left as it was
 
 

@@ -18,7 +18,7 @@ from tests.models import tiny_glm
 U32 = 2.0**-24  # float32 unit roundoff
 
 
-def _gamma(n: int) -> float:
+def gamma_n(n: int) -> float:
     """Higham's gamma_n = n u / (1 - n u): a float32 sum of n products, in any order, is within
     gamma_n * sum |a_i b_i| of the exact sum (Accuracy and Stability of Numerical Algorithms,
     eq. 3.5). Two orders are then within twice that of each other."""
@@ -31,7 +31,7 @@ def _dyadic(*shape: int, scale: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(-scale, scale + 1, shape, generator=gen).float() / scale
 
 
-def _experts_case(counts: list[int], D: int = 32, I: int = 16, seed: int = 0):
+def experts_case(counts: list[int], D: int = 32, I: int = 16, seed: int = 0):
     """Experts with dyadic weights, dyadic rows and a dyadic output gradient."""
     gen = torch.Generator().manual_seed(seed)
     L = len(counts)
@@ -43,7 +43,7 @@ def _experts_case(counts: list[int], D: int = 32, I: int = 16, seed: int = 0):
     return experts, _dyadic(S, D, scale=4, gen=gen), _dyadic(S, D, scale=4, gen=gen)
 
 
-def _run(experts: FusedExperts, kernel: str, x_SD, g_SD, counts_L):
+def run_kernel(experts: FusedExperts, kernel: str, x_SD, g_SD, counts_L):
     experts.kernel = kernel
     experts.zero_grad(set_to_none=True)
     x = x_SD.clone().requires_grad_()
@@ -80,10 +80,10 @@ def _reorder_bounds(experts: FusedExperts, x_SD, g_SD, counts: list[int]) -> dic
         dh = g @ w_down[j]
         sig = torch.sigmoid(gate)
         dgu = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * F.silu(gate)], -1)
-        out["y"].append(2 * _gamma(I) * (h.abs() @ w_down[j].abs().T))
-        out["x"].append(2 * _gamma(2 * I) * (dgu.abs() @ w_gu[j].abs()))
-        out["down_proj"].append(2 * _gamma(S) * (g.abs().T @ h.abs()))
-        out["gate_up_proj"].append(2 * _gamma(S) * (dgu.abs().T @ x.abs()))
+        out["y"].append(2 * gamma_n(I) * (h.abs() @ w_down[j].abs().T))
+        out["x"].append(2 * gamma_n(2 * I) * (dgu.abs() @ w_gu[j].abs()))
+        out["down_proj"].append(2 * gamma_n(S) * (g.abs().T @ h.abs()))
+        out["gate_up_proj"].append(2 * gamma_n(S) * (dgu.abs().T @ x.abs()))
     return {k: torch.cat(v) * (1 + 1e-6) for k, v in out.items()}
 
 
@@ -97,12 +97,12 @@ def _reorder_bounds(experts: FusedExperts, x_SD, g_SD, counts: list[int]) -> dic
     ],
 )
 def test_kernels_equal_the_loop_within_the_reordered_sum_bound(counts):
-    experts, x_SD, g_SD = _experts_case(counts)
+    experts, x_SD, g_SD = experts_case(counts)
     counts_L = torch.tensor(counts)
-    want = _run(experts, "loop", x_SD, g_SD, counts_L)
+    want = run_kernel(experts, "loop", x_SD, g_SD, counts_L)
     bounds = _reorder_bounds(experts, x_SD, g_SD, counts)
     for kernel in ("grouped_mm", "padded_bmm"):
-        got = _run(experts, kernel, x_SD, g_SD, counts_L)
+        got = run_kernel(experts, kernel, x_SD, g_SD, counts_L)
         for name, bound in bounds.items():
             diff = (got[name].double() - want[name].double()).abs()
             assert diff.shape == bound.shape, (kernel, name)
@@ -122,10 +122,10 @@ def test_auto_runs_grouped_mm_where_torch_has_a_kernel_and_padded_bmm_elsewhere(
     assert expert_kernel(torch.empty(8, 30), torch.empty(4, 32, 30)) == "padded_bmm"
     assert expert_kernel(torch.empty(8, 30, dtype=torch.bfloat16)) == "padded_bmm"  # 60 bytes
     # float64 experts run (padded bmm) and agree with the float64 loop to float64 rounding.
-    experts, x_SD, g_SD = _experts_case([2, 0, 3, 1])
+    experts, x_SD, g_SD = experts_case([2, 0, 3, 1])
     experts.double()
     x_SD, g_SD, counts_L = x_SD.double(), g_SD.double(), torch.tensor([2, 0, 3, 1])
-    got, want = (_run(experts, k, x_SD, g_SD, counts_L) for k in ("auto", "loop"))
+    got, want = (run_kernel(experts, k, x_SD, g_SD, counts_L) for k in ("auto", "loop"))
     for name in want:  # float64 sums of <= 32 terms of size <= 32: within 1e-12
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-12)
 

@@ -33,7 +33,7 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-def _optimizer(
+def graph_optimizer(
     device="cpu", normuon: bool = True, gram: bool = False
 ) -> tuple[Muon, list[torch.nn.Parameter]]:
     """Every kind of local batch: plain matrices (one bucket of 3), fused experts, blocks of
@@ -60,7 +60,7 @@ def _optimizer(
     return opt, dense + wide + experts + split + cube + adamw
 
 
-def _fill_grads(params, step: int) -> None:
+def fill_grads(params, step: int) -> None:
     gen = torch.Generator().manual_seed(100 + step)
     for p in params:
         g = torch.randn(p.shape, generator=gen).to(p.device)
@@ -71,7 +71,7 @@ def _fill_grads(params, step: int) -> None:
 
 
 def _recorded(opt, params, step: int) -> list[tuple[str, tuple]]:
-    _fill_grads(params, step)
+    fill_grads(params, step)
     with Recorder() as rec:
         opt.update()
     return rec.ops
@@ -81,10 +81,10 @@ def _recorded(opt, params, step: int) -> list[tuple[str, tuple]]:
 def test_the_local_path_and_adamw_make_no_host_read_and_the_same_buffers_each_step(
     monkeypatch, gram
 ):
-    opt, params = _optimizer(gram=gram)
+    opt, params = graph_optimizer(gram=gram)
     assert (opt._blowups.counts is not None) == gram  # Gram batches get blow-up counters
     assert {b.path for _, batches in opt.plans for b in batches} == {"local"}
-    _fill_grads(params, 0)
+    fill_grads(params, 0)
     opt.step()  # the census once: which parameters have grads
     reads = []
     for name in ("tolist", "item", "__bool__", "__float__", "__int__", "numpy"):
@@ -112,10 +112,10 @@ def test_the_whole_step_reads_the_host_once(gram):
     previous update's refusals and Gram blow-up counts, in one `tolist`) + `update`; the verdict of
     `muon.guard` (did every update fit its dtype) stays on the device until
     `last_step_skipped` is asked for, which reads it once."""
-    opt, params = _optimizer(gram=gram)
-    _fill_grads(params, 0)
+    opt, params = graph_optimizer(gram=gram)
+    fill_grads(params, 0)
     opt.step()
-    _fill_grads(params, 1)
+    fill_grads(params, 1)
     with all_on_device() as count:  # every tensor a device tensor: `tolist` is counted too
         opt.step()
     assert count.syncs_by_kind() == {"tolist": 1}, count.syncs_by_kind()
@@ -128,11 +128,11 @@ def test_the_whole_step_reads_the_host_once(gram):
 
 def test_update_after_the_census_equals_step():
     """`update` is the step after the census: the same parameters and state."""
-    a, pa = _optimizer()
-    b, pb = _optimizer()
+    a, pa = graph_optimizer()
+    b, pb = graph_optimizer()
     for step in range(3):
-        _fill_grads(pa, step)
-        _fill_grads(pb, step)
+        fill_grads(pa, step)
+        fill_grads(pb, step)
         a.step()
         if step == 0:
             b.step()  # the census once, then update alone
@@ -149,10 +149,10 @@ def test_momentum_and_apply_are_foreach_over_a_batch(nesterov):
     """Batched update math: the bucket of three dense matrices is one batch, whose momentum and
     apply are a fixed number of foreach ops, not one op per parameter (NorMuon off: its
     normalization is per parameter's moments)."""
-    opt, params = _optimizer(normuon=False)
+    opt, params = graph_optimizer(normuon=False)
     for g in opt.param_groups:
         g["nesterov"] = nesterov
-    _fill_grads(params, 0)
+    fill_grads(params, 0)
     opt.step()
     ops = _recorded(opt, params, 1)
     per_param = [name for name, _ in ops if name in ("lerp_", "lerp", "mul_", "add_")]

@@ -26,7 +26,7 @@ CFG = tiny_glm(
 IDS = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(1))
 
 
-def _model(**overrides) -> GLMForCausalLM:
+def gqa_model(**overrides) -> GLMForCausalLM:
     torch.manual_seed(0)
     model = GLMForCausalLM(replace(CFG, **overrides))
     model.init_weights(0)
@@ -87,7 +87,7 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_records_the_masked_max_logit_per_head(qk_norm):
-    model = _model(use_qk_norm=qk_norm)
+    model = gqa_model(use_qk_norm=qk_norm)
     got = _max_logits(model)
     # the same float32 products in another order (einsum vs chunked matmul): a few ulps
     torch.testing.assert_close(got, _reference_logits(model), rtol=1e-5, atol=1e-5)
@@ -97,7 +97,7 @@ def test_records_the_masked_max_logit_per_head(qk_norm):
 
 
 def test_recording_spans_micro_batches_and_skips_eval_and_recompute(monkeypatch):
-    model = _model()
+    model = gqa_model()
     model.record_max_logits(True)
     calls = []
     real = qk.head_max_logits
@@ -127,7 +127,7 @@ def test_recording_spans_micro_batches_and_skips_eval_and_recompute(monkeypatch)
 
 
 def test_clip_puts_the_head_on_tau_and_leaves_the_rest():
-    model = _model()
+    model = gqa_model()
     before = _max_logits(model)
     tau = float(before[0, 0]) * 0.5
     assert before[0, 1:].max() < tau and before[1].max() < tau  # only group 0 of layer 0
@@ -151,7 +151,7 @@ def test_clip_puts_the_head_on_tau_and_leaves_the_rest():
 
 def test_clip_with_qk_norm_scales_the_norm_weights():
     # one layer: a clipped layer would change the next one's inputs
-    model = _model(use_qk_norm=True, num_hidden_layers=1)
+    model = gqa_model(use_qk_norm=True, num_hidden_layers=1)
     before = _max_logits(model)
     tau = float(before.max()) * 0.7
     snap = _snapshot(model)
@@ -164,7 +164,7 @@ def test_clip_with_qk_norm_scales_the_norm_weights():
 
 
 def test_below_tau_nothing_changes_bit_for_bit():
-    model = _model()
+    model = gqa_model()
     before = _max_logits(model)
     snap = _snapshot(model)
     assert model.qk_clip_(before, float(before.max()) + 1.0) == 0
@@ -177,7 +177,7 @@ def test_non_finite_logits_never_clip():
     assert torch.equal(qk.clip_factors(logits, 4, tau=1.0), torch.tensor([1.0, 1.0, 0.2, 1.0]))
 
 
-def _mla_model(num_hidden_layers: int = 1, q_lora: bool = True, **overrides) -> GLMForCausalLM:
+def mla_model(num_hidden_layers: int = 1, q_lora: bool = True, **overrides) -> GLMForCausalLM:
     """The MLA preset with DSA (index_topk 4) on the low-rank query, or with `q_lora` off a full
     q_proj and dense MLA (the indexer reads the low-rank query); `overrides` replace fields."""
     from models.glm import get_preset
@@ -209,7 +209,7 @@ def _mla_model(num_hidden_layers: int = 1, q_lora: bool = True, **overrides) -> 
 
 def test_mla_clip_puts_the_head_on_tau_and_leaves_the_rotary_key():
     """MLA with DSA (index_topk 4 < T: the sparse mask is the one recorded under)."""
-    model = _mla_model()
+    model = mla_model()
     before = _max_logits(model)
     tau = float(before[0, 0]) * 0.5
     assert before[0, 1:].max() < tau
@@ -235,7 +235,7 @@ def test_mla_clip_puts_the_head_on_tau_and_leaves_the_rotary_key():
 def test_mtp_attention_is_recorded_in_training_and_clipped():
     """MTP layers train in the training forward, so their attention is watched and clipped too:
     its row is finite after a forward with MTP, -inf after one without (never clipped)."""
-    model = _model(num_hidden_layers=1, num_mtp_layers=1)
+    model = gqa_model(num_hidden_layers=1, num_mtp_layers=1)
     assert len(model.attentions()) == 2  # the layer's, then the MTP layer's
     assert torch.isinf(_max_logits(model)[1]).all()  # `loss` runs without MTP
     model.record_max_logits(True)
@@ -269,7 +269,7 @@ def test_mtp_attention_is_recorded_in_training_and_clipped():
 )
 def test_bad_tau_or_alpha_is_refused_before_any_write(tau, alpha, error, named):
     """tau <= 0 used to zero (tau = 0) or flip and NaN (tau < 0) the q/k weights."""
-    model = _model()
+    model = gqa_model()
     before = _max_logits(model)
     snap = _snapshot(model)
     with pytest.raises(error, match=named.replace("'", ".")):
@@ -279,14 +279,14 @@ def test_bad_tau_or_alpha_is_refused_before_any_write(tau, alpha, error, named):
 
 
 def test_logits_of_the_wrong_shape_are_refused():
-    attn = _model().attentions()[0]
+    attn = gqa_model().attentions()[0]
     with pytest.raises(ValueError, match=r"max_logit_N: shape \(3,\).*expected \(4,\)"):
         qk.clip_attention_(attn, torch.ones(3), 1.0, 0.5)
 
 
 def test_a_nan_head_leaves_its_group_to_the_finite_heads():
     """One NaN head in a KV group used to make the group's maximum NaN: the group unclipped."""
-    model = _model()
+    model = gqa_model()
     before = _max_logits(model)
     tau = float(before[0, 0]) * 0.5
     noisy = before.clone()
@@ -311,7 +311,7 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("make", [_model, partial(_model, use_qk_norm=True), _mla_model])
+@pytest.mark.parametrize("make", [gqa_model, partial(gqa_model, use_qk_norm=True), mla_model])
 def test_the_clip_is_decided_on_the_device(make):
     """No host read of the logits: eta, the rows and the count stay tensors."""
     model = make()

@@ -25,4 +25,4 @@ def test_fork_server_starts_only_for_a_local_world(argv, env, starts, monkeypatc
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert train._starts_a_local_world(argv) is starts
+    assert train.starts_a_local_world(argv) is starts

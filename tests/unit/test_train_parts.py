@@ -9,7 +9,7 @@ from recipes.build import lr_lambda
 from recipes.config import Config
 
 
-def _cfg(*overrides: str):
+def train_cfg(*overrides: str):
     base = ["mesh.world_size=2", "mesh.ep=1", "data.seq_len=32", "logger.backend=none"]
     return OmegaConf.merge(
         OmegaConf.structured(Config), OmegaConf.from_dotlist([*base, *overrides])
@@ -18,7 +18,9 @@ def _cfg(*overrides: str):
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_lr_schedule(schedule):
-    f = lr_lambda(_cfg("train.steps=100", "train.warmup_steps=10", f"train.schedule={schedule}"))
+    f = lr_lambda(
+        train_cfg("train.steps=100", "train.warmup_steps=10", f"train.schedule={schedule}")
+    )
     assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11)
     assert f(10) == pytest.approx(1.0)
     end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]

@@ -20,7 +20,7 @@ def schema_help(*, _root_: DictConfig) -> str:
 
 
 #: the config tree train.py composes
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def config_groups() -> str:
