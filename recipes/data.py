@@ -182,7 +182,7 @@ class TokenStream:
         self.vocab_size = vocab_size
         self._epoch, self._perm = -1, None
 
-    def _chunk(self, sample: int) -> int:
+    def chunk(self, sample: int) -> int:
         epoch, index = divmod(sample, self.n_chunks)
         if epoch != self._epoch:
             rng = np.random.default_rng([self.seed, epoch])
@@ -193,7 +193,7 @@ class TokenStream:
         """Samples first_sample .. first_sample + batch_size - 1 as (input_ids, labels), and,
         packed, (input_ids, labels, position_ids, doc_ids) (`packed_fields`)."""
         T = self.seq_len
-        rows = [self._chunk(first_sample + b) * T for b in range(batch_size)]
+        rows = [self.chunk(first_sample + b) * T for b in range(batch_size)]
         x = np.stack([np.asarray(self.tokens[r : r + T + 1], dtype=np.int64) for r in rows])
         if x.max() >= self.vocab_size:
             raise ValueError(

@@ -162,7 +162,7 @@ class Trainer:
         both = both.to(self.device, non_blocking=cuda)
         return tuple(both.unbind(0))
 
-    def _read_skipped(self, unread: float | None = None) -> None:
+    def read_skipped(self, unread: float | None = None) -> None:
         """Fold the skipped steps still on the device into `skipped` (`unread`: their count,
         read with the step's figures; None reads it here, one host read)."""
         if self.skipped_unread is not None:
@@ -295,7 +295,7 @@ class Trainer:
         if "skipped" in figures:  # the device verdict, read with the figures
             host["skipped"] = figures.pop("skipped")
         if "skipped_unread" in figures:
-            self._read_skipped(figures.pop("skipped_unread"))
+            self.read_skipped(figures.pop("skipped_unread"))
         self.guard.take(figures)
         if "skipped" in host and self.skipped_unread is None:
             host["skipped_steps"] = float(self.skipped)

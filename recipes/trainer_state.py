@@ -99,7 +99,7 @@ def init_from(t) -> None:
 def save(t) -> Path:
     """Collective: checkpoint `t`'s current step (committed now, or at the next save / `wait`
     with `checkpoint.async_mode`)."""
-    t._read_skipped()
+    t.read_skipped()
     state = {
         "samples": t.samples,
         "skipped": t.skipped,

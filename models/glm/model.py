@@ -234,7 +234,7 @@ class GLMForCausalLM(nn.Module):
         normed_BTD = self.model.norm(h_BTD)
         if labels is None:
             return self.lm_head(normed_BTD)
-        out = {"loss": self._head_loss(normed_BTD, labels)}
+        out = {"loss": self.head_loss(normed_BTD, labels)}
         depths = c.mtp_depths_resolved if with_mtp else 0
         if depths:
             docs = None if doc_start_BT is None else (doc_start_BT, doc_end_BT)
@@ -275,10 +275,10 @@ class GLMForCausalLM(nn.Module):
             )
             first_topk_BTK = topk_BTK if k == 1 else first_topk_BTK
             kls += [kl] if kl is not None else []
-            losses.append(self._head_loss(h_BTD, target))
+            losses.append(self.head_loss(h_BTD, target))
         return losses
 
-    def _head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    def head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         return chunked_cross_entropy(
             self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens, check=False
         )

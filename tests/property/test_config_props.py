@@ -136,7 +136,7 @@ def _args(optim: str, pairs: list[tuple[str, str]]) -> list[str]:
     return [f"optim={optim}", *(f"{k}={v}" for k, v in pairs)]
 
 
-def _compose(optim: str, pairs: list[tuple[str, str]]):
+def compose_config(optim: str, pairs: list[tuple[str, str]]):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=_args(optim, pairs))
 
@@ -175,7 +175,7 @@ def test_overrides_refuse_by_name_or_compose_to_what_every_rank_accepts(case):
     optim, pairs = case
     named = [_key(k) for k, _ in pairs]
     try:
-        cfg = _compose(optim, pairs)
+        cfg = compose_config(optim, pairs)
     except ConfigCompositionException as err:
         text = f"{err} {err.__cause__}"
         assert any(k in text or k.rsplit(".", 1)[-1] in text for k in named), (pairs, text)

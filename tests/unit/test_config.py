@@ -20,7 +20,7 @@ CONF = ROOT / "conf"
 GROUPS = ("model", "mesh", "optim", "data", "logger", "checkpoint", "experiment")
 
 
-def _compose(overrides: list[str]):
+def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=overrides)
 
@@ -40,7 +40,7 @@ def _all_choices() -> list[list[str]]:
 def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if overrides == ["data=tokens"]:
-        overrides = [*overrides, f"data.path={_prepared(tmp_path / 'prepared')}"]
+        overrides = [*overrides, f"data.path={prepared_dir(tmp_path / 'prepared')}"]
     if overrides == ["model=hf"]:  # the model of a transformers directory: the tiny preset's
         from models.glm import GLMForCausalLM, get_preset
         from models.glm.hf_adapter import export_hf
@@ -48,7 +48,7 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
         tiny = GLMForCausalLM(get_preset("tiny"))
         export_hf(tiny, tiny.config, tmp_path / "hf")
         overrides = [*overrides, f"model.path={tmp_path / 'hf'}"]
-    cfg = _compose(overrides)
+    cfg = compose_config(overrides)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
     if plain["optim"]["name"] == "muon":
@@ -72,7 +72,7 @@ def test_model_group_matches_presets():
 
 
 def test_embedded_default():
-    cfg = schema.to_plain(_compose([]))
+    cfg = schema.to_plain(compose_config([]))
     assert cfg["model"]["preset"] == "tiny"
     assert (cfg["mesh"]["world_size"], cfg["mesh"]["ep"]) == (4, 2)
     assert (cfg["optim"]["name"], cfg["optim"]["remainder_strategy"]) == ("muon", "pad_all2all")
@@ -95,7 +95,7 @@ def test_user_keys_override():
         "metrics.memory_every=2",
         "+model.overrides.num_hidden_layers=2",
     ]
-    cfg = _compose(keys)
+    cfg = compose_config(keys)
     schema.validate(cfg)
     plain = schema.to_plain(cfg)
     assert plain["optim"]["remainder_strategy"] == "ragged_all_to_all"
@@ -124,7 +124,7 @@ def test_user_keys_override():
 )
 def test_compose_rejects(override, expected):
     with pytest.raises(ConfigCompositionException) as err:
-        _compose(override.split())
+        compose_config(override.split())
     text = f"{err.value} {err.value.__cause__}"
     for fragment in expected:
         assert fragment in text
@@ -195,11 +195,11 @@ def test_compose_rejects(override, expected):
 )
 def test_validate_rejects(overrides, expected):
     with pytest.raises(schema.ConfigError) as err:
-        schema.validate(_compose(overrides))
+        schema.validate(compose_config(overrides))
     assert expected in str(err.value)
 
 
-def _prepared(directory, vocab_size=300, val_tokens=600):
+def prepared_dir(directory, vocab_size=300, val_tokens=600):
     """A minimal prepared token directory (what scripts/prepare_data.py writes)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "train.bin").write_bytes(bytes(2 * 600))  # 600 uint16 tokens
@@ -211,11 +211,11 @@ def _prepared(directory, vocab_size=300, val_tokens=600):
 
 
 def test_prepared_directory_gives_vocab_and_dtype(tmp_path):
-    prepared = _prepared(tmp_path / "p")
-    cfg = _compose(["data=tokens", f"data.path={prepared}"])
+    prepared = prepared_dir(tmp_path / "p")
+    cfg = compose_config(["data=tokens", f"data.path={prepared}"])
     schema.validate(cfg)
     assert (cfg.data.vocab_size, cfg.data.dtype.value) == (300, "uint16")
-    same = _compose(["data=tokens", f"data.path={prepared}", "data.vocab_size=300"])
+    same = compose_config(["data=tokens", f"data.path={prepared}", "data.vocab_size=300"])
     schema.validate(same)  # a value that agrees is fine
     cases = [
         (["data.vocab_size=512"], "data.vocab_size=512: contradicts"),
@@ -227,13 +227,13 @@ def test_prepared_directory_gives_vocab_and_dtype(tmp_path):
         ([f"data.path={token_file}"], "eval.every=50: data.path="),
         ([f"data.path={token_file}", "eval.every=0"], "data.vocab_size=None: needed"),
         ([f"data.path={tmp_path}"], "a directory without meta.json"),
-        ([f"data.path={_prepared(tmp_path / 'noval', val_tokens=0)}"], "no validation tokens"),
+        ([f"data.path={prepared_dir(tmp_path / 'noval', val_tokens=0)}"], "no validation tokens"),
     ]
     for extra, expected in cases:
         with pytest.raises(schema.ConfigError, match=re.escape(expected)):
-            schema.validate(_compose(["data=tokens", f"data.path={prepared}", *extra]))
+            schema.validate(compose_config(["data=tokens", f"data.path={prepared}", *extra]))
     flat = ["data=tokens", f"data.path={token_file}", "eval.every=0", "data.dtype=uint8"]
-    schema.validate(_compose([*flat, "data.vocab_size=256"]))  # one file: the keys say it all
+    schema.validate(compose_config([*flat, "data.vocab_size=256"]))  # one file: the keys say it all
 
 
 def test_validate_checks_the_token_file_sizes(tmp_path):
@@ -243,21 +243,21 @@ def test_validate_checks_the_token_file_sizes(tmp_path):
     path = write_tokens(tmp_path / "tok.bin", np.arange(100, dtype=np.uint16))
     args = ["data=tokens", f"data.path={path}", "data.vocab_size=256", "eval.every=0"]
     args += ["data.dtype=uint16"]  # one token file: its keys are given, not read from meta.json
-    schema.validate(_compose([*args, "data.seq_len=99"]))  # 99 + 1 tokens: one sample
+    schema.validate(compose_config([*args, "data.seq_len=99"]))  # 99 + 1 tokens: one sample
     with pytest.raises(schema.ConfigError, match=r"data.seq_len=100: .* holds 100"):
-        schema.validate(_compose([*args, "data.seq_len=100"]))
+        schema.validate(compose_config([*args, "data.seq_len=100"]))
     with pytest.raises(schema.ConfigError, match=r"data.dtype=uint8: .*written as uint16"):
-        schema.validate(_compose([*args, "data.dtype=uint8", "data.seq_len=8"]))
+        schema.validate(compose_config([*args, "data.dtype=uint8", "data.seq_len=8"]))
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\0" * 9)
     with pytest.raises(schema.ConfigError, match=r"data.dtype=uint16: .*9 bytes, not whole 2-byte"):
-        schema.validate(_compose([*args, f"data.path={odd}", "data.seq_len=2"]))
+        schema.validate(compose_config([*args, f"data.path={odd}", "data.seq_len=2"]))
     (tmp_path / "src").mkdir()
     with pytest.raises(schema.ConfigError, match=r"data.path=.*src: no .py files"):
-        schema.validate(_compose([f"data.path={tmp_path / 'src'}"]))
+        schema.validate(compose_config([f"data.path={tmp_path / 'src'}"]))
     (tmp_path / "src" / "a.py").write_bytes(b"x" * 10)
     with pytest.raises(schema.ConfigError, match=r"data.seq_len=10: .* holds 10"):
-        schema.validate(_compose([f"data.path={tmp_path / 'src'}", "data.seq_len=10"]))
+        schema.validate(compose_config([f"data.path={tmp_path / 'src'}", "data.seq_len=10"]))
 
 
 def test_training_objective_knobs_reach_the_model():
@@ -265,11 +265,13 @@ def test_training_objective_knobs_reach_the_model():
     to DeepSeek-V3's 0.3; MLA fields and lists pass through model.overrides."""
     from recipes.build import model_config
 
-    cfg = _compose(["model=mla_tiny", "train.indexer_training=frozen", "checkpoint.export_hf=0"])
+    cfg = compose_config(
+        ["model=mla_tiny", "train.indexer_training=frozen", "checkpoint.export_hf=0"]
+    )
     schema.validate(cfg)
     assert model_config(cfg).indexer_training == "frozen"
     assert cfg.train.mtp_loss_weight == 0.3
-    cfg = _compose(
+    cfg = compose_config(
         [
             "model=mla_tiny",
             "+model.overrides.indexer_types=[full,full,shared]",
@@ -284,7 +286,7 @@ def test_training_objective_knobs_reach_the_model():
 
 def test_validate_checks_the_launcher_world():
     with pytest.raises(schema.ConfigError, match="WORLD_SIZE=8"):
-        schema.validate(_compose([]), env_world_size=8)
+        schema.validate(compose_config([]), env_world_size=8)
 
 
 def test_every_field_has_help():
@@ -337,7 +339,7 @@ def test_every_key_is_in_the_run_dir_name_or_declared_same_run(optim):
     """Every key of the composed config given on the command line: it shows in the run
     directory's name (Hydra's override_dirname) unless the schema declares it `same_run`, and the
     run directory's exclusions are exactly the schema's declarations (no hand list)."""
-    base = _compose([f"optim={optim}"])
+    base = compose_config([f"optim={optim}"])
     leaves = _leaves(OmegaConf.to_container(base, resolve=True, enum_to_str=True))
     overrides = [f"optim={optim}", *(_override(k, v) for k, v in leaves.items())]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
@@ -435,20 +437,22 @@ def test_muon_defaults_are_written_once_in_muon_options():
     assert sorted(keywords) == sorted(OPTION_NAMES)
     assert {k: signature[k].default for k in keywords} == dataclasses.asdict(DEFAULTS)
     expected = {k: v for k, v in dataclasses.asdict(DEFAULTS).items() if k not in MUON_UNCONFIGURED}
-    assert muon_options(_compose([]).optim) == expected
-    node = _compose([]).optim
+    assert muon_options(compose_config([]).optim) == expected
+    node = compose_config([]).optim
     for name in expected:
         key = MUON_RENAMED.get(name, name)
         assert key in node, f"MuonOptions.{name} has no optim.{key}"
     assert node.memory_budget_gib is None and DEFAULTS.memory_budget is None
-    adamw = _compose(["optim=adamw"]).optim  # the baseline: the AdamW groups' defaults
+    adamw = compose_config(["optim=adamw"]).optim  # the baseline: the AdamW groups' defaults
     assert (adamw.lr, list(adamw.betas), adamw.eps) == (
         DEFAULTS.adamw_lr,
         list(DEFAULTS.betas),
         DEFAULTS.adamw_eps,
     )
     # a changed key reaches Muon under Muon's name, converted
-    changed = _compose(["optim.memory_budget_gib=0.5", "optim.eps=1e-6", "optim.momentum=0.9"])
+    changed = compose_config(
+        ["optim.memory_budget_gib=0.5", "optim.eps=1e-6", "optim.momentum=0.9"]
+    )
     kwargs = muon_options(changed.optim)
     assert (kwargs["memory_budget"], kwargs["adamw_eps"], kwargs["momentum"]) == (
         1 << 29,
@@ -463,7 +467,7 @@ def test_adjust_lr_none_reaches_the_optimizer():
     from recipes.build import build_optimizer
 
     opt = build_optimizer(
-        _compose(["optim.adjust_lr=none"]).optim, GLMForCausalLM(get_preset("tiny"))
+        compose_config(["optim.adjust_lr=none"]).optim, GLMForCausalLM(get_preset("tiny"))
     )
     muon_groups = [g for g in opt.param_groups if g.get("algorithm") == "muon"]
     assert muon_groups and all(g["adjust_lr"] == "none" for g in muon_groups)
@@ -474,7 +478,7 @@ def test_newton_schulz_knobs_reach_the_optimizer():
     from models.glm import GLMForCausalLM, get_preset
     from recipes.build import build_optimizer
 
-    cfg = _compose(["optim.ns_coefficients=fixed", "optim.ns_algorithm=standard"])
+    cfg = compose_config(["optim.ns_coefficients=fixed", "optim.ns_algorithm=standard"])
     cfg.optim.normuon, cfg.optim.normuon_beta2 = True, 0.9
     opt = build_optimizer(cfg.optim, GLMForCausalLM(get_preset("tiny")))
     muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
@@ -484,7 +488,7 @@ def test_newton_schulz_knobs_reach_the_optimizer():
         for g in muon
     )
     assert all("normuon_v" in opt.state[p] for g in muon for p in g["params"])
-    default = build_optimizer(_compose([]).optim, GLMForCausalLM(get_preset("tiny")))
+    default = build_optimizer(compose_config([]).optim, GLMForCausalLM(get_preset("tiny")))
     assert {
         (g["ns_coefficients"], g["ns_algorithm"])
         for g in default.param_groups
@@ -498,16 +502,18 @@ def test_attention_knobs_reach_the_model_and_optimizer():
     from models.glm import GLMForCausalLM, get_preset
     from recipes.build import build_optimizer, muon_split_on, records_max_logits
 
-    assert records_max_logits(_compose([]))
-    assert not records_max_logits(_compose(["metrics.attn_max_logit=false"]))
-    assert records_max_logits(_compose(["metrics.attn_max_logit=false", "optim.qk_clip_tau=50"]))
+    assert records_max_logits(compose_config([]))
+    assert not records_max_logits(compose_config(["metrics.attn_max_logit=false"]))
+    assert records_max_logits(
+        compose_config(["metrics.attn_max_logit=false", "optim.qk_clip_tau=50"])
+    )
     gqa, mla = GLMForCausalLM(get_preset("tiny")), GLMForCausalLM(get_preset("mla_tiny"))
     assert not muon_split_on("auto", gqa) and muon_split_on("auto", mla)
     assert muon_split_on("on", gqa) and not muon_split_on("off", mla)
-    opt = build_optimizer(_compose(["optim.muon_split=on"]).optim, gqa)
+    opt = build_optimizer(compose_config(["optim.muon_split=on"]).optim, gqa)
     split = {n for g in opt.param_groups if g.get("num_blocks", 1) > 1 for n in g["param_names"]}
     assert "model.layers.0.self_attn.q_proj.weight" in split
-    unsplit = build_optimizer(_compose([]).optim, gqa)
+    unsplit = build_optimizer(compose_config([]).optim, gqa)
     assert not any(
         "self_attn" in n
         for g in unsplit.param_groups
@@ -521,8 +527,8 @@ def test_dsa_impl_defaults_to_the_sparse_path_and_overrides_to_masked():
     reference is `+model.overrides.dsa_impl=masked`."""
     from recipes.build import model_config
 
-    assert model_config(_compose(["model=mla_tiny"])).dsa_impl == "latent"
-    masked = _compose(["model=mla_tiny", "+model.overrides.dsa_impl=masked"])
+    assert model_config(compose_config(["model=mla_tiny"])).dsa_impl == "latent"
+    masked = compose_config(["model=mla_tiny", "+model.overrides.dsa_impl=masked"])
     assert model_config(masked).dsa_impl == "masked"
 
 
@@ -530,7 +536,7 @@ def test_dsa_impl_defaults_to_the_sparse_path_and_overrides_to_masked():
 def test_an_appended_unknown_key_is_refused_before_the_ranks(key):
     """Hydra's `+` appends to any node: the config composed, and every rank's `from_yaml`
     then failed on the unknown key."""
-    cfg = _compose([f"{key}=1"])
+    cfg = compose_config([f"{key}=1"])
     with pytest.raises(schema.ConfigError, match=re.escape(f"{key[1:]}=1: not in the schema")):
         schema.validate(cfg)
 
@@ -539,11 +545,11 @@ def test_an_appended_unknown_key_is_refused_before_the_ranks(key):
 def test_a_bool_key_takes_true_or_false_only(value):
     """OmegaConf turns `checkpoint.async_mode=2` (or `yes`) into True without a word."""
     overrides = [f"checkpoint.async_mode={value}"]
-    cfg = _compose(overrides)
+    cfg = compose_config(overrides)
     with pytest.raises(schema.ConfigError, match="checkpoint.async_mode=.*must be true or false"):
         schema.validate(cfg, overrides=overrides)
     schema.validate(
-        _compose(["checkpoint.async_mode=true"]), overrides=["checkpoint.async_mode=true"]
+        compose_config(["checkpoint.async_mode=true"]), overrides=["checkpoint.async_mode=true"]
     )
 
 
@@ -564,8 +570,8 @@ def test_unknown_keys_fail_naming_the_nearest_real_one():
     fine = ["-m", "model=mla_tiny", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "--cfg"]
     schema.check_command_line([*fine, "job", "optim.lr=1,2", "+model.overrides.num_mtp_layers=0"])
     with pytest.raises(schema.ConfigError, match=re.escape("did you mean train.steps?")):
-        schema.validate(_compose(["+train.step=5"]))
+        schema.validate(compose_config(["+train.step=5"]))
     with pytest.raises(schema.ConfigError, match="optim.ns_steps=3: a key of optim=muon; "):
-        schema.validate(_compose(["optim=adamw", "+optim.ns_steps=3"]))
+        schema.validate(compose_config(["optim=adamw", "+optim.ns_steps=3"]))
     with pytest.raises(schema.ConfigError, match="optim.ns_stpes=3: not in the schema"):
-        schema.validate(_compose(["optim=adamw", "+optim.ns_stpes=3"]))
+        schema.validate(compose_config(["optim=adamw", "+optim.ns_stpes=3"]))

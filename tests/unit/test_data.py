@@ -124,7 +124,7 @@ def test_packed_samples_restart_positions_and_stop_labels_at_each_document(tmp_p
     assert torch.equal(px, x)  # the same samples, with their documents
     starts = np.cumsum([0, *lengths])
     for b in range(x.shape[0]):
-        first = dense._chunk(b) * 8  # the sample's first token in the stream
+        first = dense.chunk(b) * 8  # the sample's first token in the stream
         for t in range(8):
             at = first + t
             d = np.searchsorted(starts, at, side="right") - 1
@@ -156,14 +156,14 @@ def test_packing_needs_the_document_boundaries(tmp_path, source):
 
 def test_a_directory_without_boundaries_is_refused_naming_data_pack(tmp_path):
     from recipes import config as schema
-    from tests.unit.test_config import _compose, _prepared
+    from tests.unit.test_config import compose_config, prepared_dir
 
-    prepared = _prepared(tmp_path / "p")  # as prepared before the boundaries were written
+    prepared = prepared_dir(tmp_path / "p")  # as prepared before the boundaries were written
     args = ["data=tokens", f"data.path={prepared}"]
-    schema.validate(_compose(args))  # data.pack=false reads it as one stream
+    schema.validate(compose_config(args))  # data.pack=false reads it as one stream
     with pytest.raises(schema.ConfigError, match=r"data.pack=True: needs the document"):
-        schema.validate(_compose([*args, "data.pack=true"]))
+        schema.validate(compose_config([*args, "data.pack=true"]))
     for split in ("train", "val"):
         n = (prepared / f"{split}.bin").stat().st_size // 2
         data.write_doc_offsets(prepared / f"{split}.bin", np.array([0, n // 2, n]))
-    schema.validate(_compose([*args, "data.pack=true"]))
+    schema.validate(compose_config([*args, "data.pack=true"]))

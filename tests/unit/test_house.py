@@ -47,7 +47,7 @@ ROOM_IMPORTS = {
 _RESHAPE = "moved by the reshape"
 #: (importer, imported) edges that break a room rule, with their reason
 ALLOWED_EDGES = {
-    ("recipes.config.model_checks", "recipes.parallel"): (
+    ("recipes.config.model_checks", "recipes.build"): (
         f"{_RESHAPE}: the second stage builds the model's config the ranks would "
         "(model_config), which becomes one GLMConfig built once and passed"
     ),
@@ -127,7 +127,7 @@ ALLOWED = {
     ("recipes/memory.py", "_C"): _PROFILER,
     ("recipes/memory.py", "_run_on_profiler_start"): _PROFILER,
     ("recipes/memory.py", "_run_on_profiler_stop"): _PROFILER,
-    ("recipes/parallel.py", "_internal"): (
+    ("recipes/build.py", "_internal"): (
         "torch's fake process group, the world of 512 ranks the planner builds plans in"
     ),
     ("recipes/world.py", "_exit"): "os._exit: leave a forked rank without the parent's atexit",
@@ -186,7 +186,6 @@ ALLOWED = {
     # recipes/ modules another change is splitting
     ("tests/distributed/test_train_parts.py", "_forward_backward"): f"{_RESHAPE}: Trainer split",
     ("tests/distributed/test_train_parts.py", "_optimizer_step"): f"{_RESHAPE}: Trainer split",
-    ("tests/unit/test_config_preflight.py", "_init_from"): f"{_RESHAPE}: Trainer split",
     ("tests/unit/test_memory.py", "_marker_bytes"): f"{_RESHAPE}: recipes/memory.py split",
     ("tests/unit/test_memory.py", "_libc10_path"): f"{_RESHAPE}: recipes/memory.py split",
     ("tests/unit/test_train_parts.py", "_setup_logging"): f"{_RESHAPE}: recipes/launch.py",

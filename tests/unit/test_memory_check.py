@@ -16,7 +16,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 GiB = 1 << 30
 
 
-def _compose(overrides: list[str]):
+def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=overrides)
 
@@ -29,7 +29,7 @@ def test_seq_len_100000_on_tiny_is_refused_with_the_estimate_and_settings_that_f
     activations of 8 x 100000 tokens: the figure step_fits computes, read back below) and the
     settings that fit (a batch of 1 x 100000 tokens does not: only a shorter sequence);
     `warn` logs the same and returns; `off` does not estimate."""
-    cfg = _compose(["data.seq_len=100000"])
+    cfg = compose_config(["data.seq_len=100000"])
     budget = 6 * GiB // 4
     monkeypatch.setattr(memory_check, "available_bytes", lambda *_: (budget, "6 GiB (test)"))
     text = OmegaConf.to_yaml(cfg, resolve=True)

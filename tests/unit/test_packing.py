@@ -61,14 +61,14 @@ class _Record:
 
     def __init__(self, model: GLMForCausalLM) -> None:
         self.sums, self.topk, self.hooks, self.cos = [], [], [], []
-        head_loss = model._head_loss
+        head_loss = model.head_loss
 
         def counted(h, labels):
             loss = head_loss(h, labels)
             self.sums.append(loss * (labels != -100).sum())
             return loss
 
-        model._head_loss = counted
+        model.head_loss = counted
         first = model.model.layers[0].self_attn  # the RoPE table it reads, [B, T, R] or [T, R]
         self.hooks.append(first.register_forward_pre_hook(lambda m, a: self.cos.append(a[1])))
         for layer in [*model.model.layers, *model.model.mtp_layers]:
@@ -90,7 +90,7 @@ def _run(model, ids, labels, **packing):
     # indexer_kl: the mean over layers of each layer's mean over the B x T queries
     kl_sum = kl * len(rec.topk) * ids.numel()
     (sum(rec.sums) + kl_sum).backward()
-    del model._head_loss
+    del model.head_loss
     for hook in rec.hooks:
         hook.remove()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

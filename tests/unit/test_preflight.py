@@ -16,7 +16,7 @@ from recipes.config.preflight import check_path_overrides, check_run_name, max_t
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
-def _compose(overrides: list[str]):
+def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=overrides)
 
@@ -47,7 +47,7 @@ def test_run_names_inside_run_root_pass_and_validate_checks_the_composed_one():
     check_path_overrides(["train.steps=3", "run.name=ok,fine/too", "run.root=/abs/is/fine"])
     with pytest.raises(schema.ConfigError, match=r"run\.name=\.\./x: has a '\.\.'"):
         check_path_overrides(["run.name=ok,../x"])  # a sweep: every value
-    cfg = _compose(["run.name=../escape"])
+    cfg = compose_config(["run.name=../escape"])
     with pytest.raises(schema.ConfigError, match=r"run\.name=\.\./escape: has a '\.\.'"):
         schema.validate(cfg, check_devices=False)
 
@@ -64,17 +64,17 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_file(tmp_path, m
     over += ["eval.every=0", f"data.cache_dir={tmp_path / 'cache'}"]
     expected = rf"data\.vocab_size=1000: {path} holds token id 65452 \(ids must be <"
     with pytest.raises(schema.ConfigError, match=expected):
-        schema.validate(_compose(over), check_devices=False)
+        schema.validate(compose_config(over), check_devices=False)
     monkeypatch.setattr(preflight, "SCAN_CHUNK", 1)  # a scan now would read token by token...
     monkeypatch.setattr(np, "memmap", None)  # ...and cannot: the remembered maximum is used
     with pytest.raises(schema.ConfigError, match=expected):
-        schema.validate(_compose(over), check_devices=False)
+        schema.validate(compose_config(over), check_devices=False)
     (memo,) = (tmp_path / "cache" / "token-max").iterdir()
     assert json.loads(memo.read_text())["max_id"] == 65452
     monkeypatch.undo()
     tokens[3000] = 999
     np.append(tokens, 7).tofile(path)  # rewritten: another size, so scanned again
-    schema.validate(_compose(over), check_devices=False)
+    schema.validate(compose_config(over), check_devices=False)
     assert max_token_id(path, "uint16") == 999  # no cache_dir: scanned, not remembered
     wide = [*over[:-3], "data.vocab_size=65536", *over[-2:]]  # uint16 holds no larger id
-    schema.validate(_compose(wide), check_devices=False)
+    schema.validate(compose_config(wide), check_devices=False)
