@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from recipes.bench.cli import command_line
-from recipes.bench.fixtures import MiB
 from recipes.ranks import local_tensor
+from recipes.units import MiB
 from recipes.world import run_world as _run_world
 
 

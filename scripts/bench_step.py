@@ -36,9 +36,10 @@ import torch
 
 from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
-from recipes.bench.fixtures import DTYPES, MiB, sharded_matrices
+from recipes.bench.fixtures import DTYPES, sharded_matrices
 from recipes.bench.report import as_shown
 from recipes.bench.timing import peak_bytes, rotations, timed
+from recipes.units import MiB
 from recipes.world import run_world as _run_world
 
 #: (rows, cols, blocks, count) at W = 8, rows chunked 8 ways: dense full batches and remainders

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.bench.fixtures import MiB
 from recipes.ranks import local_tensor
+from recipes.units import MiB
 from recipes.world import run_world
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.bench.fixtures import MiB
 from recipes.bench.report import as_shown
+from recipes.units import MiB
 
 LABELS = {
     "agrs": "agrs",

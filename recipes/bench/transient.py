@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from recipes.bench.fixtures import DTYPES, MiB, optimizer_step_peak, sharded_matrices
+from recipes.bench.fixtures import DTYPES, optimizer_step_peak, sharded_matrices
+from recipes.units import MiB
 
 #: 19 matrices, 13.4 M parameters: 3 layers of a d = 640 transformer (q, k, v, o and a 2048
 #: MLP) and one 1024 x 640 matrix; stacked full batches and remainders of 3 and 1 at W = 4

@@ -16,9 +16,10 @@ import statistics
 
 import torch
 
-from recipes.bench.fixtures import DTYPES, MiB, optimizer_step_peak, sharded_matrices
+from recipes.bench.fixtures import DTYPES, optimizer_step_peak, sharded_matrices
 from recipes.bench.timing import rotations, timed
 from recipes.ranks import local_tensor
+from recipes.units import MiB
 
 #: `muon.Muon` with a `memory_budget` below every batch: the smallest batches the plan cuts
 ONE_UNIT = "muon.Muon, one unit per batch"
