@@ -2,7 +2,7 @@
 
 The model is built on the meta device, parallelized (EP, activation checkpointing, compile,
 FSDP2 with the `train.*` dtypes), materialized on the rank's device and initialized from
-`train.seed`: every rank draws only its own shard of the same full weights (models.glm.init),
+`train.seed`: every rank draws only its own shard of the same full weights (models.glm.model.init),
 whatever the world size or ep, so a run is reproducible across layouts.
 """
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
-from models.glm.parallelize import build_meshes, parallelize
+from models.glm.infra.parallelize import build_meshes, parallelize
 from recipes.units import GiB
 
 

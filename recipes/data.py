@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.glm.loss_head import IGNORE_INDEX
+from models.glm.model.loss_head import IGNORE_INDEX
 from recipes.data_files import (  # noqa: F401 - re-exported: the file layout lives there
     DOC_OFFSETS_DTYPE,
     META_FILE,

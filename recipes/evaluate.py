@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from models.glm.loss_head import IGNORE_INDEX
+from models.glm.model.loss_head import IGNORE_INDEX
 from recipes.data import TokenStream, packing_kwargs
 
 log = logging.getLogger("recipes")

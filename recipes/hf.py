@@ -1,7 +1,7 @@
 """The recipe's transformers interface: export a checkpoint, start a run from a GLM directory.
 
 - `export_checkpoint(ckpt, out)`: the model of a committed checkpoint as a transformers
-  directory (models.glm.hf_adapter.write_hf), on any number of ranks: rank r writes files
+  directory (models.glm.hf.adapter.write_hf), on any number of ranks: rank r writes files
   r, r + W, ...; every tensor is read from the sharded DCP files region by region (one
   transformers tensor at a time: an expert matrix, a norm, the embedding), so no rank ever holds
   more than one tensor beyond what the DCP reader stages (the saved pieces overlapping it).
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from models.glm import GLMConfig
-from models.glm.hf_adapter import write_hf
-from models.glm.hf_import import HFDir, check_hf, load_hf
+from models.glm.hf.adapter import write_hf
+from models.glm.hf.load import HFDir, check_hf, load_hf
 from recipes import checkpoint_verify, ranks
 from recipes.dcp_safe import SafeReader
 from recipes.units import GiB
@@ -127,7 +127,7 @@ def hf_model_config(path: str | Path, overrides: dict) -> GLMConfig:
     glm_moe_dsa), with `model.overrides` replacing fields."""
     import json
 
-    from models.glm.hf_config import config_from_hf
+    from models.glm.hf.config import config_from_hf
 
     path = Path(path).expanduser()
     config = config_from_hf(json.loads((path / "config.json").read_text()))
@@ -142,7 +142,7 @@ def check_init_from(
     right shape and a loadable format (naming the tensors; MTP layers the files lack only
     with `init_missing_mtp`, `checkpoint.init_missing_mtp`). Reads config.json and the
     safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
-    from models.glm.hf_config import TRAINING_ONLY, canonical_indexer_types
+    from models.glm.hf.config import TRAINING_ONLY, canonical_indexer_types
 
     hf = HFDir(path)
     theirs, ours = hf.config.to_dict(), config.to_dict()

@@ -1,7 +1,7 @@
 """The dry-run planner's report as plain data: Muon's plans at cluster scale, on one CPU.
 
 `plan(...)` builds the model on the meta device inside torch's fake process group of
-`world_size` ranks, parallelizes it with the real `models.glm.parallelize` (EP + FSDP2; both by
+`world_size` ranks, parallelizes it with `models.glm.infra.parallelize` (EP + FSDP2; both by
 `recipes.build.planning_model`, as the whole-step estimate does), and constructs the real
 `muon.Muon` once per remainder strategy. The optimizer's own plans (`opt.plans`) are then read
 through the path objects' figures of a `muon.plan.BatchPlan` (`muon.paths`); nothing here
@@ -288,7 +288,7 @@ def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: 
         qk = config.head_dim_resolved
     # every attention trains and is watched, the MTP layers' too
     heads, layers = config.num_attention_heads, config.num_hidden_layers + config.num_mtp_layers
-    from models.glm.qk_clip import recording_flops
+    from models.glm.model.qk_clip import recording_flops
 
     record = layers * tokens_per_rank / seq_len * recording_flops(seq_len, heads, qk)
     return {

@@ -53,7 +53,7 @@ def attention_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
 
 
 def mla_bytes_per_token(config: GLMConfig, a: int, seq_len: int) -> int:
-    """Multi-head latent attention (models/glm/mla.py), per token: the input norm and its
+    """Multi-head latent attention (models/glm/model/mla.py), per token: the input norm and its
     output, the query and key/value latents with their norms, then by `dsa_impl`:
     - dense MLA and "masked": kv_b_proj's input, SDPA's q, k (the concatenated nope + rope
       heads), the kv_b output v is a view of, its output and log-sum-exp, and under DSA with
@@ -196,7 +196,7 @@ def head_bytes_per_token(config: GLMConfig, a: int) -> int:
 
 def loss_head_chunk_bytes(config: GLMConfig, a: int, tokens: int) -> int:
     """The loss head's transient: one chunk of `loss_chunk_tokens` tokens (at most `tokens`;
-    models/glm/model.py `chunked_cross_entropy`), at its peak the chunk's [chunk, V] logits in
+    models/glm/model/model.py `chunked_cross_entropy`), at its peak the chunk's [chunk, V] logits in
     the compute dtype and in float32 (forward, and again in backward, where the float32 copy
     becomes the gradient in place and is cast back to the compute dtype): (a + 4) bytes per
     logit, 4 in float32 compute (no copy); below float32 also the backward's float32 sum of

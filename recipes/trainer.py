@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from models.glm.loss_head import check_labels
+from models.glm.model.loss_head import check_labels
 from recipes import checkpoint, grads, trainer_state
 from recipes.build import (
     build_model,

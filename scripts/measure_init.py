@@ -32,7 +32,7 @@ from recipes.world import run_world
 
 def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
     from models.glm import GLMForCausalLM, get_preset
-    from models.glm.parallelize import build_meshes, parallelize
+    from models.glm.infra.parallelize import build_meshes, parallelize
     from recipes.memory import MemoryMeter
 
     meter = MemoryMeter("cpu")

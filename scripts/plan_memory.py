@@ -1,7 +1,7 @@
 """Dry-run Muon planner: per-rank bytes moved and peak buffers at cluster scale, on one CPU.
 
 Builds the model on the meta device inside torch's fake process group of `--world-size` ranks,
-parallelizes it with the real `models.glm.parallelize` (EP + FSDP2), and constructs the real
+parallelizes it with the real `models.glm.infra.parallelize` (EP + FSDP2), and constructs the real
 `muon.Muon` once per remainder strategy; the optimizer's own plans are read through the cost
 model (`muon.cost`), no parameter memory is allocated (`recipes.planning.plan`; the text and
 budget check: `recipes.planning_report`).
@@ -43,7 +43,7 @@ from recipes.planning_report import format_report
 
 
 def _parser() -> argparse.ArgumentParser:
-    from models.glm.presets import PRESET_NAMES
+    from models.glm.model.presets import PRESET_NAMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="glm52", choices=PRESET_NAMES, help="model preset")

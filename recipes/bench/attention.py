@@ -64,8 +64,8 @@ def layer_config(seq_len: int, path: str, mode: str):
 
 def measure(seq_len: int, path: str, mode: str, repeats: int) -> dict:
     """Seconds (median of `repeats`) and peak MiB of one forward + backward, in this process."""
-    from models.glm.layers import rope_cos_sin
-    from models.glm.mla import MLAttention
+    from models.glm.model.layers import rope_cos_sin
+    from models.glm.model.mla import MLAttention
     from recipes.memory import MemoryMeter
 
     torch.set_num_threads(1)

@@ -27,7 +27,7 @@ KERNELS = ("loop", "grouped_mm", "padded_bmm")
 def moe_layer(preset: str, num_experts: int, device: str, dtype: torch.dtype, seed: int = 0):
     """The MoE block of `preset` with `num_experts` routed experts, weights ~ N(0, 1/fan_in)."""
     from models.glm import get_preset
-    from models.glm.moe import MoE
+    from models.glm.model.moe import MoE
 
     torch.manual_seed(seed)
     with torch.device(device):

@@ -10,7 +10,8 @@ values, and --help lists its members.
 from enum import StrEnum
 
 # The libraries' own choice lists, in their order (tests/unit/test_config.py compares them):
-PRESET_NAMES = ("tiny", "small", "glm45_air", "mla_tiny", "glm5", "glm52")  # models.glm.presets
+# models.glm.model.presets
+PRESET_NAMES = ("tiny", "small", "glm45_air", "mla_tiny", "glm5", "glm52")
 REMAINDER_CHOICES = ("agrs", "pad_all2all", "ragged_all_to_all", "auto")  # muon.plan
 NS_DTYPES = ("bfloat16", "float32", "float16")  # muon.optimizer
 NS_COEFFICIENTS = ("fixed", "tuned", "polar_express")  # muon.newton_schulz

@@ -47,7 +47,7 @@ def _validate_model(cfg: DictConfig) -> "GLMConfig":
     """The model the ranks would build, and its layout on the mesh, without building it;
     returns its GLMConfig (built once here, for the checks after it)."""
     from models.glm import GLMConfig
-    from models.glm.parallelize import check_layout
+    from models.glm.infra.parallelize import check_layout
     from recipes.build import model_config
 
     model = cfg.model
@@ -106,7 +106,7 @@ def _word(name: str, text: str) -> re.Match | None:
 
 
 def _validate_checkpoint(cfg: DictConfig, config: "GLMConfig") -> None:
-    from models.glm.hf_config import config_to_hf
+    from models.glm.hf.config import config_to_hf
 
     if cfg.checkpoint.export_hf:
         try:  # the final export needs a transformers layout of the model

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.glm.local import local_tensor
+from models.glm.infra.local import local_tensor
 from recipes import checkpoint
 from recipes.checkpoint import COMMITTED
 from tests.harness import WorldError, run_world

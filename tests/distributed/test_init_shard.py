@@ -1,14 +1,14 @@
 """Per-shard init: every mesh gives the values of a single-process init, and each rank draws
-random values in proportion to its shard (models/glm/init.py)."""
+random values in proportion to its shard (models/glm/model/init.py)."""
 
 import math
 
 import torch
 import torch.distributed as dist
 
-import models.glm.init as shard_init
+import models.glm.model.init as shard_init
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
-from models.glm.parallelize import build_meshes, parallelize
+from models.glm.infra.parallelize import build_meshes, parallelize
 from tests.harness import run_world
 
 # Small chunks (4 rows of 64 values) so chunk edges straddle shard edges: vocab 250 over 4 ranks

@@ -214,7 +214,7 @@ def _run_config(src, *extra: str) -> str:
 def _hf_world(jobs: list[dict], ids):
     """Per job, as a run starts from a transformers directory (checks, build, init_from):
     the import's memory peak, the logits, then a checkpoint and its export on every rank."""
-    from models.glm.hf_adapter import hf_tensors
+    from models.glm.hf.adapter import hf_tensors
     from recipes import checkpoint
     from recipes.build import build_model, model_config
     from recipes.config import from_yaml, validate
@@ -279,7 +279,7 @@ def test_transformers_dirs_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_pa
     the same logits. Each rank's import peak above its shards stays within one expert's
     weights (bf16 files), its export peak within the tensor it reads plus the saved piece."""
     pytest.importorskip("transformers")
-    from models.glm.hf_import import import_hf
+    from models.glm.hf.load import import_hf
 
     glm4, fp8, dsa = tmp_path / "glm4", tmp_path / "fp8", tmp_path / "dsa"
     _glm4_moe_dir(glm4)
@@ -291,7 +291,7 @@ def test_transformers_dirs_init_from_on_4_ranks_ep2_and_export_round_trip(tmp_pa
     want_dsa, _ = _transformers(dsa, ids)
     _, fp8_sd = import_hf(fp8)
     from models.glm import GLMForCausalLM
-    from models.glm.hf_import import HFDir
+    from models.glm.hf.load import HFDir
 
     single = GLMForCausalLM(HFDir(fp8).config)
     single.load_state_dict(fp8_sd)

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.expert_parallel import all_to_all
-from models.glm.hf_adapter import export_hf
-from models.glm.hf_import import import_hf
-from models.glm.parallelize import build_meshes, parallelize
+from models.glm.hf.adapter import export_hf
+from models.glm.hf.load import import_hf
+from models.glm.infra.expert_parallel import all_to_all
+from models.glm.infra.parallelize import build_meshes, parallelize
 from tests.harness import run_world
 from tests.models import tiny_glm
 
@@ -258,7 +258,7 @@ import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=512)
 from models.glm import GLMForCausalLM, get_preset
-from models.glm.parallelize import build_meshes, parallelize
+from models.glm.infra.parallelize import build_meshes, parallelize
 with torch.device("meta"):
     model = GLMForCausalLM(get_preset("glm5"))
 meshes = build_meshes(512, 8, "cpu")

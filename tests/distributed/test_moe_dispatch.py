@@ -6,7 +6,7 @@ with every expert kernel and with an EP rank that receives no rows."""
 import torch
 import torch.distributed as dist
 
-from models.glm.moe import MoE
+from models.glm.model.moe import MoE
 from recipes.bench.probe import all_on_device
 from tests.harness import run_world
 from tests.models import tiny_glm

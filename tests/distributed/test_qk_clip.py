@@ -21,8 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from models.glm.parallelize import build_meshes, parallelize
-from models.glm.qk_clip import clip_factors
+from models.glm.infra.parallelize import build_meshes, parallelize
+from models.glm.model.qk_clip import clip_factors
 from tests.harness import run_world
 from tests.unit.test_qk_clip import gqa_model, mla_model
 

@@ -203,7 +203,7 @@ def test_killed_run_resumes_exactly_ep1(cache, tmp_path):
     _assert_same(*(checkpoint.read_model_state(c) for c in final))
     _assert_same(*(_optim_state(c) for c in final))
     # The transformers-layout export of the final model holds the same weights.
-    from models.glm.hf_import import import_hf
+    from models.glm.hf.load import import_hf
 
     _, exported = import_hf(str(res / "hf"))
     weights = checkpoint.read_model_state(final[1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.glm.moe import MoE, expert_kernel
+from models.glm.model.moe import MoE, expert_kernel
 from tests.gpu.test_cuda_paths import host_syncs
 from tests.models import tiny_glm
 from tests.unit.test_models_moe import experts_case, gamma_n, run_kernel

@@ -1,7 +1,7 @@
-"""Properties of QK-clip (`models.glm.qk_clip`) on generated inputs: GQA (1, 2 or 4 KV heads, with
-q/k biases), GQA with QK-norm, MLA (low-rank query with DSA, full q_proj); per head weights
-scaled at random so the logits spread; tau a fraction of the largest logit or any number; alpha
-in [0, 1] or not; the recorded max logits with NaN / +-inf written over some heads.
+"""Properties of QK-clip (`models.glm.model.qk_clip`) on generated inputs: GQA (1, 2 or 4 KV
+heads, with q/k biases), GQA with QK-norm, MLA (low-rank query with DSA, full q_proj); per head
+weights scaled at random so the logits spread; tau a fraction of the largest logit or any
+number; alpha in [0, 1] or not; the recorded max logits with NaN / +-inf written over some heads.
 
 Either the clip refuses, naming tau, alpha or max_logit_N, and no weight changed; or, per unit
 (GQA: KV group, MLA: head, QK-norm: the layer), with S the largest finite given logit of its

@@ -43,7 +43,7 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
         overrides = [*overrides, f"data.path={prepared_dir(tmp_path / 'prepared')}"]
     if overrides == ["model=hf"]:  # the model of a transformers directory: the tiny preset's
         from models.glm import GLMForCausalLM, get_preset
-        from models.glm.hf_adapter import export_hf
+        from models.glm.hf.adapter import export_hf
 
         tiny = GLMForCausalLM(get_preset("tiny"))
         export_hf(tiny, tiny.config, tmp_path / "hf")
@@ -64,7 +64,7 @@ def test_every_config_composes_and_validates(overrides, tmp_path, monkeypatch):
 
 
 def test_model_group_matches_presets():
-    from models.glm.presets import PRESET_NAMES
+    from models.glm.model.presets import PRESET_NAMES
 
     # `model=hf` builds the model of a transformers directory (model.path) instead of a preset.
     assert _options("model") == sorted([*PRESET_NAMES, "hf"])
@@ -401,7 +401,7 @@ def test_run_dir_passes_back_as_an_override_value():
 def test_choice_lists_are_the_libraries_own():
     """The config enums list muon's and models' own constants, in their order (the schema
     spells them out: importing those packages imports torch, which the config must not)."""
-    from models.glm.presets import PRESET_NAMES
+    from models.glm.model.presets import PRESET_NAMES
     from muon.groups import ROUTER_CHOICES
     from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
     from muon.optimizer import ADJUST_LR, NS_DTYPES

@@ -162,7 +162,7 @@ def _same(stated: str, actual) -> bool:
 
 
 def _glm_config_defaults() -> dict:
-    from models.glm.config import GLMConfig
+    from models.glm.model.config import GLMConfig
 
     return {
         f.name: f.default

@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.glm import GLMForCausalLM, get_preset
-from models.glm.indexer import Indexer, MiB, indexer_kl, kept_mask, select_topk, sparse_mask
-from models.glm.sparse_attention import sparse_attention
+from models.glm.model.indexer import Indexer, MiB, indexer_kl, kept_mask, select_topk, sparse_mask
+from models.glm.model.sparse_attention import sparse_attention
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 
@@ -103,7 +103,7 @@ def _dense_index_scores(indexer, x, q_lat, cos, sin):
 
 @pytest.mark.parametrize("T", [20, 8, 5], ids=["T>K", "T=K", "T<K"])
 def test_chunked_indexer_equals_all_pairs(T):
-    from models.glm.layers import rope_cos_sin
+    from models.glm.model.layers import rope_cos_sin
 
     indexer = _indexer(T, "kl")
     config = get_preset("mla_tiny")
@@ -149,7 +149,7 @@ def test_chunked_indexer_equals_all_pairs(T):
 
 def test_frozen_indexer_returns_no_scores():
     indexer = _indexer(0, "frozen")
-    from models.glm.layers import rope_cos_sin
+    from models.glm.model.layers import rope_cos_sin
 
     config = get_preset("mla_tiny")
     x = torch.randn(1, 12, config.hidden_size)
@@ -252,8 +252,8 @@ def test_chunk_peaks_stay_within_dsa_chunk_mib(impl, monkeypatch):
     """dsa_chunk_mib 1 at T = 256 (each loop runs several chunks): the measured peak of one
     chunk's temporaries in every loop, forward and backward (the indexer's top-k and kept
     scores, the sparse attention), is within 1.25x of the budget."""
-    import models.glm.indexer as indexer_mod
-    import models.glm.sparse_attention as sparse_mod
+    import models.glm.model.indexer as indexer_mod
+    import models.glm.model.sparse_attention as sparse_mod
 
     peaks = _ChunkPeaks()
     wrapped = peaks.chunks(sparse_mod.query_chunks)

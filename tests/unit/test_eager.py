@@ -14,7 +14,8 @@ def test_importing_the_models_leaves_dynamo_unimported():
 
 
 def test_compiling_a_layer_disables_every_eager_function_for_dynamo():
-    from models.glm import GLMForCausalLM, eager, get_preset
+    from models.glm import GLMForCausalLM, get_preset
+    from models.glm.model import eager
 
     model = GLMForCausalLM(get_preset("tiny"))
     model.model.layers[0].compile_block()  # torch.compile is lazy: nothing traces here

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.hf_adapter import INDEX, export_hf
-from models.glm.hf_import import import_hf, load_hf
+from models.glm.hf.adapter import INDEX, export_hf
+from models.glm.hf.load import import_hf, load_hf
 
 CFG = GLMConfig(
     vocab_size=40,
@@ -230,7 +230,7 @@ def test_glm_moe_dsa_config_mapping():
     indexer pattern derived as transformers derives it, yarn scaling, and refusals naming the
     key for what our model cannot compute."""
     from models.glm import get_preset
-    from models.glm.hf_config import config_from_hf, config_to_hf
+    from models.glm.hf.config import config_from_hf, config_to_hf
 
     for name in ("mla_tiny", "glm5", "glm52"):
         config = get_preset(name)

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.glm import get_preset
-from models.glm.hf_adapter import INDEX, export_hf
-from models.glm.hf_config import config_from_hf, config_to_hf
-from models.glm.hf_import import HFDir, import_hf
+from models.glm.hf.adapter import INDEX, export_hf
+from models.glm.hf.config import config_from_hf, config_to_hf
+from models.glm.hf.load import HFDir, import_hf
 
 
 def _export(tmp_path, config):

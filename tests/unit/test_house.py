@@ -87,14 +87,14 @@ ALLOWED = {
     ("muon/update.py", "_foreach_add_"): _FOREACH,
     ("muon/update.py", "_foreach_addcmul_"): _FOREACH,
     ("recipes/grads.py", "_foreach_mul_"): _FOREACH,
-    ("models/glm/moe.py", "_grouped_mm"): "torch's grouped matmul has no public name",
+    ("models/glm/model/moe.py", "_grouped_mm"): "torch's grouped matmul has no public name",
     ("muon/mesh.py", "_StridedShard"): (
         "FSDP2 over a TP/EP-sharded dim places a DTensor so: the placement has no public name"
     ),
     ("tests/unit/test_muon_plan.py", "_StridedShard"): (
         "FSDP2 over a TP/EP-sharded dim places a DTensor so: the placement has no public name"
     ),
-    ("models/glm/init.py", "_utils"): (
+    ("models/glm/model/init.py", "_utils"): (
         "compute_local_shape_and_global_offset: where a DTensor's shard lies, torch's only"
     ),
     ("recipes/bench/probe.py", "_python_dispatch"): _DISPATCH,
@@ -181,7 +181,7 @@ ALLOWED = {
     ("tests/unit/test_gram_blowup.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
     ("tests/unit/test_newton_schulz.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
     ("tests/unit/test_written_backwards.py", "_Combine"): f"{_RESHAPE}: EP into models' infra",
-    ("tests/unit/test_eager.py", "_MARKED"): f"{_RESHAPE}: models/glm/eager.py",
+    ("tests/unit/test_eager.py", "_MARKED"): f"{_RESHAPE}: models/glm/model/eager.py",
     ("tests/gpu/test_cuda_paths.py", "_compiled_block"): f"{_RESHAPE}: compile into infra",
     # recipes/ modules another change is splitting
     ("tests/distributed/test_train_parts.py", "_forward_backward"): f"{_RESHAPE}: Trainer split",

@@ -1,6 +1,6 @@
-"""models.glm.init's chunk layout: a function of the parameter's shape and name only."""
+"""models.glm.model.init's chunk layout: a function of the parameter's shape and name only."""
 
-import models.glm.init as shard_init
+import models.glm.model.init as shard_init
 
 
 def test_chunk_layout_depends_on_shape_and_name_only():

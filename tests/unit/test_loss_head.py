@@ -1,4 +1,4 @@
-"""The chunked loss head (`models.glm.model.chunked_cross_entropy`): the loss and gradients of
+"""The chunked loss head (`models.glm.model.model.chunked_cross_entropy`): the loss and gradients of
 the unchunked cross-entropy within a bound derived from float32 rounding, never a [T, V]
 tensor, and the whole-step planner's count of its memory."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.glm import get_preset
-from models.glm.model import IGNORE_INDEX, chunked_cross_entropy
+from models.glm.model.model import IGNORE_INDEX, chunked_cross_entropy
 from recipes.step_memory import loss_head_chunk_bytes
 
 U = 2.0**-24  # float32 unit roundoff

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
-from models.glm.layers import apply_partial_rope, rope_cos_sin
+from models.glm.model.layers import apply_partial_rope, rope_cos_sin
 from tests.models import TINY_GLM
 
 CFG_KW = dict(

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.hf_adapter import INDEX, export_hf
-from models.glm.hf_import import import_hf
+from models.glm.hf.adapter import INDEX, export_hf
+from models.glm.hf.load import import_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 

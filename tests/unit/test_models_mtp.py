@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from models.glm import GLMForCausalLM, get_preset
-from models.glm.layers import RMSNorm, rope_cos_sin
-from models.glm.model import IGNORE_INDEX, DecoderLayer
+from models.glm.model.layers import RMSNorm, rope_cos_sin
+from models.glm.model.model import IGNORE_INDEX, DecoderLayer
 from muon import Muon, param_groups
 
 SEQ = 40  # > mla_tiny's index_topk (16): the attention is sparse

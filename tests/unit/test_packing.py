@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from models.glm import GLMForCausalLM, get_preset
-from models.glm.indexer import NO_KEY
-from models.glm.packing import ahead_in_document, document_bounds
+from models.glm.model.indexer import NO_KEY
+from models.glm.model.packing import ahead_in_document, document_bounds
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 ROWS = ([20, 3, 9], [7, 25])  # document lengths of the two packed rows, T = 32 each
@@ -156,7 +156,7 @@ def test_packed_documents_equal_documents_run_alone(case):
     # scores depend on position differences only), the same table rows bit for bit
     assert torch.equal(cos, torch.stack(ref_cos))
     # Tolerance: a float64 model whose runs differ only in reduction order and blocking
-    # (~1e-16), except the router, which scores in float32 (`models.glm.moe.Router`): a
+    # (~1e-16), except the router, which scores in float32 (`models.glm.model.moe.Router`): a
     # routing weight is a float32 D-term dot product (D = 64: sqrt(64) = 8 terms' worth of
     # random-sign rounding, 4 ulps each) then sigmoid, normalization and scaling (~8 ulps),
     # ~40 eps32 relative; each MoE output carries it and the <= 4 MoE layers (the MTP layer

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models.glm import GLMConfig, GLMForCausalLM
-from models.glm.parallelize import build_meshes, parallelize
+from models.glm.infra.parallelize import build_meshes, parallelize
 from tests.distributed.test_models_parallel import CFG
 
 

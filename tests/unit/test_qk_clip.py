@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.glm import GLMForCausalLM
-from models.glm import qk_clip as qk
+from models.glm.model import qk_clip as qk
 from tests.models import tiny_glm
 
 CFG = tiny_glm(
@@ -61,7 +61,7 @@ def _reference_logits(model, ids=IDS) -> torch.Tensor:
     for h in hooks:
         h.remove()
     out = []
-    from models.glm.layers import apply_partial_rope, rope_cos_sin
+    from models.glm.model.layers import apply_partial_rope, rope_cos_sin
 
     T = ids.shape[1] - 1
     cos, sin = rope_cos_sin(
@@ -106,7 +106,7 @@ def test_recording_spans_micro_batches_and_skips_eval_and_recompute(monkeypatch)
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr("models.glm.qk_clip.head_max_logits", spy)
+    monkeypatch.setattr("models.glm.model.qk_clip.head_max_logits", spy)
     halves = IDS[:1], IDS[1:]
     for half in halves:  # two micro-batches: the max over both
         model.loss(half[:, :-1], half[:, 1:]).backward()

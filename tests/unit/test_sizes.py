@@ -19,9 +19,9 @@ STILL_RESHAPED = {
     "muon/optimizer.py",
     "muon/newton_schulz.py",
     "recipes/step_memory.py",
-    "models/glm/config.py",
+    "models/glm/model/config.py",
     "scripts/*.py",
-    "models/glm/config.py:GLMConfig._check_attention",
+    "models/glm/model/config.py:GLMConfig._check_attention",
     "muon/groups.py:param_groups",
     "recipes/planning.py:plan",  # its optimizer options become one typed dataclass
 }

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from models.glm import GLMForCausalLM, get_preset
-from models.glm.layers import rope_cos_sin
-from models.glm.model import chunked_cross_entropy
+from models.glm.model.layers import rope_cos_sin
+from models.glm.model.model import chunked_cross_entropy
 from recipes.step_memory import (
     head_bytes_per_token,
     layer_activation_bytes,

@@ -9,9 +9,9 @@ them."""
 import pytest
 import torch
 
-from models.glm.expert_parallel import _Combine
-from models.glm.layers import apply_partial_rope, rope_cos_sin
-from models.glm.qk_clip import head_max_logits
+from models.glm.infra.expert_parallel import _Combine
+from models.glm.model.layers import apply_partial_rope, rope_cos_sin
+from models.glm.model.qk_clip import head_max_logits
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}

@@ -5,7 +5,7 @@ RoPE's positions) and `doc_ids` (equal within a document, non-decreasing along t
 Megatron-LM's reset position ids and THD layouts, or transformers' packed `position_ids`, do.
 The model turns them into each token's document's first and last positions (`document_bounds`);
 attention masks with `document_mask` (dense paths) or keeps only same-document keys in the DSA
-indexer's top-k (`models.glm.indexer.select_topk`, -1 where a document has fewer keys than
+indexer's top-k (`models.glm.model.indexer.select_topk`, -1 where a document has fewer keys than
 index_topk), and the MTP depths read their k-ahead tokens inside the document
 (`ahead_in_document`).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from models.glm.loss_head import IGNORE_INDEX
+from models.glm.model.loss_head import IGNORE_INDEX
 
 
 def document_mask(doc_start_BT: torch.Tensor) -> torch.Tensor:

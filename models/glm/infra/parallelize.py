@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from models.glm.config import GLMConfig
-from models.glm.model import GLMForCausalLM
+from models.glm.model.config import GLMConfig
+from models.glm.model.model import GLMForCausalLM
 
 
 @dataclass

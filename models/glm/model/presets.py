@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from models.glm.config import GLMConfig, index_share_types
+from models.glm.model.config import GLMConfig, index_share_types
 
 _GLM5 = GLMConfig(
     vocab_size=154880,

@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from models.glm.local import local_tensor
+from models.glm.infra.local import local_tensor
 
 # 16 Ki values (64 KiB in float32) per chunk: small enough that the two partial chunks at a
 # shard's edges stay a small fraction of a shard even for the `small` preset at 8 ranks,

@@ -1,7 +1,7 @@
-"""GLM-MoE model configuration (the named presets: models/glm/presets.py).
+"""GLM-MoE model configuration (the named presets: models/glm/model/presets.py).
 
 `GLMConfig` holds the shape and numerics of a GLM-4.5 / GLM-5 style decoder-only MoE model; field
-names follow transformers' `Glm4MoeConfig` (models/glm/hf_config.py maps them) except
+names follow transformers' `Glm4MoeConfig` (models/glm/hf/config.py maps them) except
 `n_dense_layers` (HF `first_k_dense_replace`) and `num_mtp_layers` (HF `num_nextn_predict_layers`).
 A bad combination fails at construction with a message naming the field and what is allowed.
 
@@ -13,7 +13,7 @@ Two attention families share the type, chosen by `attention`:
   index_n_heads, index_head_dim, index_topk, indexer_types) and `indexer_training` picks how the
   indexer learns ("kl": DeepSeek-V3.2's KL objective, for pretraining; "frozen": no gradient and
   no optimizer state, for fine-tuning a released checkpoint); `dsa_impl` picks how the sparse
-  attention runs (models/glm/mla.py: "latent", the absorbed sparse MLA over gathered keys, by
+  attention runs (models/glm/model/mla.py: "latent", the absorbed sparse MLA over gathered keys, by
   default; "per_head"; "masked", dense SDPA under the kept-key mask, the reference) and
   `dsa_chunk_mib` bounds one query chunk's temporaries there and in the indexer.
 `rope_scaling` (yarn) applies to both: {"rope_type": "yarn", "factor", "original_max_position_
@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from models.glm.config_types import check_field_types
+from models.glm.model.config_types import check_field_types
 
 ATTENTION_CHOICES = ("gqa", "mla")
 INDEXER_TYPES = ("full", "shared")

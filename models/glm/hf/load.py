@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models.glm.config import GLMConfig
-from models.glm.hf_adapter import INDEX, HFTensor, hf_tensors
-from models.glm.hf_config import config_from_hf
-from models.glm.hf_fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize, parse_quantization
+from models.glm.hf.adapter import INDEX, HFTensor, hf_tensors
+from models.glm.hf.config import config_from_hf
+from models.glm.hf.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize, parse_quantization
+from models.glm.model.config import GLMConfig
 
 # safetensors dtypes that hold weights (fp8 ones with their block scales, hf_fp8.py; e8m0 only
 # as a scale)
@@ -35,7 +35,7 @@ __all__ = ["HFDir", "check_hf", "import_hf", "load_hf"]
 
 
 class HFDir:
-    """A transformers GLM directory: its config, its quantization format (models/glm/hf_fp8.py)
+    """A transformers GLM directory: its config, its quantization format (models/glm/hf/fp8.py)
     and the name, shape, dtype and file of every tensor (read from the safetensors headers
     only). Raw fp8 tensors without a block-wise `quantization_config` are refused here."""
 
@@ -265,7 +265,7 @@ def import_hf(
     """Read a transformers GLM directory into (GLMConfig, our full float32 state dict) in
     one process (fused and per-expert layouts, one file or an index). Raises ValueError
     naming missing or mis-shaped tensors (`init_missing_mtp` as in `check_hf`)."""
-    from models.glm.model import GLMForCausalLM
+    from models.glm.model.model import GLMForCausalLM
 
     hf = HFDir(path)
     model = GLMForCausalLM(hf.config)

@@ -1,5 +1,5 @@
-"""Type checks by annotation: a GLMConfig's fields (models/glm/config.py) and config.json's
-keys (models/glm/hf_types.py) against annotations written as the fields are ("int | None",
+"""Type checks by annotation: a GLMConfig's fields (models/glm/model/config.py) and config.json's
+keys (models/glm/hf/json_types.py) against annotations written as the fields are ("int | None",
 "list[str] | None", ...)."""
 
 from __future__ import annotations

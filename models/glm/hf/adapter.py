@@ -14,7 +14,7 @@ indexer, as in the files) except for
   (transformers' save_pretrained drops them; the layer keeps its initialization and is
   reported) and ignores the public files' MTP copies of the embedding and head;
 - with tied embeddings `lm_head.weight` is left out of the files.
-The import (checks, sharded loading, block-wise fp8 dequantization) is models/glm/hf_import.py.
+The import (checks, sharded loading, block-wise fp8 dequantization) is models/glm/hf/load.py.
 
 Memory: the export holds one tensor at a time in process memory. Each output file is assembled
 in a file-backed shared map (page cache, not process memory) and then written by the
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from safetensors import TensorSpec, serialize_file
 
-from models.glm.config import GLMConfig
-from models.glm.hf_config import config_from_hf, config_to_hf  # noqa: F401 - re-exported
+from models.glm.hf.config import config_from_hf, config_to_hf  # noqa: F401 - re-exported
+from models.glm.model.config import GLMConfig
 
 __all__ = ["HFTensor", "config_from_hf", "config_to_hf", "export_hf", "hf_tensors", "write_hf"]
 
@@ -60,7 +60,7 @@ class HFTensor:
 
 
 def _our_shapes(config: GLMConfig) -> dict[str, tuple[int, ...]]:
-    from models.glm.model import GLMForCausalLM
+    from models.glm.model.model import GLMForCausalLM
 
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in GLMForCausalLM(config).state_dict().items()}

@@ -14,9 +14,9 @@ layer at every depth (GLM-5 trains three depths on one layer); there, under DSA 
 depth 1's indexer kept, as xtuner's `dsa_topk_sharing.py` reuses them. The MTP loss is the mean
 over depths of their cross-entropies; `losses` returns it next to the next-token loss, with
 D > 1 also each depth's own (`mtp_loss/depth_k`, detached: for the logs).
-Every cross-entropy runs over `loss_chunk_tokens` tokens at a time (`models.glm.loss_head`), so
-a long sequence never holds its [T, V] float32 logits at once; labels outside [0, V) other than
--100 are refused before any layer runs.
+Every cross-entropy runs over `loss_chunk_tokens` tokens at a time
+(`models.glm.model.loss_head`), so a long sequence never holds its [T, V] float32 logits at
+once; labels outside [0, V) other than -100 are refused before any layer runs.
 
 Shape legend: B batch, T sequence, D hidden, V vocab, E experts, K kept keys (DSA).
 """
@@ -30,16 +30,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.glm import eager, init
-from models.glm.config import GLMConfig
-from models.glm.layers import MLP, Attention, RMSNorm, rope_cos_sin
-from models.glm.local import local_tensor
-from models.glm.loss_head import IGNORE_INDEX, check_labels, chunked_cross_entropy
-from models.glm.mla import MLAttention
-from models.glm.moe import FusedExperts, MoE, Router
-from models.glm.packing import ahead_in_document, document_bounds
-from models.glm.qk_clip import clip_attention_
-from models.glm.recompute import recomputing
+from models.glm.infra.local import local_tensor
+from models.glm.model import eager, init
+from models.glm.model.config import GLMConfig
+from models.glm.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from models.glm.model.loss_head import IGNORE_INDEX, check_labels, chunked_cross_entropy
+from models.glm.model.mla import MLAttention
+from models.glm.model.moe import FusedExperts, MoE, Router
+from models.glm.model.packing import ahead_in_document, document_bounds
+from models.glm.model.qk_clip import clip_attention_
+from models.glm.model.recompute import recomputing
 
 
 class DecoderLayer(nn.Module):
@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         """Run the block's computation through torch.compile from now on. Parameter names do
         not change, and hooks on the layer (FSDP2's) and the checkpoint around the block stay
         eager: a checkpoint with a recomputation context cannot be traced by dynamo. The
-        functions `models.glm.eager` marks (data-dependent dispatch, counters read under
+        functions `models.glm.model.eager` marks (data-dependent dispatch, counters read under
         recomputation) run eagerly inside it."""
         eager.mark()
         self._compiled_block = torch.compile(self._block)
@@ -205,12 +205,12 @@ class GLMForCausalLM(nn.Module):
         next-token cross-entropy), `mtp_loss` (when MTP layers exist and `with_mtp`) and
         `indexer_kl` (under DSA with indexer_training "kl"). Labels outside [0, V) other than
         -100 are refused before any layer runs (one host read; `labels_checked`: the caller
-        has run `models.glm.loss_head.check_labels` on them, on the host). Everything runs
+        has run `models.glm.model.loss_head.check_labels` on them, on the host). Everything runs
         inside forward so that FSDP2's hooks on the root module cover the shared embedding
         and lm_head. Packed documents: `position_ids` [B, T] (RoPE's positions) with
         `doc_ids` [B, T] (non-decreasing along each row; equal ids: one document) make
         attention, the indexer's top-k and the MTP depths stay inside each document, so
-        every document computes what it would alone (`models.glm.packing`)."""
+        every document computes what it would alone (`models.glm.model.packing`)."""
         c = self.config
         seq_len = input_ids.shape[1]
         doc_start_BT, doc_end_BT = document_bounds(input_ids, position_ids, doc_ids)
@@ -353,8 +353,8 @@ class GLMForCausalLM(nn.Module):
         return logits_LN
 
     def qk_clip_(self, max_logits_LN: torch.Tensor, tau: float, alpha: float = 0.5) -> int:
-        """QK-clip every layer from `take_max_logits`' result (`models.glm.qk_clip`); returns the
-        number of KV groups (with QK-norm: of layers' groups) clipped."""
+        """QK-clip every layer from `take_max_logits`' result (`models.glm.model.qk_clip`);
+        returns the number of KV groups (with QK-norm: of layers' groups) clipped."""
         return sum(
             clip_attention_(attn, row_N, tau, alpha)
             for attn, row_N in zip(self.attentions(), max_logits_LN, strict=True)
@@ -368,10 +368,10 @@ class GLMForCausalLM(nn.Module):
     def init_weights(self, seed: int) -> int:
         """Deterministic init from `seed`: matrices ~ N(0, initializer_range), norms 1, biases and
         the router correction bias 0, expert loads 0. Each rank fills only its own shard of a
-        DTensor parameter, drawing the fixed global row chunks it overlaps (`models.glm.init`),
-        so the values do not depend on the mesh and the cost is proportional to the shard; on
-        CUDA the values are drawn on the device. A no-op on meta tensors. Returns the number of
-        random values this rank drew."""
+        DTensor parameter, drawing the fixed global row chunks it overlaps
+        (`models.glm.model.init`), so the values do not depend on the mesh and the cost is
+        proportional to the shard; on CUDA the values are drawn on the device. A no-op on meta
+        tensors. Returns the number of random values this rank drew."""
         std = self.config.initializer_range
         generators: dict[torch.device, torch.Generator] = {}
         seen: set[int] = set()

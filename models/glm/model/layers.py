@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.glm.config import GLMConfig
-from models.glm.packing import document_mask
-from models.glm.precision import work_dtype
-from models.glm.qk_clip import MaxLogitRecorder
+from models.glm.model.config import GLMConfig
+from models.glm.model.packing import document_mask
+from models.glm.model.precision import work_dtype
+from models.glm.model.qk_clip import MaxLogitRecorder
 
 
 class RMSNorm(nn.Module):
@@ -169,7 +169,7 @@ class Attention(MaxLogitRecorder, nn.Module):
     """Causal grouped-query attention with partial RoPE and optional per-head QK RMSNorm.
 
     With `record_max_logits` on, training forwards keep each head's largest pre-softmax logit in
-    `max_logits_N` (`models.glm.qk_clip`; `GLMForCausalLM.take_max_logits` collects them)."""
+    `max_logits_N` (`models.glm.model.qk_clip`; `GLMForCausalLM.take_max_logits` collects them)."""
 
     def __init__(self, config: GLMConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The JSON type of every config.json key the importer reads (models/glm/hf_config.py).
+"""The JSON type of every config.json key the importer reads (models/glm/hf/config.py).
 
 JSON has its own types, and a config.json written by hand or by another tool may carry the
 wrong one: `"tie_word_embeddings": "false"` is a non-empty string, which Python reads as true;
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from models.glm.config import GLMConfig
-from models.glm.config_types import describe_annotation, fits_annotation
+from models.glm.model.config import GLMConfig
+from models.glm.model.config_types import describe_annotation, fits_annotation
 
 # config.json key -> its type, written as a GLMConfig annotation ("int | None", ...).
 JSON_TYPES = {

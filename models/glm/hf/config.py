@@ -11,7 +11,7 @@ config.json is either mapped to a field or listed in `HARMLESS` (bookkeeping tha
 change the model); any other key is refused, naming it. So is a value our model cannot compute
 (another activation or router scoring, MLP biases, dropout, non-interleaved MLA RoPE, remote
 code through `auto_map`, a dense/sparse pattern that is not "k dense layers first"; an unknown
-quantization: models/glm/hf_fp8.py), and a config.json without `model_type`.
+quantization: models/glm/hf/fp8.py), and a config.json without `model_type`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import json
 
 import torch
 
-from models.glm.config import GLMConfig, index_share_types
-from models.glm.hf_fp8 import parse_quantization
-from models.glm.hf_types import RENAMED, check_json_types
+from models.glm.hf.fp8 import parse_quantization
+from models.glm.hf.json_types import RENAMED, check_json_types
+from models.glm.model.config import GLMConfig, index_share_types
 
 TRAINING_ONLY = ("indexer_training", "mtp_depths", "loss_chunk_tokens", "dsa_impl", "dsa_chunk_mib")
 

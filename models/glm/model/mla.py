@@ -12,7 +12,7 @@ every causal key is kept. `GLMConfig.dsa_impl` picks how:
 - "latent" (default): the absorbed form, as DeepSeek-V3.2's sparse MLA. Scores
   q_nope . k_nope = (q_nope W_uk) . kv, so every head reads one key per position, the normed
   kv latent [L] plus the rotary key [R]; the output is W_uv (sum_k p_k kv_k). One gather of
-  [T, K, L + R] serves all heads (`models.glm.sparse_attention`); kv_b_proj is never applied
+  [T, K, L + R] serves all heads (`models.glm.model.sparse_attention`); kv_b_proj is never applied
   to the keys.
 - "per_head": the kept keys and values gathered per head ([T, K, N, P + R] and [T, K, N, V]).
 - "masked": dense SDPA under the [T, S] kept-key mask: the reference, O(T^2) memory.
@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.glm.config import GLMConfig
-from models.glm.indexer import Indexer, MiB, indexer_kl, kept_mask, sparse_mask
-from models.glm.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
-from models.glm.packing import document_mask
-from models.glm.qk_clip import MaxLogitRecorder
-from models.glm.sparse_attention import attention_row_bytes, query_chunk, sparse_attention
+from models.glm.model.config import GLMConfig
+from models.glm.model.indexer import Indexer, MiB, indexer_kl, kept_mask, sparse_mask
+from models.glm.model.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
+from models.glm.model.packing import document_mask
+from models.glm.model.qk_clip import MaxLogitRecorder
+from models.glm.model.sparse_attention import attention_row_bytes, query_chunk, sparse_attention
 
 # The latent norms' eps is fixed in GLM-5 (as in transformers), independent of rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -56,7 +56,7 @@ def softmax_scale(config: GLMConfig) -> float:
 class MLAttention(MaxLogitRecorder, nn.Module):
     """Causal multi-head latent attention of decoder layer `layer`, with the DSA indexer when
     the config sets index_topk (none on "shared" layers). Records max logits for QK-clip as
-    `Attention` does (`models.glm.qk_clip`)."""
+    `Attention` does (`models.glm.model.qk_clip`)."""
 
     def __init__(self, config: GLMConfig, layer: int) -> None:
         super().__init__()

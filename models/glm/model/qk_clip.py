@@ -3,7 +3,7 @@
 Recording: an attention with `record_max_logits` on keeps, per query head, the largest
 pre-softmax logit q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its
 training forwards saw since the last `take_max_logits`: every micro-batch of a step, but not the
-activation-checkpoint recomputation (`models.glm.recompute`), and not forwards without grad
+activation-checkpoint recomputation (`models.glm.model.recompute`), and not forwards without grad
 (evaluation). It costs one more (causal) Q K^T per layer, without grad, in query chunks
 (`recording_flops`).
 
@@ -37,9 +37,9 @@ import numbers
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from models.glm.eager import eager
-from models.glm.precision import work_dtype
-from models.glm.recompute import is_recomputing
+from models.glm.model.eager import eager
+from models.glm.model.precision import work_dtype
+from models.glm.model.recompute import is_recomputing
 
 #: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
 #: float32 logits (with B * N = 64 and T = 4096: 128 MiB); a chunk reads only the keys up to its

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.glm.config import GLMConfig
-from models.glm.eager import eager
-from models.glm.expert_parallel import expert_counts, routed_experts_forward
-from models.glm.layers import MLP
-from models.glm.recompute import is_recomputing
+from models.glm.infra.expert_parallel import expert_counts, routed_experts_forward
+from models.glm.model.config import GLMConfig
+from models.glm.model.eager import eager
+from models.glm.model.layers import MLP
+from models.glm.model.recompute import is_recomputing
 
 
 @eager

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.glm.config import GLMConfig
-from models.glm.layers import apply_interleaved_rope
-from models.glm.sparse_attention import gather_rows, query_chunk, query_chunks
+from models.glm.model.config import GLMConfig
+from models.glm.model.layers import apply_interleaved_rope
+from models.glm.model.sparse_attention import gather_rows, query_chunk, query_chunks
 
 # The indexer key norm's eps is fixed in GLM-5 (transformers hard-codes it too), independent of
 # rms_norm_eps.
