@@ -43,56 +43,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
-import torch
-
-from recipes.bench.cli import command_line
-from recipes.bench.newton_schulz import (
-    VARIANTS,
-    bench_shapes,
-    conditioning,
-    crossover,
-    momentum_quality,
-)
-from recipes.bench.newton_schulz_optim import step_world, train
+from recipes.bench.cli import command_line, names_arg, shapes_arg
+from recipes.bench.newton_schulz import VARIANTS
 from recipes.bench.newton_schulz_report import markdown, plot
+from recipes.bench.newton_schulz_run import run
 
 SECTIONS = ("train", "step", "crossover", "quality", "conditioning")  # what --skip may name
-
-
-def _shapes(text: str) -> list[tuple[str, int, int, int]]:
-    """`--shapes`: "LABEL=ROWSxCOLS[xBATCH],..." as GLM_SHAPES-like rows (batch default 2)."""
-    out = []
-    for item in filter(None, text.split(",")):
-        label, _, dims = item.rpartition("=")
-        parts = dims.split("x")
-        if not label or len(parts) not in (2, 3) or not all(p.isdigit() and int(p) for p in parts):
-            raise argparse.ArgumentTypeError(
-                f"--shapes item {item!r}: expected LABEL=ROWSxCOLS or LABEL=ROWSxCOLSxBATCH "
-                "with positive integers, e.g. expert_up=2048x6144x8"
-            )
-        r, c, b = (int(p) for p in (parts + ["2"])[:3])
-        out.append((label, r, c, b))
-    if not out:
-        raise argparse.ArgumentTypeError("--shapes: give at least one LABEL=ROWSxCOLS[xBATCH]")
-    return out
-
-
-def _names(allowed, flag: str):
-    """An argparse type: a comma-separated subset of `allowed`, each name checked."""
-
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"{flag}: unknown {', '.join(map(repr, bad))}; allowed: {', '.join(allowed)}"
-            )
-        return names
-
-    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,19 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--skip",
-        type=_names(SECTIONS, "--skip"),
+        type=names_arg(SECTIONS, "--skip"),
         default=[],
         help=f"comma-separated sections to skip: {','.join(SECTIONS)} (quality: no SVD figures)",
     )
     p.add_argument(
         "--shapes",
-        type=_shapes,
+        type=shapes_arg,
         default=None,
         help="blocks to time instead of GLM-5.2's: LABEL=ROWSxCOLS[xBATCH],... (/ --scale)",
     )
     p.add_argument(
         "--variants",
-        type=_names(tuple(VARIANTS), "--variants"),
+        type=names_arg(tuple(VARIANTS), "--variants"),
         default=None,
         help="comma-separated newton_schulz variants to time (default: all)",
     )
@@ -145,47 +103,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # process time of one thread: unaffected by other load
-    skip = set(args.skip)
-    res: dict = dict(
-        command=command_line("bench_newton_schulz.py", argv or None),
-        machine=f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else args.device}",
-    )
-    # timing first, in a fresh process: measured after the training runs, the Gram / standard
-    # ratio of the first shape moved between 0.76 and 0.83 from run to run
-    res["shapes"] = bench_shapes(
-        device=args.device,
-        scale=args.scale or (16 if args.device == "cpu" else 1),
-        repeats=args.repeats,
-        shapes=args.shapes,
-        variants=args.variants,
-        with_quality="quality" not in skip,
-        peak_tflops=args.peak_tflops,
-    )
-    if "crossover" not in skip:
-        res["crossover"] = crossover(device=args.device, repeats=args.repeats)
-    if "conditioning" not in skip:
-        res["conditioning"] = conditioning(
-            device=args.device, repeats=args.repeats, cond_scale=args.cond_scale
-        )
-    print("timing done", flush=True)
-    if "train" not in skip:
-        lrs = [float(x) for x in args.train_lrs.split(",")]
-        res["train"], momentum = train(steps=args.train_steps, seeds=args.train_seeds, lrs=lrs)
-        print(f"training done: {res['train']['final_loss']}", flush=True)
-        res["shapes"] += momentum_quality(momentum)
-    for r in res["shapes"]:
-        r["dims"] = f"{r['rows']}x{r['cols']}"
-    if "step" not in skip:
-        rows, cols = (int(x) for x in args.step_shape.split("x"))
-        res["step"] = step_world(
-            world=args.step_world,
-            shape=(rows, cols),
-            count=args.step_count,
-            repeats=args.step_repeats,
-        )
+    res = run(args, command_line("bench_newton_schulz.py", argv or None))
     (out / "results.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (out / "tables.md").write_text(md)

@@ -32,29 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-import torch
-
+from recipes.bench.cli import command_line, ns_variant_arg
 from recipes.bench.fixtures import DTYPES
-from recipes.bench.remainder import STRATEGIES, aggregate, sweep
+from recipes.bench.remainder import STRATEGIES, aggregate, resolve_args, sweep
 from recipes.bench.remainder_report import evaluate_targets, markdown, plot
 from recipes.bench.report import machine_description, write_csv
 from recipes.world import run_world
-
-
-# ------------------------------------------------------------------------------ arguments
-def _ns_variant(text: str) -> dict[str, str]:
-    """`--ns-variant`; muon is imported here, not at the top, so that ranks that import
-    another checkout's packages have not loaded this tree's first."""
-    from muon.newton_schulz import parse_variant
-
-    try:
-        return parse_variant(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--ns-variant",
-        type=_ns_variant,
+        type=ns_variant_arg,
         metavar="COEFFICIENTS,ALGORITHM",
         help="Muon's ns_coefficients,ns_algorithm, e.g. fixed,standard (default: Muon's own)",
     )
@@ -86,32 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before giving up")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = p.parse_args(argv)
-    if args.backend == "auto":
-        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        want = args.world_size or n_gpu
-        args.backend = "nccl" if n_gpu >= 2 and want <= n_gpu else "gloo"
-    if args.world_size is None:
-        args.world_size = torch.cuda.device_count() if args.backend == "nccl" else 8
-    if args.world_size < 2:
-        raise SystemExit("--world-size must be >= 2 (a remainder needs R < W)")
-    if args.warmup < 1:
-        raise SystemExit(
-            f"--warmup {args.warmup}: must be >= 1 (the NS-only reference repeats the matrices "
-            "a warm-up step orthogonalized)"
-        )
-    rows, _, cols = args.shape.lower().partition("x")
-    args.rows, args.cols = int(rows), int(cols)
-    W = args.world_size
-    if args.remainders:
-        args.r_values = sorted({int(r) for r in args.remainders.split(",")})
-    else:
-        args.r_values = list(range(1, W))
-    if not all(1 <= r < W for r in args.r_values):
-        raise SystemExit(f"--remainders must lie in 1..{W - 1}, got {args.r_values}")
-    args.strategy_list = [s for s in args.strategies.split(",") if s]
-    bad = set(args.strategy_list) - set(STRATEGIES)
-    if bad:
-        raise SystemExit(f"--strategies: unknown {sorted(bad)}; allowed {STRATEGIES}")
+    resolve_args(args)
     return args
 
 
@@ -143,9 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = aggregate(per_rank, cfg)
     targets = evaluate_targets(rows, cfg)
     text = markdown(rows, targets, cfg, machine)
-    command = "python scripts/bench_remainder.py" + (" " + " ".join(argv) if argv else "")
-    if argv is None:
-        command = "python scripts/bench_remainder.py " + " ".join(sys.argv[1:])
+    command = command_line("bench_remainder.py", argv)
     result = dict(
         command=command.strip(),
         config=cfg,

@@ -28,34 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hydra.errors import HydraException
 
-from hydra.errors import HydraException  # noqa: E402
-
-from recipes.bench.cli import command_line  # noqa: E402
-from recipes.bench.probe_report import (  # noqa: E402
-    count_row,
-    counts_table,
-    ops_sites_table,
-    sites_table,
-    timing_summary,
-    timing_table,
-)
-from recipes.bench.probe_step import (  # noqa: E402
-    REGIONS,
-    TIMES,
-    compose,
-    count_case,
-    doubled,
-    layer_counts,
-    time_case,
-)
-from recipes.bench.timing import rotations  # noqa: E402
-from recipes.config import ConfigError  # noqa: E402
+from recipes.bench.cli import command_line
+from recipes.bench.probe_cases import count_cases, time_cases
+from recipes.bench.probe_report import counts_table
+from recipes.bench.probe_step import compose
+from recipes.config import ConfigError
 
 
 def _tree(path: str) -> str:
@@ -106,37 +88,14 @@ def main(argv: list[str] | None = None) -> dict:
     command = command_line("probe_step.py", argv).strip()
     t0 = time.monotonic()
     results, rows, sections = [], [], []
-    for case in [] if args.time_only else cases:
-        label = " ".join(case)
-        variants = [("", case)] + ([] if args.no_double else [(" (2x layers)", doubled(case))])
-        for suffix, overrides in variants:
-            layers = layer_counts([*overrides, *world])
-            for tree, path in trees.items():
-                ranks = count_case(overrides, args.world_size, pythonpath=path)
-                results.append(
-                    {"case": label + suffix, "code": tree, "layers": layers, "ranks": ranks}
-                )
-                rows.append(count_row(label + suffix, tree, layers, ranks[args.rank]))
-                sections.append(
-                    f"Syncs of the train step, {label}{suffix}, {tree}, rank {args.rank}:\n\n"
-                    + sites_table(ranks[args.rank])
-                    + f"\n\nOf which in `{ranks[args.rank]['optimizer']}`:\n\n"
-                    + sites_table(ranks[args.rank], REGIONS[0])
-                    + f"\n\nDispatched ops of `{ranks[args.rank]['optimizer']}` by file and"
-                    " by line:\n\n" + ops_sites_table(ranks[args.rank], REGIONS[0])
-                )
+    if not args.time_only:
+        results, rows, sections = count_cases(
+            cases, args.world_size, args.rank, trees, not args.no_double
+        )
     times = []
     if args.time_steps:
-        for case in cases:
-            by_tree = {tree: {key: [] for key in TIMES} for tree in trees}
-            for tree in rotations(list(trees), args.time_rounds):
-                got = time_case(case, args.world_size, args.time_steps, pythonpath=trees[tree])
-                for key, values in got.items():
-                    by_tree[tree][key] += values
-            summary = timing_summary(by_tree)
-            times.append({"case": " ".join(case), "seconds": by_tree, "median_s": summary})
-            n = args.time_steps * args.time_rounds
-            sections.append(timing_table(" ".join(case), summary, n))
+        times, timed = time_cases(cases, args.world_size, args.time_steps, args.time_rounds, trees)
+        sections += timed
     tables = [counts_table(rows)] if rows else []
     text = "\n\n".join([f"`{command}`", *tables, *sections]) + "\n"
     out = Path(args.out)

@@ -216,3 +216,34 @@ def aggregate(per_rank: list[list[dict]], cfg: dict) -> list[dict]:
             )
         )
     return rows
+
+
+def resolve_args(args) -> None:
+    """`scripts/bench_remainder.py`'s arguments completed and checked in place: the backend
+    (auto: nccl if W GPUs), the world size, `rows` / `cols`, `r_values`, `strategy_list`."""
+    if args.backend == "auto":
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        want = args.world_size or n_gpu
+        args.backend = "nccl" if n_gpu >= 2 and want <= n_gpu else "gloo"
+    if args.world_size is None:
+        args.world_size = torch.cuda.device_count() if args.backend == "nccl" else 8
+    if args.world_size < 2:
+        raise SystemExit("--world-size must be >= 2 (a remainder needs R < W)")
+    if args.warmup < 1:
+        raise SystemExit(
+            f"--warmup {args.warmup}: must be >= 1 (the NS-only reference repeats the matrices "
+            "a warm-up step orthogonalized)"
+        )
+    rows, _, cols = args.shape.lower().partition("x")
+    args.rows, args.cols = int(rows), int(cols)
+    W = args.world_size
+    if args.remainders:
+        args.r_values = sorted({int(r) for r in args.remainders.split(",")})
+    else:
+        args.r_values = list(range(1, W))
+    if not all(1 <= r < W for r in args.r_values):
+        raise SystemExit(f"--remainders must lie in 1..{W - 1}, got {args.r_values}")
+    args.strategy_list = [s for s in args.strategies.split(",") if s]
+    bad = set(args.strategy_list) - set(STRATEGIES)
+    if bad:
+        raise SystemExit(f"--strategies: unknown {sorted(bad)}; allowed {STRATEGIES}")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from recipes.compare_optimizers import compare
 from recipes.runs import discover
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +83,7 @@ def test_best_settings_steps_to_target_and_seeds(tmp_path):
         "Target: the best final val_loss of `adamw` (3.2000)" in (out / "optimizers.md").read_text()
     )
     # Without --reference the target is the group whose best is the highest: adamw here too.
-    result = mod.compare(discover([root]), tmp_path / "out2", "optim.name", "optim.lr")
+    result = compare(discover([root]), tmp_path / "out2", "optim.name", "optim.lr")
     assert {r["reference"] for r in result["table"]} == {"adamw"}
 
 

@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
+from recipes.compare_strategies import compare
+from recipes.runs import discover, read_wandb_api
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compare_strategies.py"
@@ -73,16 +75,15 @@ def _hydra_run(root: Path, name: str, strategy: str, hydra_layout: bool = False)
 
 
 def test_table_groups_by_strategy_and_skips_warmup_and_profiled_steps(tmp_path):
-    mod = _load()
     sweep = tmp_path / "sweep"
     _hydra_run(sweep, "a1", "agrs")
     _hydra_run(sweep, "a2", "agrs", hydra_layout=True)
     _hydra_run(sweep, "p", "pad_all2all")
     _hydra_run(sweep, "r", "ragged_all_to_all")
-    runs = mod.discover([sweep])
+    runs = discover([sweep])
     assert sorted(r.name for r in runs) == ["a1", "a2", "p", "r"]
     out = tmp_path / "out"
-    result = mod.compare(runs, out)
+    result = compare(runs, out)
     table = {row["strategy"]: row for row in result["table"]}
     assert list(table) == list(STRATEGIES)
     assert table["agrs"]["runs"] == 2
@@ -111,12 +112,11 @@ def test_table_groups_by_strategy_and_skips_warmup_and_profiled_steps(tmp_path):
 def test_by_another_key_titles_and_labels_its_groups_by_that_key(tmp_path):
     """`--by optim.name`: the table is titled and its group column named by that key, not
     as remainder strategies."""
-    mod = _load()
     _hydra_run(tmp_path / "sweep", "m", "agrs")
     adamw = _hydra_run(tmp_path / "sweep", "a", "agrs")
     (adamw / "config.yaml").write_text(yaml.safe_dump({"optim": {"name": "adamw"}}))
     out = tmp_path / "out"
-    result = mod.compare(mod.discover([tmp_path / "sweep"]), out, "optim.name")
+    result = compare(discover([tmp_path / "sweep"]), out, "optim.name")
     assert [r["optim.name"] for r in result["table"]] == ["adamw", "muon"]
     md = (out / "comparison.md").read_text()
     assert md.startswith("# Training runs, grouped by `optim.name`")
@@ -126,20 +126,18 @@ def test_by_another_key_titles_and_labels_its_groups_by_that_key(tmp_path):
 
 
 def test_missing_strategy_key_is_an_error(tmp_path):
-    mod = _load()
     run = _hydra_run(tmp_path, "x", "agrs")
     (run / "config.yaml").write_text(yaml.safe_dump({"optim": {"name": "adamw"}}))
     with pytest.raises(ValueError, match="optim.remainder_strategy"):
-        mod.compare(mod.discover([run]), tmp_path / "out")
+        compare(discover([run]), tmp_path / "out")
 
 
 def test_wandb_offline_run_points_to_its_run_dir(tmp_path):
-    mod = _load()
     offline = tmp_path / "run" / "wandb" / "offline-run-20260101_000000-abc123"
     offline.mkdir(parents=True)
     (offline / "run-abc123.wandb").write_bytes(b":W&B")
     with pytest.raises(ValueError, match="metrics.jsonl has the same rows"):
-        mod.discover([offline])
+        discover([offline])
 
 
 class FakeRun:
@@ -164,7 +162,6 @@ class FakeApi:
 
 
 def test_wandb_api_runs(tmp_path):
-    mod = _load()
     fakes = [
         FakeRun(
             f"id{i}",
@@ -176,8 +173,8 @@ def test_wandb_api_runs(tmp_path):
         )
         for i, s in enumerate(STRATEGIES)
     ]
-    runs = mod.read_wandb_api("team/proj", "strategies", api=FakeApi(fakes))
-    result = mod.compare(runs, tmp_path / "out")
+    runs = read_wandb_api("team/proj", "strategies", api=FakeApi(fakes))
+    result = compare(runs, tmp_path / "out")
     assert [r["strategy"] for r in result["table"]] == list(STRATEGIES)
     assert result["table"][0]["step_s"] == pytest.approx(3.3)
 
@@ -213,15 +210,14 @@ def test_three_real_runs_make_a_table_and_plots(strategy_sweep, tmp_path):
     # (the stand-in reads their offline files) give the same table as metrics.jsonl.
     from tests import wandb_records
 
-    mod = _load()
     offline = sorted(runs_root.glob("*/wandb/offline-run-*"))
     assert len(offline) == 3
     fakes = []
     for d in offline:
         run = wandb_records.read(d)
         fakes.append(FakeRun(run.run_id, run.config, run.history))
-    from_wandb = mod.compare(
-        mod.read_wandb_api("team/proj", "strategies", api=FakeApi(fakes)), tmp_path / "out_wandb"
+    from_wandb = compare(
+        read_wandb_api("team/proj", "strategies", api=FakeApi(fakes)), tmp_path / "out_wandb"
     )
     for row in from_wandb["table"]:
         ref = table[row["strategy"]]

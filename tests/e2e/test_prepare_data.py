@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from recipes import prepare_data
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "prepare_data.py"
 
@@ -149,7 +151,7 @@ def test_bad_inputs_fail_by_name_and_leave_no_directory(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):  # the run dies half-way, after some files exist
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mod, "train_tokenizer", interrupted)
+    monkeypatch.setattr(prepare_data, "train_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mod.main(["--input", str(good), "--out", str(out), "--train-tokenizer", "300"])
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
@@ -166,16 +168,16 @@ def test_force_replaces_an_existing_directory_once_the_new_one_is_complete(tmp_p
     argv = ["--input", str(tmp_path / "good.txt"), "--out", str(out), "--train-tokenizer", "300"]
     with pytest.raises(SystemExit, match="pass --force to replace it"):
         mod.main(argv)
-    train_tokenizer = mod.train_tokenizer
+    train_tokenizer = prepare_data.train_tokenizer
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mod, "train_tokenizer", interrupted)
+    monkeypatch.setattr(prepare_data, "train_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mod.main([*argv, "--force"])
     assert sorted(p.name for p in out.iterdir()) == ["old.bin"]
-    monkeypatch.setattr(mod, "train_tokenizer", train_tokenizer)
+    monkeypatch.setattr(prepare_data, "train_tokenizer", train_tokenizer)
     assert mod.main([*argv, "--force"]) == 0
     assert not (out / "old.bin").exists() and (out / "meta.json").is_file()
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.test_prepare_data import prepare_data_script
+from recipes.prepare_tokenizer import remote_code
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "prepare_data.py"
@@ -70,8 +70,8 @@ def test_a_tokenizer_with_its_own_code_is_refused_and_nothing_runs(tmp_path):
     assert not marker.exists() and not (tmp_path / "out").exists()
     # an auto_map in config.json is code too (transformers reads AutoTokenizer's entry there)
     other = _tokenizer_dir(tmp_path / "tok2", marker, "config.json")
-    assert prepare_data_script().remote_code(other).startswith("config.json has an auto_map")
-    assert prepare_data_script().remote_code(tmp_path) is None
+    assert remote_code(other).startswith("config.json has an auto_map")
+    assert remote_code(tmp_path) is None
 
 
 def test_trust_remote_code_runs_it(tmp_path):

@@ -8,7 +8,6 @@ W&B run, no training) shows the switches and that a resumed run sends no step tw
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -20,22 +19,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from models.glm import GLMConfig
+from recipes import wandb_dashboard as dashboard
 from recipes.config import Config, to_plain
 from recipes.metrics import MetricsLog
 from tests import wandb_records
 from tests.train_cli import train_py
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _dashboard():
-    spec = importlib.util.spec_from_file_location(
-        "wandb_dashboard", ROOT / "scripts/wandb_dashboard.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("wandb_dashboard", mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _offline(run_dir: Path) -> list[Path]:
@@ -113,12 +103,11 @@ def test_adamw_run_carries_no_muon_keys(sweep):
 
 
 def test_every_dashboard_key_is_logged_by_a_real_run(sweep):
-    mod = _dashboard()
     run = wandb_records.read(_offline(sweep["muon"])[0])
     logged = {k for row in run.history for k in row}
-    workspace = mod.build_workspace("team", "moe-muon-recipes", "strategies", "test")
+    workspace = dashboard.build_workspace("team", "moe-muon-recipes", "strategies", "test")
     panels = [p for section in workspace.sections for p in section.panels]
-    assert len(panels) == len(mod.PANELS) >= 10
+    assert len(panels) == len(dashboard.PANELS) >= 10
     for panel in panels:
         if getattr(panel, "metric_regex", None):
             matched = {k for k in logged if re.fullmatch(panel.metric_regex, k)}

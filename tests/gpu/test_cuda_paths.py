@@ -3,9 +3,7 @@ precision defaults, torch.compile, the MemoryMeter on a real step (one NCCL rank
 syncs of Gram Newton-Schulz's blow-up check (none in the optimizer's form). Skipped where no
 CUDA device is present."""
 
-import importlib
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -122,9 +120,9 @@ def _compile_case(device) -> dict:
 
 
 def _meter_case(device) -> dict:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    check = importlib.import_module("check_memory_meter")
-    return check.compare("small", 256, 8, device)
+    from recipes.bench.meter_check import compare
+
+    return compare("small", 256, 8, device)
 
 
 def _cuda_world() -> dict:

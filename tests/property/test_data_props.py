@@ -17,9 +17,8 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.test_prepare_data import prepare_data_script
-
-PREP = prepare_data_script()
+from recipes.prepare_data import prepare
+from recipes.prepare_docs import PrepareError, input_files
 
 #: a few words, so that generated texts collide (exact duplicates across files) and the BPE
 #: learns something; " " alone is an empty document (the run must refuse it by name)
@@ -115,7 +114,7 @@ def test_every_distinct_file_is_listed_once(layout):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         made = _build(root, layout)
-        listed = PREP.input_files([root, root / made[0].relative_to(root)])  # the file twice
+        listed = input_files([root, root / made[0].relative_to(root)])  # the file twice
         assert len(set(_inodes(listed))) == len(listed)  # no file under two names
         assert set(_inodes(listed)) == set(_inodes(made))  # and none left out
 
@@ -143,12 +142,12 @@ def test_each_text_lands_in_one_split_once(layout, val_fraction):
         )
         empty = [f for f in made if f.suffix == ".txt" and not f.read_text().strip()]
         if empty or any(not t.strip() for t in texts):
-            with pytest.raises(PREP.PrepareError, match="empty text"):
-                PREP.prepare(args)
+            with pytest.raises(PrepareError, match="empty text"):
+                prepare(args)
             assert not args.out.exists()
             return
         event("prepared")
-        meta = PREP.prepare(args)
+        meta = prepare(args)
         docs = _decode(args.out)
         assert not set(docs["train"]) & set(docs["val"])
         assert sorted(docs["train"] + docs["val"]) == sorted(set(texts))  # each text once

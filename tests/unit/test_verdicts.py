@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from recipes.bench import step_report
 from recipes.bench.remainder_report import evaluate_targets
 from recipes.bench.report import as_shown
 from recipes.step_memory import GiB, StepMemory
@@ -29,12 +30,11 @@ def test_as_shown_is_the_printed_number():
 
 def test_bench_step_balance_verdict_reads_the_printed_ratio():
     """docs/benchmarks.md once printed `MISS: ... <= 1.2 (1.20)`: 1.2003 shows as 1.20."""
-    targets = _script("bench_step").targets
     after = {
         "agrs": {"ns_max_over_mean": 1.2003, "bytes_match_plan": True},
         "auto": {"ns_max_over_mean": 1.2051, "bytes_match_plan": False},
     }
-    assert targets(after) == [
+    assert step_report.targets(after) == [
         ("agrs: NS time max/mean <= 1.2 (1.20)", True),
         ("agrs: measured bytes == plan on every rank", True),
         ("auto: NS time max/mean <= 1.2 (1.21)", False),
