@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from recipes.bench.report import write_csv
+from recipes.tables import write_csv
 from recipes.runs import Run, markdown_table
 
 #: config keys every compared run must share

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from muon.plan import REMAINDER_STRATEGIES
-from recipes.bench.report import write_csv
+from recipes.tables import write_csv
 from recipes.runs import Run
 from recipes.runs import fmt as _fmt
 from recipes.units import MiB

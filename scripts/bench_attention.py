@@ -20,7 +20,7 @@ from pathlib import Path
 from recipes.bench.attention import MODES, PATHS, sweep
 from recipes.bench.attention_report import markdown, plot, targets
 from recipes.bench.cli import command_line
-from recipes.bench.report import machine_description, write_csv
+from recipes.tables import machine_description, write_csv
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:

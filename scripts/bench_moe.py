@@ -20,7 +20,7 @@ from pathlib import Path
 from recipes.bench.cli import command_line
 from recipes.bench.fixtures import DTYPES
 from recipes.bench.moe import KERNELS, measure
-from recipes.bench.report import machine_description, markdown_table, write_csv
+from recipes.tables import machine_description, markdown_table, write_csv
 
 COLUMNS = (
     ("routed experts", "experts", ""),

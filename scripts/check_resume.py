@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from recipes.bench.report import as_shown
+from recipes.tables import as_shown
 
 
 def parse_args(argv=None) -> argparse.Namespace:

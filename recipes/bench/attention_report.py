@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.bench.report import markdown_table
+from recipes.tables import markdown_table
 
 SPARSE = "latent"  # the sparse path the targets are about (the default dsa_impl)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from recipes.bench.report import as_shown
+from recipes.tables import as_shown
 from recipes.memory import MemoryMeter
 from recipes.units import MiB
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from muon.cost import GRAM_MIN_ROWS, effective_algorithm
 from recipes.bench.newton_schulz import BF16_SLACK, GRAM
 from recipes.bench.newton_schulz_optim import DEFAULT, OPT_VARIANTS
-from recipes.bench.report import markdown_table
+from recipes.tables import markdown_table
 
 
 def _per_shape(res: dict) -> list[str]:

@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from recipes.bench.probe_step import REGIONS
-from recipes.bench.report import markdown_table
+from recipes.tables import markdown_table
 
 #: (header prefix, region) of the counts table
 _REGION_HEADERS = (("opt.step", REGIONS[0]), ("optimizer part", REGIONS[1]), ("step", REGIONS[2]))

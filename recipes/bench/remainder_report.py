@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.bench.report import as_shown
+from recipes.tables import as_shown
 from recipes.units import MiB
 
 LABELS = {

@@ -3,7 +3,7 @@ baseline checkout, judged on the figures as the tables print them."""
 
 from __future__ import annotations
 
-from recipes.bench.report import as_shown
+from recipes.tables import as_shown
 from recipes.bench.step import BAG
 
 

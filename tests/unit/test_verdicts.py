@@ -9,7 +9,7 @@ from pathlib import Path
 
 from recipes.bench import step_report
 from recipes.bench.remainder_report import evaluate_targets
-from recipes.bench.report import as_shown
+from recipes.tables import as_shown
 from recipes.step_memory import GiB, StepMemory
 
 ROOT = Path(__file__).resolve().parents[2]
