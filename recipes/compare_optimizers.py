@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from recipes.tables import write_csv
 from recipes.runs import Run, markdown_table
+from recipes.tables import write_csv
 
 #: config keys every compared run must share
 SAME_KEYS = (

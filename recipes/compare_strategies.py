@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from muon.plan import REMAINDER_STRATEGIES
-from recipes.tables import write_csv
 from recipes.runs import Run
 from recipes.runs import fmt as _fmt
+from recipes.tables import write_csv
 from recipes.units import MiB
 
 DEFAULT_KEY = "optim.remainder_strategy"

@@ -1,4 +1,4 @@
-"""One writer of the tables that scripts print and save: markdown for docs, CSV for tools, rows as dicts."""
+"""One writer of the tables scripts print and save: markdown for docs, CSV for tools."""
 
 from __future__ import annotations
 

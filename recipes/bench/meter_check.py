@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from recipes.tables import as_shown
 from recipes.memory import MemoryMeter
+from recipes.tables import as_shown
 from recipes.units import MiB
 
 

@@ -3,8 +3,8 @@ baseline checkout, judged on the figures as the tables print them."""
 
 from __future__ import annotations
 
-from recipes.tables import as_shown
 from recipes.bench.step import BAG
+from recipes.tables import as_shown
 
 
 def markdown(after: dict, before: dict | None, cfg: dict, command: str) -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from recipes.bench import step_report
 from recipes.bench.remainder_report import evaluate_targets
-from recipes.tables import as_shown
 from recipes.step_memory import GiB, StepMemory
+from recipes.tables import as_shown
 
 ROOT = Path(__file__).resolve().parents[2]
 
