@@ -2,6 +2,5 @@
 
 `parallelize` (expert parallelism, activation checkpointing, compile, FSDP2), the expert-
 parallel token exchange it swaps into the routed experts, each rank's rows of a sharded
-parameter (`local`), and the training statistics summed or maximized over the ranks
-(`reduce`). A new parallel dimension goes here.
+parameter (`local`). A new parallel dimension goes here.
 """
