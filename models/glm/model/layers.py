@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.model.config import GLMConfig
-from models.glm.model.packing import document_mask
 from models.glm.model.precision import work_dtype
 from models.glm.model.qk_clip import MaxLogitRecorder
+from models.glm.model.sequence import causal_mask, gathered
 
 
 class RMSNorm(nn.Module):
@@ -195,10 +195,17 @@ class Attention(MaxLogitRecorder, nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, doc_start_BT=None
+        self,
+        x_BTD: torch.Tensor,
+        cos_TR: torch.Tensor,
+        sin_TR: torch.Tensor,
+        doc_start_BT=None,
+        tokens=None,
     ):
         """Output [B, T, D]; `doc_start_BT` (packed documents: each token's document's first
-        position, [B, T]) masks attention to the query's own document, else plain causal."""
+        position, [B, T]) masks attention to the query's own document, else plain causal.
+        `tokens` (`models.glm.model.sequence.LocalTokens`): the queries are these tokens of a
+        longer sequence; the keys and values are the whole sequence's (`gather_keys`)."""
         B, T, _ = x_BTD.shape
         q_BTNK = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTMK = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
@@ -207,15 +214,18 @@ class Attention(MaxLogitRecorder, nn.Module):
             q_BTNK, k_BTMK = self.q_norm(q_BTNK), self.k_norm(k_BTMK)
         q_BTNK = apply_partial_rope(q_BTNK, cos_TR, sin_TR)
         k_BTMK = apply_partial_rope(k_BTMK, cos_TR, sin_TR)
+        if tokens is not None:  # one gather of the keys and values of the whole sequence
+            kv_BSF = gathered(self, torch.cat([k_BTMK, v_BTMK], -1).flatten(2), tokens)
+            k_BTMK, v_BTMK = kv_BSF.unflatten(2, (self.n_kv_heads, -1)).chunk(2, -1)
         # Query head h reads kv head h // (N / M): a blockwise repeat of the kv heads.
         rep = self.n_heads // self.n_kv_heads
-        k_BTNK = k_BTMK.repeat_interleave(rep, dim=2)
-        v_BTNK = v_BTMK.repeat_interleave(rep, dim=2)
-        q_BNTK, k_BNTK = q_BTNK.transpose(1, 2), k_BTNK.transpose(1, 2)
-        mask_B1TS = None if doc_start_BT is None else document_mask(doc_start_BT)
-        self.record(q_BNTK, k_BNTK, self.head_dim**-0.5, mask_B1TS)
+        k_BSNK = k_BTMK.repeat_interleave(rep, dim=2)
+        v_BSNK = v_BTMK.repeat_interleave(rep, dim=2)
+        q_BNTK, k_BNSK = q_BTNK.transpose(1, 2), k_BSNK.transpose(1, 2)
+        mask_B1TS = causal_mask(doc_start_BT, tokens, T, x_BTD.device)
+        self.record(q_BNTK, k_BNSK, self.head_dim**-0.5, mask_B1TS, tokens)
         o_BNTK = F.scaled_dot_product_attention(
-            q_BNTK, k_BNTK, v_BTNK.transpose(1, 2), attn_mask=mask_B1TS, is_causal=mask_B1TS is None
+            q_BNTK, k_BNSK, v_BSNK.transpose(1, 2), attn_mask=mask_B1TS, is_causal=mask_B1TS is None
         )
         return self.o_proj(o_BNTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

@@ -93,6 +93,7 @@ def chunked_cross_entropy(
     chunk_tokens: int,
     *,
     check: bool = True,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean float32 (float64 for a float64 model) cross-entropy of `head(h)` (the bias-free
     lm_head) against labels [B, T] (-100 ignored; 0 when every label is ignored, the sum over
@@ -100,7 +101,8 @@ def chunked_cross_entropy(
     forward and again during its backward (`_ChunkedCrossEntropySum`), never [B*T, V]. Equal
     to the unchunked cross-entropy up to float32 rounding (tests/unit/test_loss_head.py
     derives the bound). `check`: refuse labels outside [0, V) first (`check_labels`; False
-    when the caller has)."""
+    when the caller has). `count`: divide the sum by this token count instead of the number
+    of scored labels (a part of a longer sequence: its share of the full sequence's mean)."""
     if getattr(head, "bias", None) is not None:
         raise ValueError("chunked_cross_entropy needs a head without bias (the lm_head has none)")
     if check:
@@ -108,5 +110,6 @@ def chunked_cross_entropy(
     h_ND = h_BTD.reshape(-1, h_BTD.shape[-1])
     labels_N = labels_BT.reshape(-1)
     total = _ChunkedCrossEntropySum.apply(h_ND, head.weight, labels_N, chunk_tokens)
-    count = (labels_N != IGNORE_INDEX).sum().clamp(min=1)
+    if count is None:
+        count = (labels_N != IGNORE_INDEX).sum().clamp(min=1)
     return total / count

@@ -32,8 +32,8 @@ from torch import nn
 from models.glm.model.config import GLMConfig
 from models.glm.model.indexer import Indexer, MiB, indexer_kl, kept_mask, sparse_mask
 from models.glm.model.layers import RMSNorm, apply_interleaved_rope, yarn_mscale
-from models.glm.model.packing import document_mask
 from models.glm.model.qk_clip import MaxLogitRecorder
+from models.glm.model.sequence import LocalTokens, causal_mask, gathered
 from models.glm.model.sparse_attention import attention_row_bytes, query_chunk, sparse_attention
 
 # The latent norms' eps is fixed in GLM-5 (as in transformers), independent of rms_norm_eps.
@@ -95,12 +95,16 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         topk_BTK: torch.Tensor | None = None,
         with_kl: bool = False,
         doc_start_BT: torch.Tensor | None = None,
+        tokens: LocalTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(output [B, T, D], the kept keys [B, T, K] for a following "shared" layer (None when
         dense), the indexer's KL loss when `with_kl` and this layer ran a trained indexer).
         `topk_BTK`: kept keys to attend instead of running the indexer, or None.
         `doc_start_BT`: packed documents (each token's document's first position, [B, T]):
-        the indexer keeps, and the attention reads, keys of the query's own document only."""
+        the indexer keeps, and the attention reads, keys of the query's own document only.
+        `tokens`: the queries are these tokens of a longer sequence
+        (`models.glm.model.sequence`); the key side (the normed latent and the rotary key, the
+        indexer's keys) is the whole sequence's, through `gather_keys`."""
         B, T, _ = x_BTD.shape
         N, P, R = self.n_heads, self.nope, self.rope
         if hasattr(self, "q_proj"):
@@ -113,75 +117,86 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         kv_BTL = self.kv_a_layernorm(kv_lat_BTL)
         q_rope_BTNR = apply_interleaved_rope(q_BTNH[..., P:], cos_TR, sin_TR)
         k_rope_BT1R = apply_interleaved_rope(k_rope_BTR.unsqueeze(2), cos_TR, sin_TR)
+        kv_BSL, k_rope_BS1R = kv_BTL, k_rope_BT1R
+        if tokens is not None:  # one gather of the key side: L + R values per token
+            side_BSF = gathered(self, torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1), tokens)
+            kv_BSL, k_rope_BSR = side_BSF.split([self.kv_rank, R], -1)
+            k_rope_BS1R = k_rope_BSR.unsqueeze(2)
+        S = kv_BSL.shape[1]
         topk_BTK, kept_scores_BTK = self._kept_keys(
-            x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT
+            x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT, tokens
         )
         want_kl = with_kl and kept_scores_BTK is not None
         if self.sparse and self.impl == "latent":  # kv_b_proj applied inside, per head
             o_BTNV, probs_BTK = self._latent(
-                q_BTNH[..., :P], q_rope_BTNR, kv_BTL, k_rope_BT1R, topk_BTK, want_kl
+                q_BTNH[..., :P], q_rope_BTNR, kv_BSL, k_rope_BS1R, topk_BTK, want_kl, tokens
             )
         else:
-            kv_BTNW = self.kv_b_proj(kv_BTL).view(B, T, N, P + self.v_dim)
-            k_nope_BTNP, v_BTNV = kv_BTNW.split([P, self.v_dim], -1)
+            kv_BSNW = self.kv_b_proj(kv_BSL).view(B, S, N, P + self.v_dim)
+            k_nope_BSNP, v_BSNV = kv_BSNW.split([P, self.v_dim], -1)
             q_BTNE = torch.cat([q_BTNH[..., :P], q_rope_BTNR], -1)
-            k_BTNE = torch.cat([k_nope_BTNP, k_rope_BT1R.expand(B, T, N, R)], -1)
+            k_BSNE = torch.cat([k_nope_BSNP, k_rope_BS1R.expand(B, S, N, R)], -1)
             if self.sparse and self.impl == "per_head":
-                o_BTNV, probs_BTK = self._per_head(q_BTNE, k_BTNE, v_BTNV, topk_BTK, want_kl)
+                o_BTNV, probs_BTK = self._per_head(
+                    q_BTNE, k_BSNE, v_BSNV, topk_BTK, want_kl, tokens
+                )
             else:
                 o_BNTV, probs_BTK = self._masked(
                     q_BTNE.transpose(1, 2),
-                    k_BTNE.transpose(1, 2),
-                    v_BTNV.transpose(1, 2),
+                    k_BSNE.transpose(1, 2),
+                    v_BSNV.transpose(1, 2),
                     topk_BTK,
                     want_kl,
                     doc_start_BT,
+                    tokens,
                 )
                 o_BTNV = o_BNTV.transpose(1, 2)
         kl = None
         if want_kl:
-            kl = indexer_kl(kept_scores_BTK, probs_BTK, kept_mask(topk_BTK))
+            queries = None if tokens is None else B * tokens.seq_len
+            kl = indexer_kl(kept_scores_BTK, probs_BTK, kept_mask(topk_BTK, tokens), queries)
         out_BTD = self.o_proj(o_BTNV.reshape(B, T, N * self.v_dim))
         return out_BTD, (topk_BTK if self.sparse else None), kl
 
-    def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT):
+    def _kept_keys(self, x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT, tokens):
         """(kept keys [B, T, K] or None when dense, their index scores in "kl" mode or None):
         `topk_BTK` when given (a "shared" layer, or an MTP depth reusing depth 1's keys), else
         this layer's indexer's."""
         if self.indexer is not None and topk_BTK is None:
-            return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR, doc_start_BT)
+            return self.indexer(x_BTD, q_lat_BTQ, cos_TR, sin_TR, doc_start_BT, tokens)
         if self.sparse and topk_BTK is None:
             raise ValueError("a 'shared' DSA layer needs the kept keys of a previous layer")
         return topk_BTK, None
 
-    def _masked(self, q_BNTH, k_BNTH, v_BNTV, topk_BTK, want_kl, doc_start_BT=None):
-        """Dense SDPA, masked to the kept keys under DSA (the reference; O(T^2) memory) and to
-        the query's own document with `doc_start_BT`: (output [B, N, T, V], the KL target on
-        the kept keys [B, T, K] when `want_kl`)."""
-        T = q_BNTH.shape[2]
-        mask_B1TS = sparse_mask(topk_BTK, T) if self.sparse and self.topk < T else None
-        if doc_start_BT is not None:
-            doc_B1TS = document_mask(doc_start_BT)
-            mask_B1TS = doc_B1TS if mask_B1TS is None else mask_B1TS & doc_B1TS
+    def _masked(self, q_BNTH, k_BNSH, v_BNSV, topk_BTK, want_kl, doc_start_BT, tokens):
+        """Dense SDPA, masked to the kept keys under DSA (the reference; O(T x S) memory), to
+        the query's own document with `doc_start_BT` and to the causal keys of its global
+        position under `tokens`: (output [B, N, T, V], the KL target on the kept keys
+        [B, T, K] when `want_kl`)."""
+        T, S = q_BNTH.shape[2], k_BNSH.shape[2]
+        mask_B1TS = sparse_mask(topk_BTK, S, tokens) if self.sparse and self.topk < S else None
+        base_B1TS = causal_mask(doc_start_BT, tokens, T, q_BNTH.device)
+        if base_B1TS is not None:
+            mask_B1TS = base_B1TS if mask_B1TS is None else mask_B1TS & base_B1TS
         if mask_B1TS is not None:
             o_BNTV = F.scaled_dot_product_attention(
-                q_BNTH, k_BNTH, v_BNTV, attn_mask=mask_B1TS, scale=self.scale
+                q_BNTH, k_BNSH, v_BNSV, attn_mask=mask_B1TS, scale=self.scale
             )
         else:  # every causal key is kept: plain causal attention
             o_BNTV = F.scaled_dot_product_attention(
-                q_BNTH, k_BNTH, v_BNTV, is_causal=True, scale=self.scale
+                q_BNTH, k_BNSH, v_BNSV, is_causal=True, scale=self.scale
             )
-        self.record(q_BNTH, k_BNTH, self.scale, mask_B1TS)  # QK-clip's max logits
+        self.record(q_BNTH, k_BNSH, self.scale, mask_B1TS, tokens)  # QK-clip's max logits
         if not want_kl:
             return o_BNTV, None
         if mask_B1TS is None:
             causal_TS = torch.ones(T, T, dtype=torch.bool, device=q_BNTH.device).tril()
             mask_B1TS = causal_TS[None, None]
-        probs_BTS = self._head_summed_probs(q_BNTH, k_BNTH, mask_B1TS)
-        kept_BTK = kept_mask(topk_BTK)
+        probs_BTS = self._head_summed_probs(q_BNTH, k_BNSH, mask_B1TS)
+        kept_BTK = kept_mask(topk_BTK, tokens)
         return o_BNTV, probs_BTS.gather(-1, topk_BTK.clamp(min=0)) * kept_BTK
 
-    def _latent(self, q_nope_BTNP, q_rope_BTNR, kv_BTL, k_rope_BT1R, topk_BTK, want_kl):
+    def _latent(self, q_nope_BTNP, q_rope_BTNR, kv_BSL, k_rope_BS1R, topk_BTK, want_kl, tokens):
         """Sparse attention in MLA's absorbed form (DeepSeek-V3.2's sparse MLA): one key head
         of width L + R (the normed kv latent and the rotary key) whose first L channels are the
         values; queries enter the latent through kv_b_proj's key rows, outputs leave it through
@@ -190,7 +205,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         w_NWL = self.kv_b_proj.weight.view(N, P + V, L)
         q_lat_BTNL = torch.einsum("btnp,npl->btnl", q_nope_BTNP, w_NWL[:, :P])
         q_BTNE = torch.cat([q_lat_BTNL, q_rope_BTNR], -1)
-        k_BS1E = torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1).unsqueeze(2)
+        k_BS1E = torch.cat([kv_BSL, k_rope_BS1R.squeeze(2)], -1).unsqueeze(2)
         rows = attention_row_bytes(
             q_BTNE.shape[0],
             N,
@@ -210,13 +225,14 @@ class MLAttention(MaxLogitRecorder, nn.Module):
             value_dim=L,
             chunk=query_chunk(self.chunk_bytes, rows),
             want_probs=want_kl,
+            positions_T=None if tokens is None else tokens.positions_T,
         )
         self.record_max(max_N)
         return torch.einsum("btnl,nvl->btnv", o_BTNL, w_NWL[:, P:]), (
             probs_BTK if want_kl else None
         )
 
-    def _per_head(self, q_BTNE, k_BSNE, v_BSNV, topk_BTK, want_kl):
+    def _per_head(self, q_BTNE, k_BSNE, v_BSNV, topk_BTK, want_kl, tokens):
         """Sparse attention gathering each head's own key and value (N x the latent form's
         gathered bytes): (output [B, T, N, V], the KL target [B, T, K] or None)."""
         B, _, N, E = q_BTNE.shape
@@ -238,17 +254,19 @@ class MLAttention(MaxLogitRecorder, nn.Module):
             self.scale,
             chunk=query_chunk(self.chunk_bytes, rows),
             want_probs=want_kl,
+            positions_T=None if tokens is None else tokens.positions_T,
         )
         self.record_max(max_N)
         return o_BTNV, (probs_BTK if want_kl else None)
 
     @torch.no_grad()
-    def _head_summed_probs(self, q_BNTH, k_BNTH, mask_B1TS) -> torch.Tensor:
+    def _head_summed_probs(self, q_BNTH, k_BNSH, mask_B1TS) -> torch.Tensor:
         """The KL target: float32 attention probabilities summed over heads, L1-normalized."""
         B, N, T, _ = q_BNTH.shape
-        total_BTS = torch.zeros(B, T, T, dtype=torch.float32, device=q_BNTH.device)
+        S = k_BNSH.shape[2]
+        total_BTS = torch.zeros(B, T, S, dtype=torch.float32, device=q_BNTH.device)
         for h in range(0, N, _KL_HEAD_CHUNK):
-            logits = q_BNTH[:, h : h + _KL_HEAD_CHUNK].float() @ k_BNTH[
+            logits = q_BNTH[:, h : h + _KL_HEAD_CHUNK].float() @ k_BNSH[
                 :, h : h + _KL_HEAD_CHUNK
             ].float().transpose(-1, -2)
             logits = (logits * self.scale).masked_fill(~mask_B1TS, float("-inf"))

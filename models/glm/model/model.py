@@ -40,6 +40,7 @@ from models.glm.model.moe import FusedExperts, MoE, Router
 from models.glm.model.packing import ahead_in_document, document_bounds
 from models.glm.model.qk_clip import clip_attention_
 from models.glm.model.recompute import recomputing
+from models.glm.model.sequence import LocalTokens
 
 
 class DecoderLayer(nn.Module):
@@ -77,35 +78,40 @@ class DecoderLayer(nn.Module):
         return self.mla and self.self_attn.sparse and self.self_attn.indexer is None
 
     def forward(
-        self, h_BTD, cos_TR, sin_TR, topk_BTK=None, with_kl: bool = False, doc_start_BT=None
+        self,
+        h_BTD,
+        cos_TR,
+        sin_TR,
+        topk_BTK=None,
+        with_kl: bool = False,
+        doc_start_BT=None,
+        tokens: LocalTokens | None = None,
     ):
         """(h [B, T, D], the kept keys [B, T, K] under DSA else None, the indexer KL or None).
         `topk_BTK`: kept keys to attend instead of running the layer's own indexer (a "shared"
         layer's: the previous layer's), or None. `doc_start_BT`: packed documents (each
-        token's document's first position): attention stays inside each document."""
+        token's document's first position): attention stays inside each document. `tokens`:
+        the T tokens are these of a longer sequence (`models.glm.model.sequence`); a
+        checkpointed layer gathers the other tokens' keys again when it recomputes."""
         block = self._compiled_block or self._block
+        args = (h_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT, tokens)
         if self.checkpoint_activations and torch.is_grad_enabled():
             return checkpoint(
                 block,
-                h_BTD,
-                cos_TR,
-                sin_TR,
-                topk_BTK,
-                with_kl,
-                doc_start_BT,
+                *args,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), recomputing()),
             )
-        return block(h_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT)
+        return block(*args)
 
-    def _block(self, h_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT=None):
+    def _block(self, h_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT=None, tokens=None):
         x_BTD = self.input_layernorm(h_BTD)
         if self.mla:
             a_BTD, topk_BTK, kl = self.self_attn(
-                x_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT
+                x_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT, tokens
             )
         else:
-            a_BTD, kl = self.self_attn(x_BTD, cos_TR, sin_TR, doc_start_BT), None
+            a_BTD, kl = self.self_attn(x_BTD, cos_TR, sin_TR, doc_start_BT, tokens), None
         h_BTD = h_BTD + a_BTD
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), topk_BTK, kl
 
@@ -140,14 +146,16 @@ class MTPLayer(DecoderLayer):
         topk_BTK=None,
         with_kl: bool = False,
         doc_start_BT=None,
+        tokens: LocalTokens | None = None,
     ):
         """(this depth's shared_head-normed output, for lm_head and the next depth; the kept
         keys [B, T, K] under DSA else None; the indexer KL or None) from the previous depth's
         h and the shifted tokens' embeddings; `topk_BTK`: an earlier depth's kept keys to
-        attend instead of running the indexer, or None; `doc_start_BT` as DecoderLayer's."""
+        attend instead of running the indexer, or None; `doc_start_BT`, `tokens` as
+        DecoderLayer's."""
         x_BTD = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
         h_BTD, topk_BTK, kl = super().forward(
-            x_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT
+            x_BTD, cos_TR, sin_TR, topk_BTK, with_kl, doc_start_BT, tokens
         )
         return self.shared_head.norm(h_BTD), topk_BTK, kl
 
@@ -199,6 +207,7 @@ class GLMForCausalLM(nn.Module):
         labels_checked: bool = False,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        tokens: LocalTokens | None = None,
     ):
         """Logits [B, T, V] for input_ids [B, T] (causal attention, positions 0..T-1); with
         `labels` [B, T] (next tokens, -100 ignored) the dict of float32 scalars `loss` (the
@@ -210,10 +219,13 @@ class GLMForCausalLM(nn.Module):
         and lm_head. Packed documents: `position_ids` [B, T] (RoPE's positions) with
         `doc_ids` [B, T] (non-decreasing along each row; equal ids: one document) make
         attention, the indexer's top-k and the MTP depths stay inside each document, so
-        every document computes what it would alone (`models.glm.model.packing`)."""
+        every document computes what it would alone (`models.glm.model.packing`).
+        `tokens` (`models.glm.model.sequence.LocalTokens`): the arguments are the full
+        sequence's, and only these of its tokens are computed (their logits, or their share of
+        each loss: the sum over them divided by the full sequence's count)."""
         c = self.config
         seq_len = input_ids.shape[1]
-        doc_start_BT, doc_end_BT = document_bounds(input_ids, position_ids, doc_ids)
+        doc_start_BS, doc_end_BS = document_bounds(input_ids, position_ids, doc_ids)
         if seq_len > c.max_position_embeddings:
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_position_embeddings "
@@ -221,24 +233,33 @@ class GLMForCausalLM(nn.Module):
             )
         if labels is not None and not labels_checked:
             check_labels(labels, c.vocab_size)
+        positions = position_ids
+        if tokens is not None:
+            tokens = tokens.on(input_ids.device)
+            positions = tokens.positions_T if positions is None else tokens.take(positions)
+        local = tokens.take if tokens is not None else (lambda x: x)
+        doc_start_BT = local(doc_start_BS)
         with_kl = labels is not None and c.uses_dsa and c.indexer_training == "kl"
-        h_BTD = self.model.embed_tokens(input_ids)
+        h_BTD = self.model.embed_tokens(local(input_ids))
         cos_TR, sin_TR = rope_cos_sin(
-            seq_len, c.rotary_dim, c.rope_theta, input_ids.device, c.rope_scaling, position_ids
+            h_BTD.shape[1], c.rotary_dim, c.rope_theta, input_ids.device, c.rope_scaling, positions
         )
         topk_BTK, kls = None, []
         for layer in self.model.layers:
             reused = topk_BTK if layer.reads_topk else None
-            h_BTD, topk_BTK, kl = layer(h_BTD, cos_TR, sin_TR, reused, with_kl, doc_start_BT)
+            h_BTD, topk_BTK, kl = layer(
+                h_BTD, cos_TR, sin_TR, reused, with_kl, doc_start_BT, tokens
+            )
             kls += [kl] if kl is not None else []
         normed_BTD = self.model.norm(h_BTD)
         if labels is None:
             return self.lm_head(normed_BTD)
-        out = {"loss": self.head_loss(normed_BTD, labels)}
+        out = {"loss": self.head_loss(normed_BTD, labels, tokens)}
         depths = c.mtp_depths_resolved if with_mtp else 0
         if depths:
-            docs = None if doc_start_BT is None else (doc_start_BT, doc_end_BT)
-            mtp = self._mtp_losses(h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls, docs)
+            docs = None if doc_start_BS is None else (doc_start_BS, doc_end_BS)
+            rope = (cos_TR, sin_TR)
+            mtp = self._mtp_losses(h_BTD, input_ids, labels, rope, with_kl, kls, docs, tokens)
             out["mtp_loss"] = torch.stack(mtp).mean()
             if depths > 1:  # each depth's own, for the logs (the objective uses the mean)
                 out.update({f"mtp_loss/depth_{k}": v.detach() for k, v in enumerate(mtp, 1)})
@@ -246,15 +267,19 @@ class GLMForCausalLM(nn.Module):
             out["indexer_kl"] = torch.stack(kls).mean()
         return out
 
-    def _mtp_losses(self, h_BTD, input_ids, labels, cos_TR, sin_TR, with_kl, kls, docs=None):
+    def _mtp_losses(self, h_BTD, input_ids, labels, rope, with_kl, kls, docs, tokens):
         """Each depth's cross-entropy (module doc: xtuner's chaining) from the main stack's
         hidden state before the final norm; appends the depths' indexer KLs to `kls`. `docs`:
-        packed documents' (first, last) positions per token, [B, T] each: depth k reads and
+        packed documents' (first, last) positions per token, [B, S] each: depth k reads and
         predicts the token k ahead in the same document, wrapping around inside it where a
-        document alone wraps around the sequence (those positions have no target)."""
+        document alone wraps around the sequence (those positions have no target). The ahead
+        tokens are found in the full sequence, then cut to `tokens` (a context-parallel
+        layout's chunk boundaries are crossed as on one rank)."""
         c, seq_len = self.config, input_ids.shape[1]
         one_layer = len(self.model.mtp_layers) == 1
         share_topk = one_layer and c.uses_dsa and c.index_share_for_mtp_iteration
+        local = tokens.take if tokens is not None else (lambda x: x)
+        doc_start_BT = None if docs is None else local(docs[0])
         losses, first_topk_BTK = [], None
         for k in range(1, c.mtp_depths_resolved + 1):
             # GLM-5's depths share one layer (num_mtp_layers 1), else layer k - 1.
@@ -263,24 +288,37 @@ class GLMForCausalLM(nn.Module):
             # the last k positions have no target (the wrapped ids there are never seen by
             # an earlier position: attention is causal).
             if docs is None:
-                ahead_BT, target = input_ids.roll(-k, dims=1), labels.roll(-k, dims=1)
-                target[:, seq_len - k :] = IGNORE_INDEX
+                ahead_BS, target_BS = input_ids.roll(-k, dims=1), labels.roll(-k, dims=1)
+                target_BS[:, seq_len - k :] = IGNORE_INDEX
             else:
-                ahead_BT, target = ahead_in_document(input_ids, labels, k, *docs)
-            emb_BTD = self.model.embed_tokens(ahead_BT)
+                ahead_BS, target_BS = ahead_in_document(input_ids, labels, k, *docs)
+            emb_BTD = self.model.embed_tokens(local(ahead_BS))
             reused = first_topk_BTK if share_topk else None
-            doc_start_BT = None if docs is None else docs[0]
             h_BTD, topk_BTK, kl = layer(
-                h_BTD, emb_BTD, cos_TR, sin_TR, reused, with_kl, doc_start_BT
+                h_BTD, emb_BTD, *rope, reused, with_kl, doc_start_BT, tokens
             )
             first_topk_BTK = topk_BTK if k == 1 else first_topk_BTK
             kls += [kl] if kl is not None else []
-            losses.append(self.head_loss(h_BTD, target))
+            losses.append(self.head_loss(h_BTD, target_BS, tokens))
         return losses
 
-    def head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    def head_loss(
+        self, h_BTD: torch.Tensor, labels_BS: torch.Tensor, tokens: LocalTokens | None = None
+    ) -> torch.Tensor:
+        """The mean cross-entropy of the hidden states' logits against `labels_BS`; under
+        `tokens` the labels are the full sequence's and the result is these tokens' share of
+        its mean (their sum over the full count)."""
+        count = None
+        if tokens is not None:
+            count = (labels_BS != IGNORE_INDEX).sum().clamp(min=1)
+            labels_BS = tokens.take(labels_BS)
         return chunked_cross_entropy(
-            self.lm_head, h_BTD, labels_BT, self.config.loss_chunk_tokens, check=False
+            self.lm_head,
+            h_BTD,
+            labels_BS,
+            self.config.loss_chunk_tokens,
+            check=False,
+            count=count,
         )
 
     def loss(

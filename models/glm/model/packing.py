@@ -4,10 +4,10 @@ The batch carries per-token `position_ids` (restarting at 0 at each document's f
 RoPE's positions) and `doc_ids` (equal within a document, non-decreasing along the row), as
 Megatron-LM's reset position ids and THD layouts, or transformers' packed `position_ids`, do.
 The model turns them into each token's document's first and last positions (`document_bounds`);
-attention masks with `document_mask` (dense paths) or keeps only same-document keys in the DSA
-indexer's top-k (`models.glm.model.indexer.select_topk`, -1 where a document has fewer keys than
-index_topk), and the MTP depths read their k-ahead tokens inside the document
-(`ahead_in_document`).
+attention masks with `models.glm.model.sequence.causal_mask` (dense paths) or keeps only
+same-document keys in the DSA indexer's top-k (`models.glm.model.indexer.select_topk`, -1 where
+a document has fewer keys than index_topk), and the MTP depths read their k-ahead tokens inside
+the document (`ahead_in_document`).
 
 Shape legend: B batch, T sequence, S keys.
 """
@@ -17,15 +17,6 @@ from __future__ import annotations
 import torch
 
 from models.glm.model.loss_head import IGNORE_INDEX
-
-
-def document_mask(doc_start_BT: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T]: query t attends key s when s is at or below it in its own document
-    (doc_start_BT[b, t] <= s <= t, `doc_start_BT` the position of its document's first token:
-    packed documents are contiguous)."""
-    keys_S = torch.arange(doc_start_BT.shape[1], device=doc_start_BT.device)
-    causal_TS = keys_S[None, :] <= keys_S[:, None]
-    return (causal_TS & (keys_S[None, None, :] >= doc_start_BT[:, :, None]))[:, None]
 
 
 def document_bounds(input_ids, position_ids, doc_ids):

@@ -50,29 +50,36 @@ QUERY_CHUNK = 128
 @torch.no_grad()
 def head_max_logits(
     q_BNTK: torch.Tensor,
-    k_BNTK: torch.Tensor,
+    k_BNSK: torch.Tensor,
     scale: float,
     keep_B1TS: torch.Tensor | None = None,
+    tokens=None,
 ) -> torch.Tensor:
     """The largest pre-softmax logit of each head, `[N]` float32, over the keys each query may
-    attend: `keep_B1TS` (True = attended, DSA's sparse mask) or, when None, the causal ones."""
+    attend: `keep_B1TS` (True = attended: DSA's sparse mask, packed documents, or the causal
+    mask of `tokens`, the queries' global positions among the S keys
+    (`models.glm.model.sequence.LocalTokens`)) or, when None, the causal ones."""
     if not scale > 0:
         raise ValueError(f"head_max_logits: scale={scale!r} must be > 0 (a softmax scale)")
+    if tokens is not None and keep_B1TS is None:
+        raise ValueError("head_max_logits: queries of a longer sequence need their keep mask")
     T = q_BNTK.size(2)
     work = work_dtype(q_BNTK.dtype)  # float64 models record in float64
-    k = k_BNTK.to(work)
+    k = k_BNSK.to(work)
     best = torch.full((q_BNTK.size(1),), -torch.inf, device=q_BNTK.device, dtype=work)
     keys = torch.arange(T, device=q_BNTK.device)
     for start in range(0, T, QUERY_CHUNK):
         q = q_BNTK[:, :, start : start + QUERY_CHUNK].to(work)
-        end = start + q.size(2)  # keys past the chunk's last query are masked either way
-        s_BNQT = torch.matmul(q, k[:, :, :end].transpose(-1, -2))
+        stop = start + q.size(2)
+        # keys past the chunk's last query are masked either way
+        end = stop if tokens is None else tokens.key_end(stop)
+        s_BNQS = torch.matmul(q, k[:, :, :end].transpose(-1, -2))
         if keep_B1TS is None:
-            masked = keys[None, :end] > keys[start:end, None]  # the future
-        else:  # DSA keeps causal keys only
-            masked = ~keep_B1TS[:, :, start:end, :end]
-        s_BNQT.masked_fill_(masked, -torch.inf)
-        best = torch.maximum(best, s_BNQT.amax(dim=(0, 2, 3)))
+            masked = keys[None, :end] > keys[start:stop, None]  # the future
+        else:
+            masked = ~keep_B1TS[:, :, start:stop, :end]
+        s_BNQS.masked_fill_(masked, -torch.inf)
+        best = torch.maximum(best, s_BNQS.amax(dim=(0, 2, 3)))
     # The scale after the maximum, on N values instead of every logit: rounding is monotone,
     # so for a scale > 0 max(fl(s * scale)) == fl(max(s) * scale) bit for bit (infinities and
     # NaN included).
@@ -87,10 +94,11 @@ class MaxLogitRecorder:
     max_logits_N: torch.Tensor | None = None  # per instance once set; never a checkpointed buffer
 
     @eager
-    def record(self, q_BNTK, k_BNTK, scale: float, keep_B1TS=None) -> None:
+    def record(self, q_BNTK, k_BNSK, scale: float, keep_B1TS=None, tokens=None) -> None:
         """Eager, as the router's load counts: the recomputation flag must not be traced."""
         if self._recording():
-            self.record_max(head_max_logits(q_BNTK.detach(), k_BNTK.detach(), scale, keep_B1TS))
+            q, k = q_BNTK.detach(), k_BNSK.detach()
+            self.record_max(head_max_logits(q, k, scale, keep_B1TS, tokens))
 
     @eager
     def record_max(self, best_N: torch.Tensor) -> None:

@@ -82,7 +82,7 @@ class _SparseAttention(torch.autograd.Function):
     """See `sparse_attention`; tensors saved for backward are the inputs, output and lse."""
 
     @staticmethod
-    def forward(ctx, q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs):
+    def forward(ctx, q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs, q_T):
         B, T, N, E = q_BTNE.shape
         S, H = k_BSHE.shape[1], k_BSHE.shape[2]
         K = idx_BTK.shape[-1]
@@ -96,7 +96,9 @@ class _SparseAttention(torch.autograd.Function):
         probs_BTK = torch.empty(B, T, K if want_probs else 0, dtype=w, device=q_BTNE.device)
         max_N = torch.full((N,), -torch.inf, dtype=w, device=q_BTNE.device)
         for t0, t1 in query_chunks(T, chunk):
-            kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
+            kg, vg, keep = _chunk_keys(
+                keys_BSF, vals_BSF, idx_BTK, base_B11, q_T, t0, t1, H, value_dim
+            )
             q_s = q_BTNE[:, t0:t1].to(w) * scale  # the scale on [C, N, E], not [C, N, K]
             s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
             s_BCNK.masked_fill_(~keep[:, :, None], -torch.inf)
@@ -108,14 +110,14 @@ class _SparseAttention(torch.autograd.Function):
             if want_probs:
                 total_BCK = p_BCNK.sum(2)
                 probs_BTK[:, t0:t1] = total_BCK / total_BCK.sum(-1, keepdim=True)
-        ctx.save_for_backward(q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN)
+        ctx.save_for_backward(q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN, q_T)
         ctx.scale, ctx.value_dim, ctx.chunk = scale, value_dim, chunk
         ctx.mark_non_differentiable(probs_BTK, max_N)
         return o_BTNV, probs_BTK, max_N
 
     @staticmethod
     def backward(ctx, do_BTNV, _probs, _max):
-        q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN = ctx.saved_tensors
+        q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN, q_T = ctx.saved_tensors
         scale, value_dim, chunk = ctx.scale, ctx.value_dim, ctx.chunk
         B, T, N, E = q_BTNE.shape
         S, H = k_BSHE.shape[1], k_BSHE.shape[2]
@@ -130,7 +132,9 @@ class _SparseAttention(torch.autograd.Function):
         # D = rowsum(dO * O): the softmax backward's per-row term
         delta_BTN = (do_BTNV.to(w) * o_BTNV.to(w)).sum(-1)
         for t0, t1 in query_chunks(T, chunk):
-            kg, vg, keep = _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim)
+            kg, vg, keep = _chunk_keys(
+                keys_BSF, vals_BSF, idx_BTK, base_B11, q_T, t0, t1, H, value_dim
+            )
             q_s = q_BTNE[:, t0:t1].to(w) * scale
             do = do_BTNV[:, t0:t1].to(w)
             s_BCNK = torch.einsum(f"bcne,{g}e->bcnk", q_s, kg)
@@ -150,13 +154,14 @@ class _SparseAttention(torch.autograd.Function):
             dk_F.index_add_(0, flat, dkg.reshape(flat.numel(), -1))
         dk = dk_F.view_as(k_BSHE).to(k_BSHE.dtype)
         dv = None if dv_F is None else dv_F.view_as(v_BSHV).to(v_BSHV.dtype)
-        return dq_BTNE.to(q_BTNE.dtype), dk, dv, None, None, None, None, None
+        return dq_BTNE.to(q_BTNE.dtype), dk, dv, None, None, None, None, None, None
 
 
-def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
+def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, q_T, t0, t1, H, value_dim):
     """float32 gathered keys and values of queries t0..t1 ([B, C, K, E] for one key head,
-    else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K]). A negative
-    index (no key: a packed document shorter than K) is masked; row 0 is gathered for it."""
+    else [B, C, K, N, E]) and which of the kept keys are causal ([B, C, K]: at or below the
+    query's position `q_T`). A negative index (no key: a packed document shorter than K) is
+    masked; row 0 is gathered for it."""
     idx_BCK = idx_BTK[:, t0:t1]
     flat_BCK = idx_BCK.clamp(min=0) + base_B11
     kg = gather_rows(keys_BSF, flat_BCK).to(work_dtype(keys_BSF.dtype))
@@ -167,7 +172,7 @@ def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, t0, t1, H, value_dim):
     else:
         vg = gather_rows(vals_BSF, flat_BCK).to(work_dtype(vals_BSF.dtype))
         vg = vg.unflatten(-1, (H, -1)) if H > 1 else vg
-    rows_C = torch.arange(t0, t1, device=idx_BTK.device)
+    rows_C = q_T[t0:t1]
     return kg, vg, (idx_BCK <= rows_C[None, :, None]) & (idx_BCK >= 0)
 
 
@@ -181,12 +186,14 @@ def sparse_attention(
     value_dim: int | None = None,
     chunk: int,
     want_probs: bool = False,
+    positions_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of each query over its kept causal keys `idx_BTK` (int64 positions < S):
     (output [B, T, N, V], the head-summed L1-normalized float32 probabilities on the kept keys
     [B, T, K] when `want_probs` (DSA's KL target; else empty), each head's largest logit [N]).
     `v_BSHV` None: the values are `k_BSHE[..., :value_dim]` (one key head only). `chunk`:
-    queries per chunk. Differentiable in q, k and v; the probabilities and maxima are not."""
+    queries per chunk; `positions_T`: each query's position among the S keys (0..T-1 when
+    None). Differentiable in q, k and v; the probabilities and maxima are not."""
     H = k_BSHE.shape[2]
     if H not in (1, q_BTNE.shape[2]):
         raise ValueError(f"sparse_attention: key heads must be 1 or {q_BTNE.shape[2]}, got {H}")
@@ -197,6 +204,8 @@ def sparse_attention(
             )
     else:
         value_dim = v_BSHV.shape[-1]
+    if positions_T is None:
+        positions_T = torch.arange(q_BTNE.shape[1], device=idx_BTK.device)
     return _SparseAttention.apply(
-        q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs
+        q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs, positions_T
     )
