@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
+from models.glm.infra.context_parallel import TRAIN_LAYOUT, apply_context_parallel, context_group
 from models.glm.infra.parallelize import build_meshes, parallelize
 from recipes.units import GiB
 
@@ -53,6 +54,9 @@ def build_model(cfg: DictConfig, config: GLMConfig, device: torch.device) -> GLM
         activation_checkpointing=str(cfg.train.activation_checkpointing) == "full",
         compile_layers=bool(cfg.train.compile),
     )
+    if cfg.mesh.cp > 1:
+        group = context_group(dist.get_world_size(), cfg.mesh.cp, device.type)
+        apply_context_parallel(model, group, TRAIN_LAYOUT)
     model.to_empty(device=device)
     model.init_weights(cfg.train.seed)
     return model

@@ -5,7 +5,9 @@ Every evaluation of a run reads the same samples: rank r's batch b is samples
 for a given world size and batch size the set never changes, including across a resume, and
 the curves of runs with the same seed are measured on the same text. Each rank evaluates its
 share; the summed token losses and token counts are all-reduced, so the result is the mean
-over all `eval.batches * world_size * data.batch_size` sequences.
+over all `eval.batches * world_size * data.batch_size` sequences. Under context parallelism
+(`recipes.context.DataShare`) r and world_size are the data-parallel group's index and count:
+the cp ranks of a group evaluate their tokens of the same sequences.
 
 Evaluation leaves training alone: no gradients, no random numbers drawn, and the routers'
 expert-load counts (which the router-bias update consumes) are restored afterwards.
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from models.glm.model.loss_head import IGNORE_INDEX
+from recipes.context import DataShare
 from recipes.data import TokenStream, packing_kwargs
 
 log = logging.getLogger("recipes")
@@ -32,9 +35,11 @@ class Evaluator:
         batches: int,
         batch_size: int,
         bytes_per_token: float | None,
+        share: DataShare | None = None,
     ) -> None:
         self.stream, self.batches, self.batch_size = stream, batches, batch_size
         self.bytes_per_token = bytes_per_token
+        self.share = share
         self._warned = False
 
     def repeated(self, world_size: int) -> str | None:
@@ -73,13 +78,17 @@ class Evaluator:
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+        share = self.share or DataShare.of(dist.get_rank(), dist.get_world_size(), 1, 1)
         try:
-            for x, y, *packed in self.samples(dist.get_rank(), dist.get_world_size()):
+            for x, y, *packed in self.samples(share.dp_rank, share.dp_size):
                 packing = packing_kwargs([v.to(device) for v in packed])
-                loss = model.loss(x.to(device), y.to(device), **packing)
+                kw = share.model_kwargs()
+                loss = model.loss(x.to(device), y.to(device), **packing, **kw)
                 tokens = int((y != IGNORE_INDEX).sum())  # packed: the documents' last have none
+                # under cp the loss is this rank's share of the sequences' mean: its token sum
+                # over their count, which one rank of the group adds
                 total[0] += loss.double() * tokens
-                total[1] += tokens
+                total[1] += tokens if share.counts_tokens else 0
         finally:
             model.train(was_training)
             for r, saved in zip(routers, loads, strict=True):

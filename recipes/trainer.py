@@ -48,6 +48,7 @@ from recipes.build import (
     model_config,
     records_max_logits,
 )
+from recipes.context import DataShare
 from recipes.data import TokenStream, packing_kwargs, token_files
 from recipes.evaluate import Evaluator
 from recipes.guards import RunGuard
@@ -77,6 +78,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path, device: torch.device) -> None:
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.share = DataShare.of(self.rank, self.world, cfg.mesh.cp, cfg.data.seq_len)
         torch.manual_seed(cfg.train.seed)
         # Before the model: absolute memory figures then include weights and optimizer state.
         self.meter = MemoryMeter(device)
@@ -104,8 +106,10 @@ class Trainer:
                     f"({files.train} only); pass eval.every=0"
                 )
             val = TokenStream(files.val, *stream)
-            self.evaluator = Evaluator(val, cfg.eval.batches, d.batch_size, files.bytes_per_token)
-        self.samples_per_step = self.world * cfg.train.grad_accum_steps * d.batch_size
+            self.evaluator = Evaluator(
+                val, cfg.eval.batches, d.batch_size, files.bytes_per_token, self.share
+            )
+        self.samples_per_step = self.share.dp_size * cfg.train.grad_accum_steps * d.batch_size
         self.step, self.samples, self.skipped = 0, 0, 0
         #: skipped steps not read yet: Muon's update-guard verdicts, summed on the device
         self.skipped_unread: torch.Tensor | None = None
@@ -133,15 +137,19 @@ class Trainer:
         weight = float(cfg.train.mtp_loss_weight)
         sums: dict[str, torch.Tensor] = {}
         for micro in range(accum):
+            share = self.share
             x, y, *packed = self.data.micro_batch(
-                self.samples, micro, self.rank, self.world, cfg.data.batch_size
+                self.samples, micro, share.dp_rank, share.dp_size, cfg.data.batch_size
             )
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             check_labels(y, self.model.config.vocab_size)  # on the host: no device read
             x, y, *packed = self._to_device(x, y, *packed)
             packing = packing_kwargs(packed)
-            terms = self.model(x, y, with_mtp=weight > 0, labels_checked=True, **packing)
+            terms = self.model(
+                x, y, with_mtp=weight > 0, labels_checked=True, **packing, **share.model_kwargs()
+            )
+            terms = share.scaled(terms)
             objective = terms["loss"]
             if "mtp_loss" in terms:
                 objective = objective + weight * terms["mtp_loss"]

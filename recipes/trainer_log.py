@@ -49,11 +49,12 @@ class TrainLog:
             run_dir, to_plain(cfg), step, world={"world_size": world, "hosts": hosts}
         )
         log.info(
-            "model %s (%s); %d ranks, ep=%d, %s; optim=%s remainder=%s",
+            "model %s (%s); %d ranks, ep=%d, cp=%d, %s; optim=%s remainder=%s",
             cfg.model.preset,
             model,
             world,
             cfg.mesh.ep,
+            cfg.mesh.cp,
             device_type,
             cfg.optim.name,
             cfg.optim.get("remainder_strategy", "-"),

@@ -105,6 +105,7 @@ def save(t) -> Path:
         "skipped": t.skipped,
         "scheduler": t.sched.state_dict(),
         "ep": t.cfg.mesh.ep,
+        "cp": t.cfg.mesh.cp,
         "model_config": t.model.config.to_dict(),
         **t.guard.state(),
     }

@@ -70,7 +70,7 @@ def validate_config(
     check_overrides(overrides)
     _finite(cfg)
     _validate_data(cfg)
-    _positive(cfg, "mesh.world_size", "mesh.ep", "optim.lr", "optim.eps")
+    _positive(cfg, "mesh.world_size", "mesh.ep", "mesh.cp", "optim.lr", "optim.eps")
     _positive(cfg, "mesh.collective_timeout_s")
     _positive(cfg, "data.vocab_size", "data.seq_len")
     _positive(cfg, "data.batch_size", "train.steps", "train.grad_accum_steps")
@@ -92,6 +92,7 @@ def validate_config(
             f"must divide mesh.world_size={mesh.world_size}; "
             f"allowed: {', '.join(map(str, allowed))}",
         )
+    _validate_cp(cfg)
     if env_world_size is not None and env_world_size != mesh.world_size:
         raise _fail(
             "mesh.world_size",
@@ -120,6 +121,26 @@ def validate_config(
     _validate_stream_length(cfg)
     _validate_paths(cfg)
     check_run_name(cfg.run.name)
+
+
+def _validate_cp(cfg: DictConfig) -> None:
+    """`mesh.cp` divides the world (its groups are consecutive ranks) and cuts `data.seq_len`
+    into 2 cp equal chunks (the head-tail layout)."""
+    cp, world = cfg.mesh.cp, cfg.mesh.world_size
+    if world % cp:
+        allowed = [d for d in range(1, world + 1) if world % d == 0]
+        raise _fail(
+            "mesh.cp",
+            cp,
+            f"must divide mesh.world_size={world}; allowed: {', '.join(map(str, allowed))}",
+        )
+    if cfg.data.seq_len % (2 * cp):
+        raise _fail(
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"must be a multiple of 2 x mesh.cp = {2 * cp} (each cp rank holds two equal "
+            "chunks of a sequence)",
+        )
 
 
 def _validate_optim_option(cfg: DictConfig) -> None:

@@ -99,6 +99,13 @@ class MeshConfig:
         4, "number of ranks (a local world is started when no launcher env)", same_run=True
     )
     ep: int = _f(2, "expert-parallel degree; divides world_size", same_run=True)
+    cp: int = _f(
+        1,
+        "context-parallel degree: cp consecutive ranks share each sequence, each computing "
+        "2 of its 2cp chunks (head-tail) with the attention's key side gathered; divides "
+        "world_size, and 2cp divides data.seq_len",
+        same_run=True,
+    )
     device: Device = _f(
         Device.auto, "auto: CUDA+NCCL when enough GPUs, else CPU+gloo", same_run=True
     )

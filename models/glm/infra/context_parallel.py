@@ -38,6 +38,8 @@ from models.glm.model.sequence import LocalTokens
 
 #: how a sequence is cut over the cp ranks (see the module docstring)
 LAYOUTS = ("head_tail", "contiguous")
+#: the layout training runs with
+TRAIN_LAYOUT = "head_tail"
 
 
 def chunks_per_rank(layout: str) -> int:
@@ -132,6 +134,17 @@ class SequenceGather:
                 f"is not the sequence's {seq_len}"
             )
         return _GatherSequence.apply(x_BTF, self, seq_len)
+
+
+def context_group(world_size: int, cp: int, device_type: str) -> dist.ProcessGroup:
+    """This rank's cp group: ranks r // cp alike (consecutive ranks, as an EP group's: on one
+    host first), from a (world_size // cp, cp) mesh ("dp", "cp"). Every rank must call it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if cp < 1 or world_size % cp:
+        raise ValueError(f"cp ({cp}) must be a positive divisor of world_size ({world_size})")
+    mesh = init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=("dp", "cp"))
+    return mesh["cp"].get_group()
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, layout: str) -> int:
