@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from models.glm.infra.parallelize import build_meshes, parallelize
+from models.glm.infra.statistics import take_max_logits
 from models.glm.model.qk_clip import clip_factors
 from tests.harness import run_world
 from tests.unit.test_qk_clip import gqa_model, mla_model
@@ -62,7 +63,7 @@ def _record(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.record_max_logits(True)
     model.loss(ids[:, :-1], ids[:, 1:]).backward()
     grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    return model.take_max_logits(), grads
+    return take_max_logits(model), grads
 
 
 def _tau(logits: torch.Tensor) -> float:

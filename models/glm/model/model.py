@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -301,19 +300,24 @@ class GLMForCausalLM(nn.Module):
         layers = [*self.model.layers, *self.model.mtp_layers]
         return [layer.mlp.gate for layer in layers if layer.is_moe]
 
-    @torch.no_grad()
-    def update_router_bias(self, rate: float) -> torch.Tensor:
-        """Aux-loss-free balancing: bias += rate * sign(mean_load - load) per MoE layer, from
-        the expert loads counted since the last call (summed over the default process group when
-        one is initialized, so every rank applies the same update); then reset the counts.
-        Returns the loads used, float32 [n_moe_layers, E]."""
+    def expert_loads(self) -> torch.Tensor:
+        """The expert loads each MoE layer's router counted since the last bias update, on
+        this process's tokens: int64 [n_moe_layers, E] (empty without MoE layers)."""
         routers = self.routers()
         if not routers:
-            return torch.zeros(0)
-        loads_LE = torch.stack([r.expert_load for r in routers])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(loads_LE)
+            return torch.zeros(0, dtype=torch.long)
+        return torch.stack([r.expert_load for r in routers])
+
+    @torch.no_grad()
+    def apply_router_bias_update(self, loads_LE: torch.Tensor, rate) -> torch.Tensor:
+        """Aux-loss-free balancing from the loads `loads_LE` [n_moe_layers, E] (`expert_loads`,
+        or their sum over the ranks that share the model): bias += rate * sign(mean_load -
+        load) per MoE layer; then reset the counts. `rate`: a float or a 0-dim tensor. Returns
+        the loads used, float32."""
+        routers = self.routers()
         loads_LE = loads_LE.float()
+        if not routers:
+            return loads_LE
         delta_LE = rate * torch.sign(loads_LE.mean(-1, keepdim=True) - loads_LE)
         for r, delta_E in zip(routers, delta_LE, strict=True):
             r.e_score_correction_bias += delta_E.to(r.e_score_correction_bias.dtype)
@@ -334,9 +338,9 @@ class GLMForCausalLM(nn.Module):
 
     @torch.no_grad()
     def take_max_logits(self) -> torch.Tensor:
-        """Each layer's per-head largest pre-softmax logit since the last call, float32 [L, N]
-        (-inf for a layer that recorded nothing), the maximum over the default process group
-        when one is initialized (one all-reduce: every rank saw other data); then reset."""
+        """Each layer's per-head largest pre-softmax logit that this process's forwards
+        recorded since the last call, float32 [L, N] (-inf for a layer that recorded nothing);
+        then reset."""
         attns = self.attentions()
         device = next(self.parameters()).device
         rows = [
@@ -346,8 +350,6 @@ class GLMForCausalLM(nn.Module):
             for a in attns
         ]
         logits_LN = torch.stack(rows)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(logits_LN, op=dist.ReduceOp.MAX)
         for a in attns:
             a.max_logits_N = None
         return logits_LN
