@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from models.glm.infra import statistics
+from models.glm.infra import qk_clip, statistics
 from models.glm.model.loss_head import check_labels
 from recipes import checkpoint, grads, trainer_state
 from recipes.build import (
@@ -212,7 +212,7 @@ class Trainer:
             values.add("attn/max_logit/layer", logits_LN.amax(dim=1))
         if self.qk_clip_tau is not None:
             alpha = self.cfg.optim.qk_clip_alpha
-            clipped = self.model.qk_clip_(logits_LN, self.qk_clip_tau, alpha)
+            clipped = qk_clip.qk_clip_(self.model, logits_LN, self.qk_clip_tau, alpha)
             if values is not None:
                 values.add("attn/qk_clipped", clipped)
 

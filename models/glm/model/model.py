@@ -37,7 +37,6 @@ from models.glm.model.loss_head import IGNORE_INDEX, check_labels, chunked_cross
 from models.glm.model.mla import MLAttention
 from models.glm.model.moe import FusedExperts, MoE, Router
 from models.glm.model.packing import ahead_in_document, document_bounds
-from models.glm.model.qk_clip import clip_attention_
 from models.glm.model.recompute import recomputing
 
 
@@ -353,14 +352,6 @@ class GLMForCausalLM(nn.Module):
         for a in attns:
             a.max_logits_N = None
         return logits_LN
-
-    def qk_clip_(self, max_logits_LN: torch.Tensor, tau: float, alpha: float = 0.5) -> int:
-        """QK-clip every layer from `take_max_logits`' result (`models.glm.model.qk_clip`);
-        returns the number of KV groups (with QK-norm: of layers' groups) clipped."""
-        return sum(
-            clip_attention_(attn, row_N, tau, alpha)
-            for attn, row_N in zip(self.attentions(), max_logits_LN, strict=True)
-        )
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (global sizes; works on meta and on DTensors)."""
