@@ -94,7 +94,7 @@ ALLOWED = {
     ("tests/unit/test_muon_plan.py", "_StridedShard"): (
         "FSDP2 over a TP/EP-sharded dim places a DTensor so: the placement has no public name"
     ),
-    ("models/glm/model/init.py", "_utils"): (
+    ("models/glm/infra/init.py", "_utils"): (
         "compute_local_shape_and_global_offset: where a DTensor's shard lies, torch's only"
     ),
     ("recipes/bench/probe.py", "_python_dispatch"): _DISPATCH,

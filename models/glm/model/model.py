@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.glm.infra.local import local_tensor
 from models.glm.model import eager, init
 from models.glm.model.config import GLMConfig
 from models.glm.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
@@ -354,17 +353,18 @@ class GLMForCausalLM(nn.Module):
         return logits_LN
 
     def num_parameters(self) -> int:
-        """Number of distinct parameters (global sizes; works on meta and on DTensors)."""
+        """Number of distinct parameters (global sizes; works on meta and on sharded parameters)."""
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> int:
+    def init_weights(self, seed: int, rows: init.Rows = init.whole_rows) -> int:
         """Deterministic init from `seed`: matrices ~ N(0, initializer_range), norms 1, biases and
-        the router correction bias 0, expert loads 0. Each rank fills only its own shard of a
-        DTensor parameter, drawing the fixed global row chunks it overlaps
-        (`models.glm.model.init`), so the values do not depend on the mesh and the cost is
-        proportional to the shard; on CUDA the values are drawn on the device. A no-op on meta
-        tensors. Returns the number of random values this rank drew."""
+        the router correction bias 0, expert loads 0. Each parameter is filled only in the rows
+        this process holds, `rows(p)` (`models.glm.model.init`: by default all of them; a
+        sharded model's rows are `models.glm.infra.init`'s), drawing the fixed global row chunks
+        they overlap, so the values do not depend on who holds which rows and the cost is
+        proportional to the rows held; on CUDA the values are drawn on the device. A no-op on
+        meta tensors. Returns the number of random values drawn."""
         std = self.config.initializer_range
         generators: dict[torch.device, torch.Generator] = {}
         seen: set[int] = set()
@@ -375,14 +375,14 @@ class GLMForCausalLM(nn.Module):
             if id(p) in seen or p.is_meta:
                 return
             seen.add(id(p))
-            local = local_tensor(p)
+            local = rows(p)[0]
             if kind != "normal":
                 local.fill_(1.0 if kind == "ones" else 0.0)
                 return
             if local.device not in generators:
                 generators[local.device] = torch.Generator(device=local.device)
             gen = generators[local.device]
-            drawn += init.normal_(p, std=std, seed=seed, name=name, generator=gen)
+            drawn += init.normal_(p, std=std, seed=seed, name=name, generator=gen, rows=rows)
 
         for prefix, module in self.named_modules():
             at = f"{prefix}." if prefix else ""
@@ -394,7 +394,7 @@ class GLMForCausalLM(nn.Module):
                     fill(module.bias, at + "bias", "zeros")
             elif isinstance(module, nn.Embedding):
                 fill(module.weight, at + "weight", "normal")
-                _zero_pad_row(module)
+                _zero_pad_row(module, rows)
             elif isinstance(module, nn.LayerNorm):
                 fill(module.weight, at + "weight", "ones")
                 fill(module.bias, at + "bias", "zeros")
@@ -409,12 +409,12 @@ class GLMForCausalLM(nn.Module):
         return drawn
 
 
-def _zero_pad_row(embedding: nn.Embedding) -> None:
-    """Zero the pad row in this rank's rows of the weight (transformers' init of
+def _zero_pad_row(embedding: nn.Embedding, rows: init.Rows) -> None:
+    """Zero the pad row in the rows of the weight this process holds (transformers' init of
     `padding_idx`); a no-op without a pad id or on meta."""
     pad, p = embedding.padding_idx, embedding.weight
     if pad is None or p.is_meta:
         return
-    first, count = init.local_rows(p)
+    local, first, count = rows(p)
     if first <= pad < first + count:
-        local_tensor(p)[pad - first].zero_()
+        local[pad - first].zero_()
