@@ -47,7 +47,7 @@ class Router(nn.Module):
     The score-correction bias (a buffer, never trained by backprop) only chooses experts; the
     weights are the bias-free sigmoid scores of the chosen experts, optionally renormalized, times
     routed_scaling_factor. Every forward adds the chosen-expert counts to `expert_load`, which
-    `GLMForCausalLM.update_router_bias` consumes.
+    `GLMForCausalLM.expert_loads` reads and `GLMForCausalLM.apply_router_bias_update` resets.
     """
 
     param_roles = {"weight": "router"}
