@@ -2,8 +2,8 @@
 
 The model is built on the meta device, parallelized (EP, activation checkpointing, compile,
 FSDP2 with the `train.*` dtypes), materialized on the rank's device and initialized from
-`train.seed`: every rank draws only its own shard of the same full weights (models.glm.model.init),
-whatever the world size or ep, so a run is reproducible across layouts.
+`train.seed`: every rank draws only its own shard of the same full weights
+(models.glm.infra.init), whatever the world size or ep, so a run is reproducible across layouts.
 """
 
 import dataclasses
@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
 from models.glm.infra.context_parallel import TRAIN_LAYOUT, apply_context_parallel, context_group
+from models.glm.infra.init import init_weights
 from models.glm.infra.parallelize import build_meshes, parallelize
 from recipes.units import GiB
 
@@ -58,7 +59,7 @@ def build_model(cfg: DictConfig, config: GLMConfig, device: torch.device) -> GLM
         group = context_group(dist.get_world_size(), cfg.mesh.cp, device.type)
         apply_context_parallel(model, group, TRAIN_LAYOUT)
     model.to_empty(device=device)
-    model.init_weights(cfg.train.seed)
+    init_weights(model, cfg.train.seed)
     return model
 
 

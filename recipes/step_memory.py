@@ -135,7 +135,7 @@ def moe_bytes_per_token(config: GLMConfig, a: int, ep: int) -> int:
     # permutation into local-expert order and back.
     routed = K * (8 + 8 + 4) + (K * 16 if ep > 1 else 0)
     # Per row: the gathered input, gate+up output, silu, product; then the expert output the
-    # weighted sum saves (its weighted rows are not kept: `_Combine` of expert_parallel.py).
+    # weighted sum saves (its weighted rows are not kept: `_Combine` of models/glm/model/moe.py).
     routed += K * (2 * D + 4 * I) * a
     shared = mlp_bytes_per_token(I * config.n_shared_experts, a)
     return router + routed + shared

@@ -15,7 +15,8 @@ One optimizer step:
      gradient changes no parameter or optimizer state, one with a refused Muon update keeps
      that parameter's value and updates the others. The schedule and the data stream move on,
      and `skipped_steps` counts it.
-  5. The router-bias update (`model.update_router_bias`), then the LambdaLR step.
+  5. The router-bias update (`models.glm.infra.statistics`: loads summed over the ranks),
+     then the LambdaLR step.
 The step's losses, gradient norms and attention logits stay on the device; on a step that is
 logged (`metrics.log_every`, memory, evaluation, rank 0's progress line) they are read once,
 stacked into one tensor (`recipes.metrics.DeviceValues`), and only then is the step
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from models.glm.infra import qk_clip, statistics
 from models.glm.model.loss_head import check_labels
 from recipes import checkpoint, grads, trainer_state
 from recipes.build import (
@@ -212,13 +214,13 @@ class Trainer:
     def _qk_clip(self, values: DeviceValues | None) -> None:
         """Collective (one MAX all-reduce): the step's max attention logits into `values`, then
         QK-clip of the updated weights when `optim.qk_clip_tau` is set."""
-        logits_LN = self.model.take_max_logits()
+        logits_LN = statistics.take_max_logits(self.model)
         if values is not None:
             values.add("attn/max_logit", logits_LN.max())
             values.add("attn/max_logit/layer", logits_LN.amax(dim=1))
         if self.qk_clip_tau is not None:
             alpha = self.cfg.optim.qk_clip_alpha
-            clipped = self.model.qk_clip_(logits_LN, self.qk_clip_tau, alpha)
+            clipped = qk_clip.qk_clip_(self.model, logits_LN, self.qk_clip_tau, alpha)
             if values is not None:
                 values.add("attn/qk_clipped", clipped)
 
@@ -290,7 +292,7 @@ class Trainer:
             values.add("skipped_unread", self.skipped_unread)
         self.guard.count(skipped, values)
         if cfg.train.router_bias_rate > 0:
-            self.model.update_router_bias(rate)
+            statistics.update_router_bias(self.model, rate)
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.step += 1

@@ -2,10 +2,11 @@
 
 For every mesh (world size, ep) a gloo CPU world is started; each rank builds the preset on the
 meta device, parallelizes it (EP + FSDP2), then measures `model.to_empty(device="cpu")` +
-`model.init_weights(seed)`: the peak live bytes (c10's CPU allocator counter through
-`recipes.memory.MemoryMeter`), the thread CPU time of init_weights (immune to other processes
-on the machine) and the random values drawn. Afterwards the full parameters are gathered and
-hashed, so equal digests across meshes show that the values do not depend on the mesh.
+`init_weights(model, seed)` (models.glm.infra.init): the peak live bytes (c10's CPU allocator
+counter through `recipes.memory.MemoryMeter`), the thread CPU time of init_weights (immune to
+other processes on the machine) and the random values drawn. Afterwards the full parameters are
+gathered and hashed, so equal digests across meshes show that the values do not depend on the
+mesh.
 
     python scripts/measure_init.py --preset small --meshes 1:1 4:2 8:4 --out init.json
 
@@ -32,6 +33,7 @@ from recipes.world import run_world
 
 def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
     from models.glm import GLMForCausalLM, get_preset
+    from models.glm.infra.init import init_weights
     from models.glm.infra.parallelize import build_meshes, parallelize
     from recipes.memory import MemoryMeter
 
@@ -47,7 +49,7 @@ def _rank_main(preset: str, ep: int, seed: int, repeats: int) -> dict:
             t0 = time.thread_time()
             model.to_empty(device="cpu")
             t1 = time.thread_time()
-            drawn = model.init_weights(seed)
+            drawn = init_weights(model, seed)
             t2 = time.thread_time()
         runs.append(
             {

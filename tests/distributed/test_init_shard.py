@@ -1,5 +1,5 @@
 """Per-shard init: every mesh gives the values of a single-process init, and each rank draws
-random values in proportion to its shard (models/glm/model/init.py)."""
+random values in proportion to its shard (models/glm/model/init.py, models/glm/infra/init.py)."""
 
 import math
 
@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import models.glm.model.init as shard_init
 from models.glm import GLMConfig, GLMForCausalLM, get_preset
+from models.glm.infra.init import init_weights
 from models.glm.infra.parallelize import build_meshes, parallelize
 from tests.harness import run_world
 
@@ -32,7 +33,7 @@ def _init_world(cases, seed):
             model = GLMForCausalLM(config)
         parallelize(model, build_meshes(dist.get_world_size(), ep, "cpu"))
         model.to_empty(device="cpu")
-        drawn = model.init_weights(seed)
+        drawn = init_weights(model, seed)
         # The bound a rank may draw: its own values plus at most two partly used chunks per
         # random matrix (one at each shard edge).
         bound = 0

@@ -12,7 +12,9 @@ from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.hf.adapter import export_hf
 from models.glm.hf.load import import_hf
 from models.glm.infra.expert_parallel import all_to_all
+from models.glm.infra.init import init_weights
 from models.glm.infra.parallelize import build_meshes, parallelize
+from models.glm.infra.statistics import update_router_bias
 from tests.harness import run_world
 from tests.models import tiny_glm
 
@@ -146,8 +148,8 @@ def _parity_world(cases, export_dir=None):
         global_loads = local_loads.clone()
         dist.all_reduce(global_loads)
         per_ep_rank = global_loads.view(len(local_loads), ep, -1).sum(-1)
-        ref_loads = ref.update_router_bias(0.01)  # W identical copies of the global counts
-        loads = model.update_router_bias(0.01)
+        ref_loads = update_router_bias(ref, 0.01)  # W identical copies of the global counts
+        loads = update_router_bias(model, 0.01)
         bias = torch.stack([r.e_score_correction_bias for r in model.routers()])
         ref_bias = torch.stack([r.e_score_correction_bias for r in ref.routers()])
         gu = model.model.layers[1].mlp.experts.gate_up_proj
@@ -175,7 +177,7 @@ def _parity_world(cases, export_dir=None):
             # Sharded export gathers to rank 0; re-init of DTensors matches a plain init.
             export_hf(model, CFG, export_dir + "/sharded")
             export_hf(ref, CFG, export_dir + "/plain")
-            model.init_weights(5)
+            init_weights(model, 5)
             ref.init_weights(5)
             out[-1]["init_match"] = all(
                 torch.equal(p.full_tensor(), p_ref)

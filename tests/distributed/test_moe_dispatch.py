@@ -6,6 +6,7 @@ with every expert kernel and with an EP rank that receives no rows."""
 import torch
 import torch.distributed as dist
 
+from models.glm.infra.expert_parallel import install_expert_parallel
 from models.glm.model.moe import MoE
 from recipes.bench.probe import all_on_device
 from tests.harness import run_world
@@ -30,7 +31,7 @@ def _layers(num_experts: int, skew: bool, kernel: str):
     for name, n in rows.items():
         local = getattr(ref.experts, name).detach()[rank * n : (rank + 1) * n].clone()
         setattr(moe.experts, name, torch.nn.Parameter(local))
-    moe.experts.ep_group = dist.group.WORLD
+    install_expert_parallel(moe.experts, dist.group.WORLD)
     moe.experts.kernel = kernel
     ref.experts.kernel = kernel
     return ref, moe, rows

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from models.glm.infra.parallelize import build_meshes, parallelize
-from models.glm.model.qk_clip import clip_factors
+from models.glm.infra.qk_clip import clip_factors, qk_clip_
+from models.glm.infra.statistics import take_max_logits
 from tests.harness import run_world
 from tests.unit.test_qk_clip import gqa_model, mla_model
 
@@ -62,7 +63,7 @@ def _record(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.record_max_logits(True)
     model.loss(ids[:, :-1], ids[:, 1:]).backward()
     grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    return model.take_max_logits(), grads
+    return take_max_logits(model), grads
 
 
 def _tau(logits: torch.Tensor) -> float:
@@ -177,7 +178,7 @@ def _case(make, ep: int, ids: torch.Tensor) -> dict:
         torch.optim.SGD(m.parameters(), lr=LR).step()  # QK-clip runs after the update
     ref_pre, pre = _params(ref), _params(model)
     tau = _tau(ref_logits)
-    clipped = (int(ref.qk_clip_(ref_logits, tau)), int(model.qk_clip_(logits, tau)))
+    clipped = (int(qk_clip_(ref, ref_logits, tau)), int(qk_clip_(model, logits, tau)))
     ref_post, post = _params(ref), _params(model)
     expected = _expected(ref, ref_logits, tau)
     finite = torch.isfinite(ref_logits)

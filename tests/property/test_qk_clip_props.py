@@ -1,4 +1,4 @@
-"""Properties of QK-clip (`models.glm.model.qk_clip`) on generated inputs: GQA (1, 2 or 4 KV
+"""Properties of QK-clip (`models.glm.infra.qk_clip`) on generated inputs: GQA (1, 2 or 4 KV
 heads, with q/k biases), GQA with QK-norm, MLA (low-rank query with DSA, full q_proj); per head
 weights scaled at random so the logits spread; tau a fraction of the largest logit or any
 number; alpha in [0, 1] or not; the recorded max logits with NaN / +-inf written over some heads.
@@ -30,6 +30,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from models.glm.infra.qk_clip import qk_clip_
 from tests.unit.test_qk_clip import IDS, gqa_model, mla_model
 
 RTOL = 1e-9  # of the layer's largest |logit|: see the module docstring
@@ -138,7 +139,7 @@ def test_clipped_heads_land_on_tau_and_the_rest_stay(variant, seed, fraction, al
     finite = given_LN[torch.isfinite(given_LN)]
     tau = float(finite.max()) * fraction if finite.numel() else 1.0
     snap = _params(model)
-    clipped = model.qk_clip_(given_LN, tau, alpha)
+    clipped = qk_clip_(model, given_LN, tau, alpha)
     after = _record(model)
     now = _params(model)
     touched: set[str] = set()
@@ -206,5 +207,5 @@ def test_bad_arguments_are_refused_by_name_before_any_write(variant, bad):
     else:
         args[key] = value
     with pytest.raises((TypeError, ValueError), match=key):
-        model.qk_clip_(**args)
+        qk_clip_(model, **args)
     assert all(torch.equal(p, snap[n]) for n, p in _params(model).items())

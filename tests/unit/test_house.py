@@ -11,6 +11,8 @@
   `recipes/` (the harness) does not import `recipes/bench/` (the measuring toolkit built on
   it); no library module (muon/, models/, recipes/) imports scripts/ or train.py, and no
   script imports another (each is a front over recipes/);
+- the single-device model (`models/glm/model/`) imports neither `torch.distributed` nor
+  `models.glm.infra` (in any form), and names no `DTensor`, `dist.*`, `to_local`, `redistribute`;
 - no private member read across modules: `from a import _b`, an import of a private module
   (`torch._C`), `mod._b`, and `obj._b` where `_b` is not a member this module's own classes
   define (a method, a class attribute or a `self._b` assignment). Without types this
@@ -94,7 +96,7 @@ ALLOWED = {
     ("tests/unit/test_muon_plan.py", "_StridedShard"): (
         "FSDP2 over a TP/EP-sharded dim places a DTensor so: the placement has no public name"
     ),
-    ("models/glm/model/init.py", "_utils"): (
+    ("models/glm/infra/init.py", "_utils"): (
         "compute_local_shape_and_global_offset: where a DTensor's shard lies, torch's only"
     ),
     ("recipes/bench/probe.py", "_python_dispatch"): _DISPATCH,
@@ -180,7 +182,9 @@ ALLOWED = {
     ("tests/unit/test_gram_band.py", "_top_singular_value"): f"{_RESHAPE}: newton_schulz.py",
     ("tests/unit/test_gram_blowup.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
     ("tests/unit/test_newton_schulz.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
-    ("tests/unit/test_written_backwards.py", "_Combine"): f"{_RESHAPE}: EP into models' infra",
+    ("tests/unit/test_written_backwards.py", "_Combine"): (
+        "the routed outputs' hand-written backward, compared bit for bit with autograd's"
+    ),
     ("tests/unit/test_eager.py", "_MARKED"): f"{_RESHAPE}: models/glm/model/eager.py",
     ("tests/gpu/test_cuda_paths.py", "_compiled_block"): f"{_RESHAPE}: compile into infra",
     # recipes/ modules another change is splitting
@@ -341,6 +345,32 @@ def private_reads(tree: ast.AST) -> set[str]:
     return found
 
 
+#: what the single-device model may not import or name: packages (and `dist`, torch.distributed's
+#: usual name) by their dotted prefix, and DTensor's names
+PARALLEL_PREFIXES = ("torch.distributed.", "models.glm.infra.", "dist.")
+PARALLEL_NAMES = {"DTensor", "to_local", "redistribute"}
+
+
+def parallel_uses(tree: ast.AST, package: str = "models.glm.model") -> set[str]:
+    """What `tree` (of `package`) imports, names or spells (`hasattr(w, "to_local")`) of those."""
+    found = set()
+    for node in ast.walk(tree):
+        named = []
+        if isinstance(node, ast.Import):
+            named = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            up = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(filter(None, (up, node.module)))
+            named = [base, *(f"{base}.{a.name}" for a in node.names), *(a.name for a in node.names)]
+        elif isinstance(node, ast.Name | ast.Constant):
+            named = [node.id if isinstance(node, ast.Name) else node.value]
+        elif isinstance(node, ast.Attribute):
+            owner = node.value.id if isinstance(node.value, ast.Name) else ""
+            named = [node.attr, f"{owner}.{node.attr}"]
+        found |= {n for n in named if n in PARALLEL_NAMES or f"{n}.".startswith(PARALLEL_PREFIXES)}
+    return found
+
+
 def _scanned() -> list[Path]:
     return [*_modules().values(), *(ROOT / "tests").rglob("*.py")]
 
@@ -399,3 +429,21 @@ class Mine:
 """
     found = {"_b", "_C", "_pytree", "_c", "_foreign", "_flag"}
     assert private_reads(ast.parse(src)) == found
+
+
+def test_the_single_device_model_uses_nothing_parallel():
+    files = sorted((ROOT / "models" / "glm" / "model").rglob("*.py"))
+    found = sorted(f"{p}: {u}" for p in files for u in parallel_uses(ast.parse(p.read_text())))
+    assert len(files) > 10 and not found, "the model uses the parallel world:\n" + "\n".join(found)
+    src = """
+import torch.distributed as dist
+from torch import distributed
+from torch.distributed.tensor import DTensor
+from ..infra.local import local_tensor
+x = w.to_local() if hasattr(w, "redistribute") else dist.get_rank()
+"""
+    t, i = "torch.distributed", "models.glm.infra.local"
+    want = {t, f"{t}.tensor", f"{t}.tensor.DTensor", "DTensor", i, f"{i}.local_tensor", "dist"}
+    want |= {"to_local", "redistribute", "dist.get_rank"}
+    assert parallel_uses(ast.parse(src)) == want
+    assert not parallel_uses(ast.parse("import torch\nfrom models.glm.model import moe"))

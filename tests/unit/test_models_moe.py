@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.glm.infra.expert_parallel import expert_counts
-from models.glm.model.moe import EXPERT_KERNELS, FusedExperts, MoE, expert_kernel
+from models.glm.model.moe import EXPERT_KERNELS, FusedExperts, MoE, expert_counts, expert_kernel
 from recipes.bench.probe import all_on_device
 from tests.models import tiny_glm
 

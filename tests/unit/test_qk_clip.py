@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models.glm import GLMForCausalLM
+from models.glm.infra import qk_clip as clip
 from models.glm.model import qk_clip as qk
 from tests.models import tiny_glm
 
@@ -132,7 +133,7 @@ def test_clip_puts_the_head_on_tau_and_leaves_the_rest():
     tau = float(before[0, 0]) * 0.5
     assert before[0, 1:].max() < tau and before[1].max() < tau  # only group 0 of layer 0
     snap = _snapshot(model)
-    assert model.qk_clip_(before, tau, alpha=0.5) == 1
+    assert clip.qk_clip_(model, before, tau, alpha=0.5) == 1
     after = _max_logits(model)
     # logits are bilinear in the scaled rows: eta^a * eta^(1-a) = eta exactly up to fp32 rounding
     torch.testing.assert_close(after[0, 0], torch.tensor(tau), rtol=1e-5, atol=0)
@@ -155,7 +156,7 @@ def test_clip_with_qk_norm_scales_the_norm_weights():
     before = _max_logits(model)
     tau = float(before.max()) * 0.7
     snap = _snapshot(model)
-    assert model.qk_clip_(before, tau, alpha=0.25) >= 1
+    assert clip.qk_clip_(model, before, tau, alpha=0.25) >= 1
     after = _max_logits(model)
     # the norm weights are shared by the heads: every head shrinks by the layer's eta
     torch.testing.assert_close(after, before * (tau / float(before.max())), rtol=1e-5, atol=0)
@@ -167,14 +168,14 @@ def test_below_tau_nothing_changes_bit_for_bit():
     model = gqa_model()
     before = _max_logits(model)
     snap = _snapshot(model)
-    assert model.qk_clip_(before, float(before.max()) + 1.0) == 0
+    assert clip.qk_clip_(model, before, float(before.max()) + 1.0) == 0
     now = _snapshot(model)
     assert all(torch.equal(snap[n], now[n]) for n in snap)
 
 
 def test_non_finite_logits_never_clip():
     logits = torch.tensor([float("nan"), float("inf"), 5.0, -float("inf")])
-    assert torch.equal(qk.clip_factors(logits, 4, tau=1.0), torch.tensor([1.0, 1.0, 0.2, 1.0]))
+    assert torch.equal(clip.clip_factors(logits, 4, tau=1.0), torch.tensor([1.0, 1.0, 0.2, 1.0]))
 
 
 def mla_model(num_hidden_layers: int = 1, q_lora: bool = True, **overrides) -> GLMForCausalLM:
@@ -214,7 +215,7 @@ def test_mla_clip_puts_the_head_on_tau_and_leaves_the_rotary_key():
     tau = float(before[0, 0]) * 0.5
     assert before[0, 1:].max() < tau
     snap = _snapshot(model)
-    assert model.qk_clip_(before, tau, alpha=0.5) == 1
+    assert clip.qk_clip_(model, before, tau, alpha=0.5) == 1
     after = _max_logits(model)
     # q_nope.k_nope by eta^a * eta^(1-a), q_rope.k_rope by eta * 1: the head's logits by eta
     torch.testing.assert_close(after[0, 0], torch.tensor(tau), rtol=1e-5, atol=0)
@@ -247,7 +248,7 @@ def test_mtp_attention_is_recorded_in_training_and_clipped():
     snap = _snapshot(model)
     tau = float(logits[1].max()) * 0.5
     logits[0] = -torch.inf  # clip only the MTP layer's attention
-    assert model.qk_clip_(logits, tau) >= 1
+    assert clip.qk_clip_(model, logits, tau) >= 1
     now = _snapshot(model)
     changed = {n for n in snap if not torch.equal(snap[n], now[n])}
     assert changed and all(n.startswith("model.mtp_layers.0.self_attn.") for n in changed)
@@ -273,7 +274,7 @@ def test_bad_tau_or_alpha_is_refused_before_any_write(tau, alpha, error, named):
     before = _max_logits(model)
     snap = _snapshot(model)
     with pytest.raises(error, match=named.replace("'", ".")):
-        model.qk_clip_(before, tau, alpha)
+        clip.qk_clip_(model, before, tau, alpha)
     now = _snapshot(model)
     assert all(torch.equal(snap[n], now[n]) for n in snap)
 
@@ -281,7 +282,7 @@ def test_bad_tau_or_alpha_is_refused_before_any_write(tau, alpha, error, named):
 def test_logits_of_the_wrong_shape_are_refused():
     attn = gqa_model().attentions()[0]
     with pytest.raises(ValueError, match=r"max_logit_N: shape \(3,\).*expected \(4,\)"):
-        qk.clip_attention_(attn, torch.ones(3), 1.0, 0.5)
+        clip.clip_attention_(attn, torch.ones(3), 1.0, 0.5)
 
 
 def test_a_nan_head_leaves_its_group_to_the_finite_heads():
@@ -291,12 +292,12 @@ def test_a_nan_head_leaves_its_group_to_the_finite_heads():
     tau = float(before[0, 0]) * 0.5
     noisy = before.clone()
     noisy[0, 1] = float("nan")  # head 1 shares KV group 0 with head 0, which is over tau
-    assert model.qk_clip_(noisy, tau) == 1
+    assert clip.qk_clip_(model, noisy, tau) == 1
     after = _max_logits(model)
     torch.testing.assert_close(after[0, 0], torch.tensor(tau), rtol=1e-5, atol=0)
     # a group with no finite head is not clipped (its weights would be zeroed by tau / inf)
     logits = torch.tensor([float("nan"), float("inf"), 5.0, float("nan")])
-    assert torch.equal(qk.clip_factors(logits, 2, tau=1.0), torch.tensor([1.0, 0.2]))
+    assert torch.equal(clip.clip_factors(logits, 2, tau=1.0), torch.tensor([1.0, 0.2]))
 
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
@@ -318,6 +319,6 @@ def test_the_clip_is_decided_on_the_device(make):
     before = _max_logits(model)
     tau = float(before.max()) * 0.5
     with _HostReads() as mode:
-        clipped = model.qk_clip_(before, tau)
+        clipped = clip.qk_clip_(model, before, tau)
     assert mode.reads == 0
     assert isinstance(clipped, torch.Tensor) and clipped >= 1

@@ -9,8 +9,8 @@ them."""
 import pytest
 import torch
 
-from models.glm.infra.expert_parallel import _Combine
 from models.glm.model.layers import apply_partial_rope, rope_cos_sin
+from models.glm.model.moe import _Combine
 from models.glm.model.qk_clip import head_max_logits
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)

@@ -23,11 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
 
+from models.glm.infra.expert_parallel import shard_experts
 from models.glm.model.config import GLMConfig
 from models.glm.model.model import GLMForCausalLM
 
@@ -112,12 +111,7 @@ def parallelize(
         reshard = layer is not layers[-1]
         experts = layer.mlp.experts if layer.is_moe else None
         if experts is not None and ep > 1:
-            for name in ("gate_up_proj", "down_proj"):
-                full = getattr(experts, name)
-                # Every rank holds the same full weight: take the local shard, no comm.
-                shard = distribute_tensor(full.data, ep_mesh, [Shard(0)], src_data_rank=None)
-                experts.register_parameter(name, nn.Parameter(shard))
-            experts.ep_group = ep_mesh.get_group()
+            shard_experts(experts, ep_mesh)
         layer.checkpoint_activations = activation_checkpointing
         if compile_layers:
             layer.compile_block()

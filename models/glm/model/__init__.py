@@ -1,7 +1,8 @@
 """The model on one device: its config, layers, attention, MoE, loss head, init and presets.
 
-Expert parallelism, FSDP2, activation checkpointing and compile are installed from outside by
-`models.glm.infra`; the transformers map is `models.glm.hf`. Still here and to move out: the
-statistics all-reduces in `model`, the EP DTensors' local views in `moe` and `init`, and
-QK-clip's redistribution of sharded weights in `qk_clip`.
+Nothing here communicates: the model counts expert loads and records attention maxima on its
+own tokens, and its init fills the rows it is told it holds. Expert parallelism, FSDP2,
+activation checkpointing, compile, the statistics summed over ranks, QK-clip's weight surgery
+and the per-shard init are installed from outside by `models.glm.infra`, which imports this
+package (never the reverse); the transformers map is `models.glm.hf`.
 """

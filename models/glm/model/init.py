@@ -1,12 +1,13 @@
-"""Per-shard random initialization whose values do not depend on the device mesh.
+"""Random initialization by global row chunks, whose values do not depend on who holds the rows.
 
 A parameter of global shape [R, ...] is cut into fixed global row chunks of
 `rows_per_chunk(shape)` rows (about `CHUNK_ELEMENTS` values each; the last chunk may be
 shorter). Chunk c is drawn from a generator seeded with a hash of (seed, parameter name, c),
-so every chunk has the same values whoever draws it. A rank whose shard covers global rows
-[a, b) draws only the chunks that overlap [a, b) and copies the overlap into its shard:
-time and memory proportional to the shard (plus at most two partly used chunks per
-parameter), never to the full tensor.
+so every chunk has the same values whoever draws it. A holder of global rows [a, b) draws only
+the chunks that overlap [a, b) and copies the overlap into its rows: time and memory
+proportional to the rows it holds (plus at most two partly used chunks per parameter), never to
+the full tensor. Which rows a process holds is a `Rows` function: on one device `whole_rows`
+(all of them); a sharded model's is `models.glm.infra.init.shard_rows`.
 
 The generator lives on the parameter's device: on CUDA the values come from Philox on the
 device, on CPU from mt19937, so a CUDA run and a CPU run draw different (equally
@@ -15,12 +16,11 @@ distributed) numbers; within one device type the values are the same for every m
 
 from __future__ import annotations
 
-import functools
 import hashlib
+from collections.abc import Callable
 
 import torch
-
-from models.glm.infra.local import local_tensor
+from torch import nn
 
 # 16 Ki values (64 KiB in float32) per chunk: small enough that the two partial chunks at a
 # shard's edges stay a small fraction of a shard even for the `small` preset at 8 ranks,
@@ -43,50 +43,45 @@ def chunk_seed(seed: int, name: str, chunk: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def local_rows(p: torch.Tensor) -> tuple[int, int]:
-    """(first global row, row count) of the part of `p` this rank holds; a plain tensor holds
-    all its rows. DTensors must be sharded on dim 0 only (FSDP2's `Shard(0)` and its strided
-    expert layout `(_StridedShard(0), Shard(0))` are), which keeps the local rows contiguous."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        return 0, p.shape[0] if p.ndim else 1
-    for placement in p.placements:
-        if placement.is_shard() and getattr(placement, "dim", 0) != 0:
-            raise NotImplementedError(
-                f"per-shard init needs row (dim 0) sharding, got placements {p.placements}"
-            )
-    return _shard_rows(tuple(p.shape), p.device_mesh, tuple(p.placements))
+#: the part of a parameter this process holds: (its local tensor, the first global row of it,
+#: its row count); a holder of no rows returns a count of 0
+Rows = Callable[[torch.Tensor], tuple[torch.Tensor, int, int]]
 
 
-@functools.lru_cache(maxsize=256)
-def _shard_rows(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[int, int]:
-    # Cached: the layers of a model repeat a few (shape, placements), and DTensor's strided
-    # offset computation costs more than drawing a small shard.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return (offset[0], local_shape[0]) if local_shape[0] else (0, 0)
+def whole_rows(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """All of `p` (a 0-dim tensor is one row): a tensor on one device. A tensor subclass (a
+    parameter sharded over ranks) is refused: its rows are the installer's to tell."""
+    if type(p) not in (torch.Tensor, nn.Parameter):
+        raise TypeError(
+            f"whole_rows: a {type(p).__name__} is not a plain tensor; initialize a sharded "
+            "model with models.glm.infra.init.init_weights"
+        )
+    return p, 0, p.shape[0] if p.ndim else 1
 
 
 @torch.no_grad()
 def normal_(
-    p: torch.Tensor, *, std: float, seed: int, name: str, generator: torch.Generator
+    p: torch.Tensor,
+    *,
+    std: float,
+    seed: int,
+    name: str,
+    generator: torch.Generator,
+    rows: Rows = whole_rows,
 ) -> int:
-    """Fill this rank's shard of `p` (plain tensor or DTensor) with N(0, std) values drawn by
-    global row chunks; `generator` must be on p's device and is reseeded per chunk. Returns
-    the number of random values drawn."""
-    local = local_tensor(p)
-    first, count = local_rows(p)
+    """Fill the rows of `p` this process holds (`rows(p)`) with N(0, std) values drawn by global
+    row chunks; `generator` must be on their device and is reseeded per chunk. Returns the
+    number of random values drawn."""
+    local, first, count = rows(p)
     if count == 0 or local.numel() == 0:
         return 0
-    rows = p.shape[0] if p.ndim else 1
+    total = p.shape[0] if p.ndim else 1
     local_2d = local.view(count, -1)
     per_row = local_2d.shape[1]
     step = rows_per_chunk(p.shape)
     drawn = 0
     for chunk in range(first // step, (first + count - 1) // step + 1):
-        lo, hi = chunk * step, min(rows, (chunk + 1) * step)
+        lo, hi = chunk * step, min(total, (chunk + 1) * step)
         generator.manual_seed(chunk_seed(seed, name, chunk))
         values = torch.empty(hi - lo, per_row, dtype=torch.float32, device=local.device)
         values.normal_(0.0, std, generator=generator)

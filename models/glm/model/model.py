@@ -26,11 +26,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.glm.infra.local import local_tensor
 from models.glm.model import eager, init
 from models.glm.model.config import GLMConfig
 from models.glm.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
@@ -38,7 +36,6 @@ from models.glm.model.loss_head import IGNORE_INDEX, check_labels, chunked_cross
 from models.glm.model.mla import MLAttention
 from models.glm.model.moe import FusedExperts, MoE, Router
 from models.glm.model.packing import ahead_in_document, document_bounds
-from models.glm.model.qk_clip import clip_attention_
 from models.glm.model.recompute import recomputing
 from models.glm.model.sequence import LocalTokens
 
@@ -339,19 +336,24 @@ class GLMForCausalLM(nn.Module):
         layers = [*self.model.layers, *self.model.mtp_layers]
         return [layer.mlp.gate for layer in layers if layer.is_moe]
 
-    @torch.no_grad()
-    def update_router_bias(self, rate: float) -> torch.Tensor:
-        """Aux-loss-free balancing: bias += rate * sign(mean_load - load) per MoE layer, from
-        the expert loads counted since the last call (summed over the default process group when
-        one is initialized, so every rank applies the same update); then reset the counts.
-        Returns the loads used, float32 [n_moe_layers, E]."""
+    def expert_loads(self) -> torch.Tensor:
+        """The expert loads each MoE layer's router counted since the last bias update, on
+        this process's tokens: int64 [n_moe_layers, E] (empty without MoE layers)."""
         routers = self.routers()
         if not routers:
-            return torch.zeros(0)
-        loads_LE = torch.stack([r.expert_load for r in routers])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(loads_LE)
+            return torch.zeros(0, dtype=torch.long)
+        return torch.stack([r.expert_load for r in routers])
+
+    @torch.no_grad()
+    def apply_router_bias_update(self, loads_LE: torch.Tensor, rate) -> torch.Tensor:
+        """Aux-loss-free balancing from the loads `loads_LE` [n_moe_layers, E] (`expert_loads`,
+        or their sum over the ranks that share the model): bias += rate * sign(mean_load -
+        load) per MoE layer; then reset the counts. `rate`: a float or a 0-dim tensor. Returns
+        the loads used, float32."""
+        routers = self.routers()
         loads_LE = loads_LE.float()
+        if not routers:
+            return loads_LE
         delta_LE = rate * torch.sign(loads_LE.mean(-1, keepdim=True) - loads_LE)
         for r, delta_E in zip(routers, delta_LE, strict=True):
             r.e_score_correction_bias += delta_E.to(r.e_score_correction_bias.dtype)
@@ -372,9 +374,9 @@ class GLMForCausalLM(nn.Module):
 
     @torch.no_grad()
     def take_max_logits(self) -> torch.Tensor:
-        """Each layer's per-head largest pre-softmax logit since the last call, float32 [L, N]
-        (-inf for a layer that recorded nothing), the maximum over the default process group
-        when one is initialized (one all-reduce: every rank saw other data); then reset."""
+        """Each layer's per-head largest pre-softmax logit that this process's forwards
+        recorded since the last call, float32 [L, N] (-inf for a layer that recorded nothing);
+        then reset."""
         attns = self.attentions()
         device = next(self.parameters()).device
         rows = [
@@ -384,32 +386,23 @@ class GLMForCausalLM(nn.Module):
             for a in attns
         ]
         logits_LN = torch.stack(rows)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(logits_LN, op=dist.ReduceOp.MAX)
         for a in attns:
             a.max_logits_N = None
         return logits_LN
 
-    def qk_clip_(self, max_logits_LN: torch.Tensor, tau: float, alpha: float = 0.5) -> int:
-        """QK-clip every layer from `take_max_logits`' result (`models.glm.model.qk_clip`);
-        returns the number of KV groups (with QK-norm: of layers' groups) clipped."""
-        return sum(
-            clip_attention_(attn, row_N, tau, alpha)
-            for attn, row_N in zip(self.attentions(), max_logits_LN, strict=True)
-        )
-
     def num_parameters(self) -> int:
-        """Number of distinct parameters (global sizes; works on meta and on DTensors)."""
+        """Number of distinct parameters (global sizes; works on meta and on sharded parameters)."""
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> int:
+    def init_weights(self, seed: int, rows: init.Rows = init.whole_rows) -> int:
         """Deterministic init from `seed`: matrices ~ N(0, initializer_range), norms 1, biases and
-        the router correction bias 0, expert loads 0. Each rank fills only its own shard of a
-        DTensor parameter, drawing the fixed global row chunks it overlaps
-        (`models.glm.model.init`), so the values do not depend on the mesh and the cost is
-        proportional to the shard; on CUDA the values are drawn on the device. A no-op on meta
-        tensors. Returns the number of random values this rank drew."""
+        the router correction bias 0, expert loads 0. Each parameter is filled only in the rows
+        this process holds, `rows(p)` (`models.glm.model.init`: by default all of them; a
+        sharded model's rows are `models.glm.infra.init`'s), drawing the fixed global row chunks
+        they overlap, so the values do not depend on who holds which rows and the cost is
+        proportional to the rows held; on CUDA the values are drawn on the device. A no-op on
+        meta tensors. Returns the number of random values drawn."""
         std = self.config.initializer_range
         generators: dict[torch.device, torch.Generator] = {}
         seen: set[int] = set()
@@ -420,14 +413,14 @@ class GLMForCausalLM(nn.Module):
             if id(p) in seen or p.is_meta:
                 return
             seen.add(id(p))
-            local = local_tensor(p)
+            local = rows(p)[0]
             if kind != "normal":
                 local.fill_(1.0 if kind == "ones" else 0.0)
                 return
             if local.device not in generators:
                 generators[local.device] = torch.Generator(device=local.device)
             gen = generators[local.device]
-            drawn += init.normal_(p, std=std, seed=seed, name=name, generator=gen)
+            drawn += init.normal_(p, std=std, seed=seed, name=name, generator=gen, rows=rows)
 
         for prefix, module in self.named_modules():
             at = f"{prefix}." if prefix else ""
@@ -439,7 +432,7 @@ class GLMForCausalLM(nn.Module):
                     fill(module.bias, at + "bias", "zeros")
             elif isinstance(module, nn.Embedding):
                 fill(module.weight, at + "weight", "normal")
-                _zero_pad_row(module)
+                _zero_pad_row(module, rows)
             elif isinstance(module, nn.LayerNorm):
                 fill(module.weight, at + "weight", "ones")
                 fill(module.bias, at + "bias", "zeros")
@@ -454,12 +447,12 @@ class GLMForCausalLM(nn.Module):
         return drawn
 
 
-def _zero_pad_row(embedding: nn.Embedding) -> None:
-    """Zero the pad row in this rank's rows of the weight (transformers' init of
+def _zero_pad_row(embedding: nn.Embedding, rows: init.Rows) -> None:
+    """Zero the pad row in the rows of the weight this process holds (transformers' init of
     `padding_idx`); a no-op without a pad id or on meta."""
     pad, p = embedding.padding_idx, embedding.weight
     if pad is None or p.is_meta:
         return
-    first, count = init.local_rows(p)
+    local, first, count = rows(p)
     if first <= pad < first + count:
-        local_tensor(p)[pad - first].zero_()
+        local[pad - first].zero_()

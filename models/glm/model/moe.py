@@ -1,9 +1,14 @@
 """Mixture-of-experts block: sigmoid router with a score-correction bias, fused routed experts,
 and the shared expert.
 
+Routed dispatch (`routed_experts_forward`): every token-expert assignment is sorted by expert,
+the sorted rows go to the experts (`FusedExperts.dispatch`: on one device straight to the local
+experts), and the outputs are summed back per token with the routing weights. Row gathers are
+index_select, whose backward is a plain index_add_ (no sort of the indices).
+
 Shape legend: N tokens, D hidden, E experts, K experts per token, G expert groups,
 I expert inner size, L local experts, S rows for the local experts, C rows per
-expert slot of the padded batched matmul.
+expert slot of the padded batched matmul, A = N*K assignments.
 """
 
 from __future__ import annotations
@@ -12,11 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.glm.infra.expert_parallel import expert_counts, routed_experts_forward
 from models.glm.model.config import GLMConfig
 from models.glm.model.eager import eager
 from models.glm.model.layers import MLP
 from models.glm.model.recompute import is_recomputing
+
+
+def expert_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `idx` name each of `num_experts` experts: int64 [num_experts], on
+    idx's device. Unlike torch.bincount, whose CUDA kernel reads the ids' min and max on the
+    host to size its output, a scatter-add of ones reads nothing."""
+    flat = idx.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 @eager
@@ -34,7 +47,7 @@ class Router(nn.Module):
     The score-correction bias (a buffer, never trained by backprop) only chooses experts; the
     weights are the bias-free sigmoid scores of the chosen experts, optionally renormalized, times
     routed_scaling_factor. Every forward adds the chosen-expert counts to `expert_load`, which
-    `GLMForCausalLM.update_router_bias` consumes.
+    `GLMForCausalLM.expert_loads` reads and `GLMForCausalLM.apply_router_bias_update` resets.
     """
 
     param_roles = {"weight": "router"}
@@ -155,10 +168,10 @@ class FusedExperts(nn.Module):
     gate_up_proj [E*2I, D]: expert e owns rows e*2I .. (e+1)*2I-1, gate rows first, then up.
     down_proj    [E*D, I]:  expert e owns rows e*D .. (e+1)*D-1.
     `orthogonal_blocks` tells Muon how many independent matrices each weight stacks (2E and E).
-    Under expert parallelism the weights are DTensors sharded on dim 0 over the EP mesh (whole
-    experts per rank); `ep_group` is then the EP process group (set by parallelize).
-    The forward views the weights as [L, 2I, D] and [L, D, I] stacks (the stored layout stays)
-    and runs `kernel` (one of EXPERT_KERNELS; "auto" by default, see `expert_kernel`).
+    The forward views the weights (`expert_weights`) as [L, 2I, D] and [L, D, I] stacks (the
+    stored layout stays) and runs `kernel` (one of EXPERT_KERNELS; "auto" by default, see
+    `expert_kernel`). Every expert is local (L = E); `models.glm.infra.expert_parallel` swaps in
+    the subclass whose `dispatch` and `expert_weights` spread the experts over ranks.
     """
 
     def __init__(self, config: GLMConfig, kernel: str = "auto") -> None:
@@ -168,7 +181,6 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E * 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E * D, I))
         self.orthogonal_blocks = {"gate_up_proj": 2 * E, "down_proj": E}
-        self.ep_group = None
         self.kernel = kernel
 
     @property
@@ -186,9 +198,7 @@ class FusedExperts(nn.Module):
         """Run local expert j on the j-th run of counts_L[j] rows of x_SD (rows grouped by
         expert); counts_L is an integer tensor on x's device, never read on the host by the
         grouped matmul."""
-        w_gu, w_down = self.gate_up_proj, self.down_proj
-        if hasattr(w_gu, "to_local"):  # an EP-sharded DTensor: compute on the local experts
-            w_gu, w_down = w_gu.to_local(), w_down.to_local()
+        w_gu, w_down = self.expert_weights()
         D, I = self.hidden_size, self.inner_size
         w_gu_L2ID = w_gu.view(-1, 2 * I, D)
         w_down_LDI = w_down.view(-1, D, I)
@@ -202,10 +212,65 @@ class FusedExperts(nn.Module):
             kernel = expert_kernel(x_SD, w_gu_L2ID, w_down_LDI)
         return _KERNELS[kernel](x_SD, w_gu_L2ID, w_down_LDI, counts_L)
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) of the local experts, in the stored fused layout."""
+        return self.gate_up_proj, self.down_proj
 
-# Data-dependent dispatch (with EP the split sizes read on the host and uneven all-to-alls)
-# runs eagerly under torch.compile: compiled, it would break the graph and recompile for every
-# new set of splits. The rest of the layer (attention, norms, router, shared expert) compiles.
+    def dispatch(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs [A, D] for rows sorted by expert (counts_E[e] consecutive rows
+        for expert e, every one of the E experts), in the same order: on one device the local
+        experts run them directly."""
+        return self(x_AD, counts_E)
+
+
+def routed_experts_forward(
+    experts: FusedExperts,
+    x_ND: torch.Tensor,
+    idx_NK: torch.Tensor,
+    w_NK: torch.Tensor,
+    num_experts: int,
+) -> torch.Tensor:
+    """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for every token n: the assignments sorted by
+    expert go through `experts.dispatch`. Returns [N, D] in x's dtype. Host reads: none of its
+    own (those of the kernel and of the dispatch)."""
+    N, K = idx_NK.shape
+    flat_A = idx_NK.reshape(-1)
+    order_A = torch.argsort(flat_A, stable=True)
+    token_A = order_A // K  # the token of each expert-sorted assignment
+    counts_E = expert_counts(flat_A, num_experts)
+    x_AD = x_ND.index_select(0, token_A)
+    y_AD = experts.dispatch(x_AD, counts_E)
+    w_A = w_NK.reshape(-1).index_select(0, order_A)
+    return _Combine.apply(y_AD, w_A, token_A, x_ND)
+
+
+class _Combine(torch.autograd.Function):
+    """out[n] = sum of w[a] * y[a] over the assignments a of token n (index_add_ into zeros, in
+    the order of a), in the dtype of `like_ND`. Its backward forms the gradients autograd would
+    (the same products and row sums, bit for bit) with one [A, D] temporary fewer: the gathered
+    output gradient is scaled in place once the routing weights' gradient has read it."""
+
+    @staticmethod
+    def forward(ctx, y_AD, w_A, token_A, like_ND):
+        out_ND = torch.zeros_like(like_ND)
+        out_ND.index_add_(0, token_A, (y_AD * w_A[:, None]).to(like_ND.dtype))
+        ctx.save_for_backward(y_AD, w_A, token_A)
+        return out_ND
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_ND):
+        y_AD, w_A, token_A = ctx.saved_tensors
+        g_AD = g_ND.index_select(0, token_A).to(torch.result_type(y_AD, w_A))
+        grad_w = (g_AD * y_AD).sum(-1) if ctx.needs_input_grad[1] else None
+        grad_y = g_AD.mul_(w_A[:, None]).to(y_AD.dtype) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None
+
+
+# Data-dependent dispatch (with expert parallelism the split sizes read on the host and uneven
+# exchanges) runs eagerly under torch.compile: compiled, it would break the graph and recompile
+# for every new set of splits. The rest of the layer (attention, norms, router, shared expert)
+# compiles.
 _routed = eager(routed_experts_forward)
 
 
@@ -223,7 +288,5 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         idx_NK, w_NK = self.gate(x_ND)
-        routed_ND = _routed(
-            self.experts, x_ND, idx_NK, w_NK, self.gate.num_experts, self.experts.ep_group
-        )
+        routed_ND = _routed(self.experts, x_ND, idx_NK, w_NK, self.gate.num_experts)
         return (routed_ND + self.shared_experts(x_ND)).view_as(x_BTD)
