@@ -22,6 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from models.glm.model.layers import RMSNorm
+from models.glm.model.moe import FusedExperts, Router
+
 # 16 Ki values (64 KiB in float32) per chunk: small enough that the two partial chunks at a
 # shard's edges stay a small fraction of a shard even for the `small` preset at 8 ranks,
 # large enough that the per-chunk generator seeding (a few microseconds) is negligible.
@@ -89,3 +92,63 @@ def normal_(
         a, b = max(lo, first), min(hi, first + count)
         local_2d[a - first : b - first].copy_(values[a - lo : b - lo])
     return drawn
+
+
+@torch.no_grad()
+def init_model(model: nn.Module, seed: int, rows: Rows = whole_rows) -> int:
+    """`GLMForCausalLM.init_weights`: matrices ~ N(0, initializer_range), norms 1, biases and
+    the router correction bias 0, expert loads 0, each parameter in the rows `rows(p)` gives;
+    returns the number of random values drawn."""
+    std = model.config.initializer_range
+    generators: dict[torch.device, torch.Generator] = {}
+    seen: set[int] = set()
+    drawn = 0
+
+    def fill(p: torch.Tensor, name: str, kind: str) -> None:
+        nonlocal drawn
+        if id(p) in seen or p.is_meta:
+            return
+        seen.add(id(p))
+        local = rows(p)[0]
+        if kind != "normal":
+            local.fill_(1.0 if kind == "ones" else 0.0)
+            return
+        if local.device not in generators:
+            generators[local.device] = torch.Generator(device=local.device)
+        gen = generators[local.device]
+        drawn += normal_(p, std=std, seed=seed, name=name, generator=gen, rows=rows)
+
+    for prefix, module in model.named_modules():
+        at = f"{prefix}." if prefix else ""
+        if isinstance(module, RMSNorm):
+            fill(module.weight, at + "weight", "ones")
+        elif isinstance(module, nn.Linear):
+            fill(module.weight, at + "weight", "normal")
+            if module.bias is not None:
+                fill(module.bias, at + "bias", "zeros")
+        elif isinstance(module, nn.Embedding):
+            fill(module.weight, at + "weight", "normal")
+            _zero_pad_row(module, rows)
+        elif isinstance(module, nn.LayerNorm):
+            fill(module.weight, at + "weight", "ones")
+            fill(module.bias, at + "bias", "zeros")
+        elif isinstance(module, Router):
+            fill(module.weight, at + "weight", "normal")
+            fill(module.e_score_correction_bias, at + "e_score_correction_bias", "zeros")
+            if not module.expert_load.is_meta:
+                module.expert_load.zero_()
+        elif isinstance(module, FusedExperts):
+            fill(module.gate_up_proj, at + "gate_up_proj", "normal")
+            fill(module.down_proj, at + "down_proj", "normal")
+    return drawn
+
+
+def _zero_pad_row(embedding: nn.Embedding, rows: Rows) -> None:
+    """Zero the pad row in the rows of the weight this process holds (transformers' init of
+    `padding_idx`); a no-op without a pad id or on meta."""
+    pad, p = embedding.padding_idx, embedding.weight
+    if pad is None or p.is_meta:
+        return
+    local, first, count = rows(p)
+    if first <= pad < first + count:
+        local[pad - first].zero_()

@@ -34,7 +34,7 @@ from models.glm.model.config import GLMConfig
 from models.glm.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
 from models.glm.model.loss_head import IGNORE_INDEX, check_labels, chunked_cross_entropy
 from models.glm.model.mla import MLAttention
-from models.glm.model.moe import FusedExperts, MoE, Router
+from models.glm.model.moe import MoE, Router
 from models.glm.model.packing import ahead_in_document, document_bounds
 from models.glm.model.recompute import recomputing
 from models.glm.model.sequence import LocalTokens
@@ -403,56 +403,4 @@ class GLMForCausalLM(nn.Module):
         they overlap, so the values do not depend on who holds which rows and the cost is
         proportional to the rows held; on CUDA the values are drawn on the device. A no-op on
         meta tensors. Returns the number of random values drawn."""
-        std = self.config.initializer_range
-        generators: dict[torch.device, torch.Generator] = {}
-        seen: set[int] = set()
-        drawn = 0
-
-        def fill(p: torch.Tensor, name: str, kind: str) -> None:
-            nonlocal drawn
-            if id(p) in seen or p.is_meta:
-                return
-            seen.add(id(p))
-            local = rows(p)[0]
-            if kind != "normal":
-                local.fill_(1.0 if kind == "ones" else 0.0)
-                return
-            if local.device not in generators:
-                generators[local.device] = torch.Generator(device=local.device)
-            gen = generators[local.device]
-            drawn += init.normal_(p, std=std, seed=seed, name=name, generator=gen, rows=rows)
-
-        for prefix, module in self.named_modules():
-            at = f"{prefix}." if prefix else ""
-            if isinstance(module, RMSNorm):
-                fill(module.weight, at + "weight", "ones")
-            elif isinstance(module, nn.Linear):
-                fill(module.weight, at + "weight", "normal")
-                if module.bias is not None:
-                    fill(module.bias, at + "bias", "zeros")
-            elif isinstance(module, nn.Embedding):
-                fill(module.weight, at + "weight", "normal")
-                _zero_pad_row(module, rows)
-            elif isinstance(module, nn.LayerNorm):
-                fill(module.weight, at + "weight", "ones")
-                fill(module.bias, at + "bias", "zeros")
-            elif isinstance(module, Router):
-                fill(module.weight, at + "weight", "normal")
-                fill(module.e_score_correction_bias, at + "e_score_correction_bias", "zeros")
-                if not module.expert_load.is_meta:
-                    module.expert_load.zero_()
-            elif isinstance(module, FusedExperts):
-                fill(module.gate_up_proj, at + "gate_up_proj", "normal")
-                fill(module.down_proj, at + "down_proj", "normal")
-        return drawn
-
-
-def _zero_pad_row(embedding: nn.Embedding, rows: init.Rows) -> None:
-    """Zero the pad row in the rows of the weight this process holds (transformers' init of
-    `padding_idx`); a no-op without a pad id or on meta."""
-    pad, p = embedding.padding_idx, embedding.weight
-    if pad is None or p.is_meta:
-        return
-    local, first, count = rows(p)
-    if first <= pad < first + count:
-        local[pad - first].zero_()
+        return init.init_model(self, seed, rows)
