@@ -57,7 +57,7 @@ def build_model(cfg: DictConfig, config: GLMConfig, device: torch.device) -> GLM
     )
     if cfg.mesh.cp > 1:
         group = context_group(dist.get_world_size(), cfg.mesh.cp, device.type)
-        apply_context_parallel(model, group, TRAIN_LAYOUT)
+        apply_context_parallel(model, group, TRAIN_LAYOUT, bool(cfg.model.cp_keep_gathered))
     model.to_empty(device=device)
     init_weights(model, cfg.train.seed)
     return model

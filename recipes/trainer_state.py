@@ -27,15 +27,18 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def batch_change(saved_world: int, world: int, samples_per_step: int) -> str:
-    """The notice of a resume on another world size: `data.batch_size` is per rank, so the
-    global batch scales with the ranks (the schedule goes on by step)."""
-    before = samples_per_step // world * saved_world
+def batch_change(saved_dp: int, dp: int, samples_per_step: int) -> str:
+    """The notice of a resume on another data-parallel size (world_size / mesh.cp: `dp`,
+    against the checkpoint's `saved_dp`): `data.batch_size` is per data-parallel rank, so the
+    global batch scales with them (the schedule goes on by step)."""
+    before = samples_per_step // dp * saved_dp
     return (
-        f"resumed on {world} ranks from a checkpoint of {saved_world}: the global batch changes "
+        f"resumed on {dp} data-parallel ranks from a checkpoint of {saved_dp}: the global "
+        "batch changes "
         f"from {before} to {samples_per_step} samples per step (data.batch_size x "
-        "train.grad_accum_steps per rank); the schedule continues by step. To keep it, resume on "
-        f"{saved_world} ranks or scale data.batch_size (a new run: it is in the run's name)"
+        "train.grad_accum_steps per rank; per mesh.cp ranks under context parallelism); the "
+        f"schedule continues by step. To keep it, resume on {saved_dp} data-parallel ranks "
+        "(world_size / cp) or scale data.batch_size (a new run: it is in the run's name)"
     )
 
 
@@ -66,8 +69,9 @@ def resume(t) -> None:
             state["world_size"],
             t.world,
         )
-        if state["world_size"] != t.world:
-            log.warning(batch_change(state["world_size"], t.world, t.samples_per_step))
+        saved_dp = state["world_size"] // state.get("cp", 1)
+        if saved_dp != t.share.dp_size:
+            log.warning(batch_change(saved_dp, t.share.dp_size, t.samples_per_step))
 
 
 def init_from(t) -> None:

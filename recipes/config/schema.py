@@ -124,6 +124,13 @@ class ModelConfig:
         None, "model=hf: a transformers glm4_moe / glm_moe_dsa directory (its config.json)"
     )
     overrides: dict[str, Any] = _f(dict, "GLMConfig fields replacing the preset's", True)
+    cp_keep_gathered: bool = _f(
+        False,
+        "mesh.cp > 1: keep each MLA layer's gathered key side for backward (true) or gather it "
+        "again there (false: one layer's at a time, one all-gather more per layer); "
+        "activation-checkpointed layers gather again with their recompute either way",
+        same_run=True,
+    )
 
 
 @dataclass

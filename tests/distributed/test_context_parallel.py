@@ -44,7 +44,14 @@ CASES = {
     "mla_masked": dict(preset="mla_tiny", model={"dsa_impl": "masked"}, layout="head_tail"),
     "mla_per_head": dict(preset="mla_tiny", model={"dsa_impl": "per_head"}, layout="head_tail"),
     "mla_dense": dict(preset="mla_tiny", model=dict.fromkeys(_DSA_FIELDS), layout="head_tail"),
+    "mla_regather": dict(preset="mla_tiny", model={}, layout="head_tail", keep=False),
+    "mla_checkpointed": dict(
+        preset="mla_tiny", model={}, layout="head_tail", keep=False, checkpoint=True
+    ),
     "gqa": dict(preset="small", model={"num_hidden_layers": 2}, layout="head_tail"),
+    "gqa_regather": dict(
+        preset="small", model={"num_hidden_layers": 2}, layout="head_tail", keep=False
+    ),
     "gqa_packed": dict(
         preset="small", model={"num_hidden_layers": 2}, layout="head_tail", packed=True
     ),
@@ -105,15 +112,25 @@ def _run_case(name: str, cp: int, group, cp_rank: int) -> list[str]:
     _objective(ref_terms).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    apply_context_parallel(model, group, case["layout"])
+    for layer in (*model.model.layers, *model.model.mtp_layers):
+        layer.checkpoint_activations = case.get("checkpoint", False)
+    keep = case.get("keep", True)
+    apply_context_parallel(model, group, case["layout"], keep_gathered=keep)
+    gather = model.model.layers[0].self_attn.gather_keys
     tokens = local_tokens(case["layout"], cp, cp_rank, S)
     got_topk: list = []
     for h in hooks:
         h.remove()
     hooks = _topk_hooks(model, got_topk)
     terms = model(x, y, tokens=tokens, **packing)
+    got_topk = list(got_topk)  # the forward's (a checkpointed layer's recompute runs it again)
     _objective(terms).backward()
     problems = []
+    # MLA saves views of its gathered latent; GQA expands K/V per query head first (copies)
+    mla = case["preset"] == "mla_tiny"
+    regathers = 0 if keep or case.get("checkpoint") or not mla else len(model.model.layers)
+    if gather.regathered < regathers:
+        problems.append(f"{name}: {gather.regathered} key sides gathered again in backward")
     pos = tokens.on(torch.device("cpu")).positions_T
     if len(got_topk) != len(ref_topk):
         problems.append(f"{name}: {len(got_topk)} indexer calls, reference {len(ref_topk)}")

@@ -474,4 +474,5 @@ def test_resume_on_another_world_size_says_the_global_batch_changed(cache, tmp_p
     (resumed,) = run_world(_resume_world, 1, OmegaConf.to_yaml(cfg), str(tmp_path))
     assert not [m for m in first if "global batch" in m], first
     (notice,) = [m for m in resumed if "global batch" in m]
-    assert "on 1 ranks from a checkpoint of 2" in notice and "from 4 to 2 samples" in notice
+    assert "on 1 data-parallel ranks from a checkpoint of 2" in notice, notice
+    assert "from 4 to 2 samples" in notice

@@ -34,6 +34,7 @@ from torch import nn
 from models.glm.model.indexer import Indexer
 from models.glm.model.layers import Attention
 from models.glm.model.mla import MLAttention
+from models.glm.model.model import DecoderLayer
 from models.glm.model.sequence import LocalTokens
 
 #: how a sequence is cut over the cp ranks (see the module docstring)
@@ -90,21 +91,25 @@ def _orders(layout: str, cp: int, seq_len: int, device: torch.device):
     return slot_of_global.to(device), global_of_slot.to(device)
 
 
+def _gather(x_BTF: torch.Tensor, gather: SequenceGather, seq_len: int) -> torch.Tensor:
+    """The all-gather and reorder of `_GatherSequence.forward` (no autograd)."""
+    B, T, F = x_BTF.shape
+    cp = gather.size
+    buf_CBTF = x_BTF.new_empty(cp * B, T, F)
+    dist.all_gather_into_tensor(buf_CBTF, x_BTF.contiguous(), group=gather.group)
+    slot_of_global, _ = _orders(gather.layout, cp, seq_len, x_BTF.device)
+    rank_major_BSF = buf_CBTF.view(cp, B, T, F).transpose(0, 1).reshape(B, cp * T, F)
+    return rank_major_BSF.index_select(1, slot_of_global)
+
+
 class _GatherSequence(torch.autograd.Function):
     """[B, T, F] per rank -> [B, S, F] in global order (all-gather); backward: the gradient's
     rows reduce-scattered (summed) back to the ranks that own them."""
 
     @staticmethod
     def forward(ctx, x_BTF, gather: SequenceGather, seq_len: int):
-        B, T, F = x_BTF.shape
-        cp = gather.size
-        buf_CBTF = x_BTF.new_empty(cp * B, T, F)
-        dist.all_gather_into_tensor(buf_CBTF, x_BTF.contiguous(), group=gather.group)
-        buf_CBTF = buf_CBTF.view(cp, B, T, F)
-        slot_of_global, _ = _orders(gather.layout, cp, seq_len, x_BTF.device)
-        ctx.gather, ctx.seq_len, ctx.shape = gather, seq_len, (B, T, F)
-        rank_major_BSF = buf_CBTF.transpose(0, 1).reshape(B, cp * T, F)
-        return rank_major_BSF.index_select(1, slot_of_global)
+        ctx.gather, ctx.seq_len, ctx.shape = gather, seq_len, tuple(x_BTF.shape)
+        return _gather(x_BTF, gather, seq_len)
 
     @staticmethod
     def backward(ctx, g_BSF):
@@ -119,12 +124,25 @@ class _GatherSequence(torch.autograd.Function):
 
 class SequenceGather:
     """The `gather_keys` hook: this rank's key-side rows [B, T, F] -> the sequence's [B, S, F]
-    over `group` (the cp ranks, in group-rank order) cut by `layout`."""
+    over `group` (the cp ranks, in group-rank order) cut by `layout`.
 
-    def __init__(self, group: dist.ProcessGroup, layout: str = "head_tail") -> None:
+    `keep_gathered` False: inside an attention's forward (`regathering`), a tensor autograd
+    saves that views a gathered key side's storage is saved as this rank's rows instead and
+    gathered again when backward needs it: one all-gather more per saved view in backward,
+    and no layer's gathered key side outlives its forward. MLA saves views of its gathered
+    latent + rotary key; a GQA layer expands K and V per query head before attention (copies
+    autograd keeps either way), so there the setting changes nothing."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, layout: str = "head_tail", keep_gathered: bool = True
+    ) -> None:
         chunks_per_rank(layout)
-        self.group, self.layout = group, layout
+        self.group, self.layout, self.keep_gathered = group, layout, keep_gathered
         self.size = dist.get_world_size(group)
+        #: saved key-side views gathered again in backward so far (keep_gathered False)
+        self.regathered = 0
+        #: the gathered outputs of the running forward: storage address -> (output, rows, S)
+        self._sources: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     @torch.compiler.disable
     def __call__(self, x_BTF: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -133,7 +151,48 @@ class SequenceGather:
                 f"context parallelism: {x_BTF.shape[1]} tokens per rank x {self.size} ranks "
                 f"is not the sequence's {seq_len}"
             )
-        return _GatherSequence.apply(x_BTF, self, seq_len)
+        out_BSF = _GatherSequence.apply(x_BTF, self, seq_len)
+        if not self.keep_gathered and torch.is_grad_enabled():
+            key = out_BSF.untyped_storage().data_ptr()
+            self._sources[key] = (out_BSF, x_BTF.detach(), seq_len)
+        return out_BSF
+
+    def _pack(self, t: torch.Tensor):
+        source = self._sources.get(t.untyped_storage().data_ptr())
+        if source is None:
+            return t
+        _, rows, seq_len = source
+        return (_Regather, rows, seq_len, t.storage_offset(), t.shape, t.stride())
+
+    def _unpack(self, packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] is _Regather):
+            return packed
+        _, rows, seq_len, offset, shape, stride = packed
+        self.regathered += 1
+        with torch.no_grad():
+            full = _gather(rows, self, seq_len)
+        return full.as_strided(shape, stride, offset)
+
+    def regathering(self, module: nn.Module) -> None:
+        """Run `module`'s forwards under the re-gathering saved-tensor hooks."""
+        contexts: list = []
+
+        def enter(_module, _args):
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            contexts.append(ctx)
+
+        def leave(_module, _args, _out):
+            contexts.pop().__exit__(None, None, None)
+            if not contexts:
+                self._sources.clear()  # the outputs are saved as rows by now
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
+
+class _Regather:
+    """The tag of a saved tensor `SequenceGather` gathers again in backward."""
 
 
 def context_group(world_size: int, cp: int, device_type: str) -> dist.ProcessGroup:
@@ -147,14 +206,22 @@ def context_group(world_size: int, cp: int, device_type: str) -> dist.ProcessGro
     return mesh["cp"].get_group()
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, layout: str) -> int:
+def apply_context_parallel(
+    model: nn.Module, group: dist.ProcessGroup, layout: str, keep_gathered: bool = True
+) -> int:
     """Install the key-side gather over `group` on every attention and DSA indexer of `model`
     (the modules that read other tokens' keys); returns how many. The model then runs forwards
-    given `tokens=local_tokens(layout, cp, rank, S)` with the full sequence's inputs."""
-    gather = SequenceGather(group, layout)
+    given `tokens=local_tokens(layout, cp, rank, S)` with the full sequence's inputs.
+    `keep_gathered` False re-gathers the key side in backward (`SequenceGather`), except in
+    activation-checkpointed layers, which gather again when they recompute anyway."""
+    gather = SequenceGather(group, layout, keep_gathered)
     hooked = 0
     for module in model.modules():
         if isinstance(module, (Attention, MLAttention, Indexer)):
             module.gather_keys = gather
             hooked += 1
+    if not keep_gathered:
+        for module in model.modules():
+            if isinstance(module, DecoderLayer) and not module.checkpoint_activations:
+                gather.regathering(module.self_attn)
     return hooked

@@ -117,10 +117,10 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         kv_BTL = self.kv_a_layernorm(kv_lat_BTL)
         q_rope_BTNR = apply_interleaved_rope(q_BTNH[..., P:], cos_TR, sin_TR)
         k_rope_BT1R = apply_interleaved_rope(k_rope_BTR.unsqueeze(2), cos_TR, sin_TR)
-        kv_BSL, k_rope_BS1R = kv_BTL, k_rope_BT1R
+        kv_BSL, k_rope_BS1R, side_BSE = kv_BTL, k_rope_BT1R, None
         if tokens is not None:  # one gather of the key side: L + R values per token
-            side_BSF = gathered(self, torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1), tokens)
-            kv_BSL, k_rope_BSR = side_BSF.split([self.kv_rank, R], -1)
+            side_BSE = gathered(self, torch.cat([kv_BTL, k_rope_BT1R.squeeze(2)], -1), tokens)
+            kv_BSL, k_rope_BSR = side_BSE.split([self.kv_rank, R], -1)
             k_rope_BS1R = k_rope_BSR.unsqueeze(2)
         S = kv_BSL.shape[1]
         topk_BTK, kept_scores_BTK = self._kept_keys(
@@ -128,8 +128,10 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         )
         want_kl = with_kl and kept_scores_BTK is not None
         if self.sparse and self.impl == "latent":  # kv_b_proj applied inside, per head
+            if side_BSE is None:  # the one key head: the normed latent and the rotary key
+                side_BSE = torch.cat([kv_BSL, k_rope_BS1R.squeeze(2)], -1)
             o_BTNV, probs_BTK = self._latent(
-                q_BTNH[..., :P], q_rope_BTNR, kv_BSL, k_rope_BS1R, topk_BTK, want_kl, tokens
+                q_BTNH[..., :P], q_rope_BTNR, side_BSE, topk_BTK, want_kl, tokens
             )
         else:
             kv_BSNW = self.kv_b_proj(kv_BSL).view(B, S, N, P + self.v_dim)
@@ -196,7 +198,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         kept_BTK = kept_mask(topk_BTK, tokens)
         return o_BNTV, probs_BTS.gather(-1, topk_BTK.clamp(min=0)) * kept_BTK
 
-    def _latent(self, q_nope_BTNP, q_rope_BTNR, kv_BSL, k_rope_BS1R, topk_BTK, want_kl, tokens):
+    def _latent(self, q_nope_BTNP, q_rope_BTNR, key_BSE, topk_BTK, want_kl, tokens):
         """Sparse attention in MLA's absorbed form (DeepSeek-V3.2's sparse MLA): one key head
         of width L + R (the normed kv latent and the rotary key) whose first L channels are the
         values; queries enter the latent through kv_b_proj's key rows, outputs leave it through
@@ -205,7 +207,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         w_NWL = self.kv_b_proj.weight.view(N, P + V, L)
         q_lat_BTNL = torch.einsum("btnp,npl->btnl", q_nope_BTNP, w_NWL[:, :P])
         q_BTNE = torch.cat([q_lat_BTNL, q_rope_BTNR], -1)
-        k_BS1E = torch.cat([kv_BSL, k_rope_BS1R.squeeze(2)], -1).unsqueeze(2)
+        k_BS1E = key_BSE.unsqueeze(2)
         rows = attention_row_bytes(
             q_BTNE.shape[0],
             N,
