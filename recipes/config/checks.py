@@ -134,7 +134,7 @@ def _validate_cp(cfg: DictConfig) -> None:
             cp,
             f"must divide mesh.world_size={world}; allowed: {', '.join(map(str, allowed))}",
         )
-    if cfg.data.seq_len % (2 * cp):
+    if cp > 1 and cfg.data.seq_len % (2 * cp):
         raise _fail(
             "data.seq_len",
             cfg.data.seq_len,

@@ -135,6 +135,12 @@ def test_compose_rejects(override, expected):
     [
         (["optim.lr=-0.1"], "optim.lr=-0.1: must be > 0"),
         (["mesh.ep=3"], "mesh.ep=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
+        (["mesh.cp=3"], "mesh.cp=3: must divide mesh.world_size=4; allowed: 1, 2, 4"),
+        (["mesh.cp=0"], "mesh.cp=0: must be > 0"),
+        (
+            ["mesh.cp=2", "data.seq_len=126"],
+            "data.seq_len=126: must be a multiple of 2 x mesh.cp = 4",
+        ),
         (["mesh.world_size=0"], "mesh.world_size=0: must be > 0"),
         (["data=tokens"], "data.path=None: data.source=tokens needs a prepare_data.py"),
         (["data=tokens", "data.path=/nonexistent/tok.bin"], "data.path=/nonexistent/tok.bin"),
