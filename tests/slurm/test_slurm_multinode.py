@@ -316,7 +316,9 @@ def test_sweep_two_nodes_survives_a_lost_node_by_resubmitting(cluster, tmp_path)
 
 
 def test_submitit_launcher_two_nodes(cluster, tmp_path):
-    """python train.py -m hydra/launcher=slurm hydra.launcher.nodes=2: one task per rank."""
+    """python train.py -m hydra/launcher=slurm hydra.launcher.nodes=2: one task per rank; with
+    mesh.cp=4 the four ranks share each sequence across the two hosts (the attention's keys
+    gathered over both), and the run trains as a one-rank run of the same data does."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     run_root = tmp_path / "runs"
     out = run(
@@ -329,7 +331,9 @@ def test_submitit_launcher_two_nodes(cluster, tmp_path):
             "hydra.launcher.partition=debug",
             "hydra.launcher.timeout_min=5",
             "mesh.world_size=4",
+            "mesh.cp=4",
             *ARGS,
+            "optim.ns_dtype=float32",
             "train.steps=2",
             f"run.root={run_root}",
             "run.name=submitit",
@@ -339,6 +343,19 @@ def test_submitit_launcher_two_nodes(cluster, tmp_path):
     )
     got = metrics(run_root / "submitit")
     assert got[-1]["step"] == 2, out.stdout[-3000:]
+    # One data-parallel group: the same sequences as one rank reads (mesh.ep=1 there); float32
+    # sums in another order only (see tests/e2e/test_train_cp.py for the tolerance)
+    one = ["mesh.world_size=1", "mesh.ep=1", "logger=none", *FAST_ARGS]
+    one += ["optim.ns_dtype=float32", "train.steps=2"]
+    single = run(
+        [sys.executable, "train.py", *one, f"run.root={tmp_path / 'one'}"],
+        env=client_env(),
+        timeout=180,
+    )
+    want = metrics(tmp_path / "one")
+    np.testing.assert_allclose(
+        [r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-4, err_msg=single.stdout
+    )
     _layout(got[0], _nodes(cluster.root))
     (job_dir,) = {p.parent for p in (run_root / "submitit" / ".submitit").rglob("*_log.out")}
     logs = sorted(job_dir.glob("*_log.out"))
