@@ -1,7 +1,8 @@
 """DSA at sparse cost equals the masked reference: the gathered-key attention (latent and
 per-head forms) against dense attention under the kept-key mask, values and gradients, at
 T > K and T <= K, in chunks of any size; the chunked indexer against the plain all-pairs
-formula ([B, T, M, S] scores, top-k, KL over the masked [B, T, S] rows); the whole mla_tiny
+formula ([B, T, M, S] scores, top-k, KL over the masked [B, T, S] rows), its chunks cut at
+the runs of local tokens; the whole mla_tiny
 model (a shared layer, an MTP layer) under every `dsa_impl`, kl and frozen."""
 
 import inspect
@@ -147,6 +148,36 @@ def test_chunked_indexer_equals_all_pairs(T):
         torch.testing.assert_close(got, want, rtol=bound, atol=bound * scale, msg=str(p.shape))
 
 
+def test_indexer_chunks_stop_at_the_runs_of_local_tokens():
+    """Queries at head-tail positions (cp rank 0 of 2 over 40 tokens: runs 0-9 and 30-39):
+    no query chunk spans the two runs, so the first run's chunks score keys up to position 10
+    only, and the kept keys equal the whole sequence's rows at those positions."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.glm.infra.context_parallel import local_tokens
+    from models.glm.model.sparse_attention import query_chunks
+
+    tokens = local_tokens("head_tail", 2, 0, 40).on(torch.device("cpu"))
+    assert list(query_chunks(20, 4, tokens)) == [
+        *[(0, 4), (4, 8), (8, 10)],
+        *[(10, 14), (14, 18), (18, 20)],
+    ]
+    assert list(query_chunks(10, 4)) == [(0, 4), (4, 8), (8, 10)]
+    with pytest.raises(ValueError, match="21 queries, but the tokens hold 20"):
+        list(query_chunks(21, 4, tokens))
+    g = torch.Generator().manual_seed(5)
+    q_BSMC, k_BSC, w_BSM = (torch.randn(1, 40, *d, generator=g) for d in ((4, 16), (16,), (4,)))
+    full = select_topk(q_BSMC, k_BSC, w_BSM, 8, 4)
+    with FlopCounterMode(display=False) as flops:
+        local = select_topk(tokens.take(q_BSMC), k_BSC, tokens.take(w_BSM), 8, 4, tokens=tokens)
+    # A chunk of J queries scoring the first `keys` keys: [J M, C] x [C, keys] and the head sum
+    # [J, M] x [M, keys], 2 J M (C + 1) keys FLOPs. The first run's chunks of 4, 4 and 2
+    # queries score 8 (K), 8 and 10 keys; the second run's 34, 38 and 40.
+    scored = 4 * 8 + 4 * 8 + 2 * 10 + 4 * 34 + 4 * 38 + 2 * 40
+    assert flops.get_total_flops() == 2 * 4 * 17 * scored
+    assert torch.equal(local, tokens.take(full))
+
+
 def test_frozen_indexer_returns_no_scores():
     indexer = _indexer(0, "frozen")
     from models.glm.model.layers import rope_cos_sin
@@ -236,10 +267,10 @@ class _ChunkPeaks(TorchDispatchMode):
         return out
 
     def chunks(self, original):
-        def counted(T, chunk):
+        def counted(T, chunk, tokens=None):
             caller = inspect.currentframe().f_back.f_code
             site = f"{caller.co_filename.rsplit('/', 1)[-1]}:{caller.co_name}"
-            for t0, t1 in original(T, chunk):
+            for t0, t1 in original(T, chunk, tokens):
                 start = self.window = self.live
                 yield t0, t1
                 self.peaks[site] = max(self.peaks.get(site, 0), self.window - start)

@@ -141,18 +141,19 @@ def select_topk(
 ) -> torch.Tensor:
     """The kept key positions [B, T, K] (K = min(topk, S)) of each query: the top index scores
     among its causal keys, chunk queries at a time, each chunk scoring only the keys up to its
-    last query. A query s < K keeps all its s + 1 causal keys plus later ones, which the
-    attention masks. With packed documents (`doc_start_BT`, each query's document's first
-    position) the candidates are the query's own document's causal keys, masked before the
-    top-k, and a query with fewer of them than K fills its remaining slots with -1 (`NO_KEY`:
-    no key of another document is ever kept, not even a masked one). `tokens`: the queries
-    sit at these global positions of the S keys (`models.glm.model.sequence`); else S = T."""
+    last query (no chunk spans two runs of `tokens`). A query s < K keeps all its s + 1 causal
+    keys plus later ones, which the attention masks. With packed documents (`doc_start_BT`,
+    each query's document's first position) the candidates are the query's own document's
+    causal keys, masked before the top-k, and a query with fewer of them than K fills its
+    remaining slots with -1 (`NO_KEY`: no key of another document is ever kept, not even a
+    masked one). `tokens`: the queries sit at these global positions of the S keys
+    (`models.glm.model.sequence`); else S = T."""
     T, S = q_BTMC.shape[1], k_BSC.shape[1]
     B, K = k_BSC.shape[0], min(topk, S)
     out_BTK = torch.empty(B, T, K, dtype=torch.long, device=k_BSC.device)
     keys_S = torch.arange(S, device=k_BSC.device)
     q_T = query_positions(tokens, T, k_BSC.device)
-    for t0, t1 in query_chunks(T, chunk):
+    for t0, t1 in query_chunks(T, chunk, tokens):
         last = t1 if tokens is None else tokens.key_end(t1)
         end = max(last, K)  # at least K candidates per row
         s_BJS = _chunk_scores(q_BTMC[:, t0:t1].detach(), k_BSC[:, :end].detach(), w_BTM[:, t0:t1])

@@ -34,11 +34,29 @@ def query_chunk(budget_bytes: int, row_bytes: int) -> int:
     return max(1, budget_bytes // max(1, row_bytes))
 
 
-def query_chunks(T: int, chunk: int) -> Iterator[tuple[int, int]]:
+def query_chunks(T: int, chunk: int, tokens=None) -> Iterator[tuple[int, int]]:
     """The (first, end) queries of each chunk of `chunk` queries out of T: the one loop every
-    chunked DSA function runs (its temporaries live within one step of it)."""
-    for t0 in range(0, T, chunk):
-        yield t0, min(T, t0 + chunk)
+    chunked DSA function runs (its temporaries live within one step of it). `tokens`
+    (`models.glm.model.sequence.LocalTokens`, T of its tokens): no chunk spans two of its runs,
+    so a loop that reads the keys up to a chunk's last query never reads a later run's keys
+    for an earlier run's queries (head-tail context parallelism's first run would otherwise
+    score most of the sequence's keys in its last chunk)."""
+    ends = [T] if tokens is None else [*_run_ends(tokens, T)]
+    start = 0
+    for end in ends:
+        for t0 in range(start, end, chunk):
+            yield t0, min(end, t0 + chunk)
+        start = end
+
+
+def _run_ends(tokens, T: int) -> Iterator[int]:
+    """The local index one past each run of `tokens`."""
+    if tokens.count != T:
+        raise ValueError(f"query_chunks: {T} queries, but the tokens hold {tokens.count}")
+    end = 0
+    for _, count in tokens.runs:
+        end += count
+        yield end
 
 
 def attention_row_bytes(
