@@ -143,6 +143,7 @@ class SequenceGather:
         self.regathered = 0
         #: the gathered outputs of the running forward: storage address -> (output, rows, S)
         self._sources: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._depth = 0  # regathering forwards running (nested modules count once each)
 
     @torch.compiler.disable
     def __call__(self, x_BTF: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -152,7 +153,7 @@ class SequenceGather:
                 f"is not the sequence's {seq_len}"
             )
         out_BSF = _GatherSequence.apply(x_BTF, self, seq_len)
-        if not self.keep_gathered and torch.is_grad_enabled():
+        if self._depth and torch.is_grad_enabled():
             key = out_BSF.untyped_storage().data_ptr()
             self._sources[key] = (out_BSF, x_BTF.detach(), seq_len)
         return out_BSF
@@ -181,10 +182,12 @@ class SequenceGather:
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             contexts.append(ctx)
+            self._depth += 1
 
         def leave(_module, _args, _out):
             contexts.pop().__exit__(None, None, None)
-            if not contexts:
+            self._depth -= 1
+            if not self._depth:
                 self._sources.clear()  # the outputs are saved as rows by now
 
         module.register_forward_pre_hook(enter)
@@ -221,7 +224,12 @@ def apply_context_parallel(
             module.gather_keys = gather
             hooked += 1
     if not keep_gathered:
+        recomputed = {
+            id(m.self_attn)
+            for m in model.modules()
+            if isinstance(m, DecoderLayer) and m.checkpoint_activations
+        }
         for module in model.modules():
-            if isinstance(module, DecoderLayer) and not module.checkpoint_activations:
-                gather.regathering(module.self_attn)
+            if isinstance(module, (Attention, MLAttention)) and id(module) not in recomputed:
+                gather.regathering(module)
     return hooked
