@@ -94,6 +94,7 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python train\.py$", f"{TRAIN} {ONE}", "outputs/default/*/hf/config.json outputs/default/*/wandb/offline-run-*"),
     Run(r"^python train\.py optim\.remainder_strategy=ragged_all_to_all mesh\.ep=4", f"{TRAIN} logger=none", "outputs/default/*ragged_all_to_all*/checkpoints"),
     Run(r"^python train\.py optim=adamw logger=none$", f"{TRAIN} {ONE}", "outputs/default/*optim-adamw*/metrics.jsonl"),
+    Run(r"^python train\.py model=mla_tiny mesh\.world_size=4 mesh\.cp=2$", f"{TRAIN} mesh.world_size=2 mesh.ep=1 logger=none", "outputs/default/*mla_tiny*/metrics.jsonl"),
     Run(r"^/usr/bin/time -f %e python train\.py train\.steps=0$", "", "", rc=1),  # a config error: nothing written
     Run(r"^python train\.py experiment=smoke$", f"{TRAIN} {ONE} logger=none", "outputs/smoke/*/checkpoints/step_*/COMMITTED outputs/smoke/*/hf"),
     Run(r"^python train\.py -m experiment=strategies optim\.remainder_strategy=agrs,pad_all2all,ragged_all_to_all$", f"{TRAIN} mesh.world_size=2 mesh.ep=1 logger=none checkpoint.export_hf=false", "outputs/strategies/*agrs*/metrics.jsonl outputs/strategies/*pad_all2all*/metrics.jsonl outputs/strategies/*ragged*/metrics.jsonl"),
