@@ -47,7 +47,7 @@ from recipes.activation_bytes import (  # noqa: F401 - re-exported: the estimate
     mtp_input_bytes_per_token,
     norm_bytes_per_token,
 )
-from recipes.context_memory import LayerRun, LayerShare, layer_share
+from recipes.context_memory import LayerRun, LayerShare, cp_choices, layer_share
 from recipes.ranks import local_tensor
 from recipes.units import GiB
 
@@ -285,13 +285,26 @@ def _checkpointed_peak(
     rows = [
         ("activations (layer inputs)", inputs, True),
         ("activations (recomputed layer)", 0 if heads_phase else recomputed[layer], True),
-        ("gathered key side (recomputed layer)", 0 if heads_phase else shares[layer].keys, cp > 1),
+        ("gathered key side (recomputed)", 0 if heads_phase else shares[layer].keys, cp > 1),
         ("loss head activations", head * (1 + depths) if heads_phase else head * held[layer], True),
         ("activation gradients (one layer)", 0 if heads_phase else grads[layer], True),
         ("key-side gradients (one layer)", 0 if heads_phase else shares[layer].key_grads, cp > 1),
         ("loss head chunk (recomputed)", head_chunk if heads_phase else 0, True),
     ]
     return {name: n for name, n, shown in rows if shown}
+
+
+def smallest_fitting_cp(
+    model, opt, kw: dict, world_size: int, budget_gib: float
+) -> tuple[int, StepMemory] | None:
+    """The smallest cp of `recipes.context_memory.cp_choices` (this world, kw's sequences)
+    whose step estimate (`estimate_step_memory(model, opt, **kw)` at that cp) fits
+    `budget_gib`, with its estimate; None when none does."""
+    for cp in cp_choices(world_size, kw["seq_len"] or kw["tokens"]):
+        est = estimate_step_memory(model, opt, **{**kw, "cp": cp})
+        if est.fits(budget_gib):
+            return cp, est
+    return None
 
 
 def estimate_for_config(cfg, **where) -> StepMemory:

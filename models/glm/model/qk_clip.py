@@ -88,8 +88,13 @@ class MaxLogitRecorder:
         return self.record_max_logits and torch.is_grad_enabled() and not is_recomputing()
 
 
-def recording_flops(seq_len: int, heads: int, qk_dim: int) -> int:
-    """FLOPs of one sequence's recording in one layer (the chunked causal Q K^T)."""
-    rows = [min(QUERY_CHUNK, seq_len - s) for s in range(0, seq_len, QUERY_CHUNK)]
-    keys = sum(r * (s + r) for s, r in zip(range(0, seq_len, QUERY_CHUNK), rows, strict=True))
+def recording_flops(seq_len: int, heads: int, qk_dim: int, tokens=None) -> int:
+    """FLOPs of one sequence's recording in one layer (the chunked causal Q K^T: each chunk of
+    queries against the keys up to its last query's). `tokens`: the queries are these tokens
+    of the sequence (`models.glm.model.sequence.LocalTokens`), as in `head_max_logits`."""
+    T = seq_len if tokens is None else tokens.count
+    keys = 0
+    for start in range(0, T, QUERY_CHUNK):
+        stop = min(start + QUERY_CHUNK, T)
+        keys += (stop - start) * (stop if tokens is None else tokens.key_end(stop))
     return 2 * heads * qk_dim * keys
