@@ -19,7 +19,7 @@ The step peak is resident + the larger of the two peaks.
 
 Activation bytes per token are counted op by op from the model code (`recipes.activation_bytes`,
 checked against what autograd saves). Under context parallelism (`cp` > 1: `mesh.cp`) a rank's
-micro-batch is its T = S / cp tokens of each sequence, and three parts are added
+micro-batch is its T = S / cp tokens of each sequence, and two parts are added
 (`recipes.context_memory`): the key side the attention saves for the whole sequence (of every
 layer when `keep_gathered` and the layers are not checkpointed, else of one layer: gathered
 again in backward, or with the recomputed layer), and one layer's key-side gradients.
@@ -300,7 +300,7 @@ def smallest_fitting_cp(
     """The smallest cp of `recipes.context_memory.cp_choices` (this world, kw's sequences)
     whose step estimate (`estimate_step_memory(model, opt, **kw)` at that cp) fits
     `budget_gib`, with its estimate; None when none does."""
-    for cp in cp_choices(world_size, kw["seq_len"] or kw["tokens"]):
+    for cp in cp_choices(world_size, kw.get("seq_len") or kw["tokens"]):
         est = estimate_step_memory(model, opt, **{**kw, "cp": cp})
         if est.fits(budget_gib):
             return cp, est
