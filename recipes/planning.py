@@ -92,6 +92,7 @@ def plan_from_args(args, *, strategies: tuple[str, ...], **overrides) -> dict:
         normuon=args.normuon,
         seq_len=args.seq_len,
         overrides=overrides,
+        cp=args.cp,
     )
 
 
@@ -275,10 +276,19 @@ def ns_figures(opt, fwd_bwd: float) -> dict:
     return fig
 
 
-def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: float) -> dict:
+def attention_figures(
+    opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: float, *, cp: int = 1, rank: int = 0
+) -> dict:
     """This rank's cost of the attention knobs: NorMuon's moments (bytes of `normuon_v` state),
-    QK-clip's recording (one more causal Q K^T per layer and sequence, no backward)
-    and its one MAX all-reduce of [layers, heads] float32 per step."""
+    QK-clip's recording and its one MAX all-reduce of [layers, heads] float32 per step. The
+    recording costs nothing extra on DSA's sparse paths ("latent", "per_head": the sparse
+    attention keeps each head's largest logit over the kept keys as it goes); elsewhere one
+    more causal Q K^T per layer and sequence, no backward: under context parallelism (`cp`)
+    this rank's head-tail queries of each sequence against the keys up to each query chunk's
+    last."""
+    from models.glm.infra.context_parallel import TRAIN_LAYOUT, local_tokens
+    from models.glm.model.qk_clip import recording_flops
+
     state = sum(
         local_tensor(st["normuon_v"]).numel() * 4 for st in opt.state.values() if "normuon_v" in st
     )
@@ -288,15 +298,21 @@ def attention_figures(opt, config, tokens_per_rank: int, seq_len: int, fwd_bwd: 
         qk = config.head_dim_resolved
     # every attention trains and is watched, the MTP layers' too
     heads, layers = config.num_attention_heads, config.num_hidden_layers + config.num_mtp_layers
-    from models.glm.model.qk_clip import recording_flops
-
-    record = layers * tokens_per_rank / seq_len * recording_flops(seq_len, heads, qk)
+    sparse = config.uses_dsa and config.dsa_impl in ("latent", "per_head")
+    record = 0
+    if not sparse:
+        tokens = local_tokens(TRAIN_LAYOUT, cp, rank % cp, seq_len) if cp > 1 else None
+        # each rank computes seq_len / cp tokens of every sequence its cp group reads
+        per_sequence = recording_flops(seq_len, heads, qk, tokens)
+        record = layers * tokens_per_rank * cp / seq_len * per_sequence
     return {
         "normuon_state_bytes": state,
         "qk_clip_record_flops": record,
         "qk_clip_record_share": record / fwd_bwd if fwd_bwd else None,
+        "qk_clip_record_path": "sparse" if sparse else "dense",
         "qk_clip_allreduce_bytes": layers * heads * 4,
         "seq_len": seq_len,
+        "cp": cp,
     }
 
 
@@ -331,6 +347,7 @@ def plan(
     normuon: bool = False,
     seq_len: int = 4096,
     overrides: dict | None = None,
+    cp: int = 1,
 ) -> dict:
     """Build the optimizer plans in a fake world and return the report as plain data
     (`overrides`: GLMConfig fields replacing the preset's)."""
@@ -366,7 +383,7 @@ def plan(
         ns_itemsize = DTYPES[ns_dtype].itemsize
         report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
         report["attention"] = attention_figures(
-            next(iter(opts.values())), config, tokens_per_step // world_size, seq_len, fwd_bwd
+            first, config, tokens_per_step // world_size, seq_len, fwd_bwd, cp=cp, rank=rank
         )
         efsdp = meshes.efsdp
     finally:
@@ -394,6 +411,7 @@ def plan(
         normuon=normuon,
         param_tensors=param_tensors,
         overrides=dict(overrides or {}),
+        cp=cp,
     )
     report["over_budget"] = over_budget(report, budget)
     return report

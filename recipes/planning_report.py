@@ -3,7 +3,8 @@
 `format_report` prints per mesh group a table of the shape groups (busy, idle and viewed rank's
 bytes sent, largest collective buffer and per-batch peak per strategy), the viewed rank's step
 totals, the Newton-Schulz balance and the attention knobs' costs; `over_budget` lists every
-figure above a budget; `fmt_bytes` writes bytes in binary units.
+figure above a budget; `fmt_bytes` writes bytes in binary units. The whole-step section
+(`--step`) is `recipes.planning_step`.
 """
 
 from __future__ import annotations
@@ -135,10 +136,16 @@ def _table(columns: list, rows: list[tuple], left: set[str], **header) -> list[s
     return _render(heads, cells, left={i for i, (h, _) in enumerate(columns) if h in left})
 
 
+def _cp(meta: dict) -> str:
+    """The context-parallel degree, when above 1: the plans do not change with it."""
+    cp = meta.get("cp", 1)
+    return f", cp {cp} (parameters still sharded over every rank)" if cp > 1 else ""
+
+
 def _preamble(meta: dict, budget: float | None) -> list[str]:
     lines = [
         f"model {meta['model']} on {meta['world_size']} ranks, ep {meta['ep']} "
-        f"(expert FSDP group {meta['efsdp']}), view of rank {meta['rank']}; "
+        f"(expert FSDP group {meta['efsdp']}){_cp(meta)}, view of rank {meta['rank']}; "
         f"params {meta['dtype']}, NS {meta['ns_dtype']} {meta['ns_algorithm']}, "
         f"nesterov {meta['nesterov']}, "
         f"expert-aware {'on' if meta['expert_aware'] else 'off'}, "
@@ -224,17 +231,27 @@ def _newton_schulz(report: dict) -> list[str]:
     return lines
 
 
+def _recording(att: dict) -> str:
+    """What QK-clip's max-logit recording costs the rank per step."""
+    if att.get("qk_clip_record_path") == "sparse":
+        return "nothing extra (DSA's sparse attention keeps each head's kept-key maximum)"
+    cp = att.get("cp", 1)
+    where = f" (cp {cp}: this rank's {att['seq_len'] // cp} tokens of each)" if cp > 1 else ""
+    return (
+        f"{att['qk_clip_record_flops'] / 1e12:.2f} TFLOP per step at sequences of "
+        f"{att['seq_len']}{where} ({att['qk_clip_record_share']:.2%} of forward+backward)"
+    )
+
+
 def _attention_and_budget(report: dict) -> list[str]:
     meta, budget, lines = report["meta"], report["meta"]["budget_bytes"], []
     att = report.get("attention")
     if att:
-        share = att["qk_clip_record_share"]
         lines += [
             "",
             f"attention knobs, rank {meta['rank']}: NorMuon moments "
             f"{fmt_bytes(att['normuon_state_bytes'])} (with --normuon); QK-clip / attn/max_logit "
-            f"recording {att['qk_clip_record_flops'] / 1e12:.2f} TFLOP per step at sequences of "
-            f"{att['seq_len']} ({share:.2%} of forward+backward), one MAX all-reduce of "
+            f"recording {_recording(att)}, one MAX all-reduce of "
             f"{fmt_bytes(att['qk_clip_allreduce_bytes'])}",
         ]
     if budget is not None:
@@ -277,48 +294,3 @@ def over_budget(report: dict, budget: float | None) -> list[str]:
                 f" batches in flight {fmt_bytes(need)}"
             )
     return out
-
-
-def step_report(
-    *,
-    preset: str,
-    world_size: int,
-    ep: int,
-    rank: int = 0,
-    seq_len: int,
-    micro_batch: int,
-    budget_gib: float | None = None,
-    extra: tuple[str, ...] = (),
-) -> tuple[str, bool]:
-    """Text of the whole-step estimate of `preset` on `world_size` CUDA ranks (bf16 compute,
-    the recipe's defaults otherwise), without and with activation checkpointing, and whether
-    both fit `budget_gib` (a figure the report shows over the budget is a failed check, as
-    everywhere in the planner; the text says which one fits)."""
-    from models.glm import get_preset
-    from recipes.step_memory import compose_train_config, estimate_for_config
-
-    vocab = get_preset(preset).vocab_size
-    lines = [
-        f"whole step per rank: {preset}, {world_size} ranks, ep {ep}, rank {rank}, "
-        f"micro-batch {micro_batch} x {seq_len} tokens"
-    ]
-    estimates = []
-    for mode in ("none", "full"):
-        cfg = compose_train_config(
-            [
-                f"model={preset}",
-                f"mesh.world_size={world_size}",
-                f"mesh.ep={ep}",
-                f"data.vocab_size={vocab}",
-                "data.dtype=uint32",
-                f"data.seq_len={seq_len}",
-                f"data.batch_size={micro_batch}",
-                f"train.activation_checkpointing={mode}",
-                *extra,
-            ]
-        )
-        est = estimate_for_config(cfg, world_size=world_size, rank=rank, device_type="cuda")
-        estimates.append(est)
-        lines += [f" train.activation_checkpointing={mode}:", est.format(budget_gib)]
-    fits = budget_gib is None or all(est.fits(budget_gib) for est in estimates)
-    return "\n".join(lines), fits

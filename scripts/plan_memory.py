@@ -25,7 +25,8 @@ has none) and an idle rank (one that does not) of the FSDP group:
 The footer adds, for the `--rank` view, the resident parameter + gradient + optimizer-state
 bytes of the rank's shards and a step bound: the largest sum of per-batch peaks over
 `max_inflight` consecutive batches (`window_peak_bytes`: the runtime keeps that many alive).
-`--budget-gib` marks every figure above the budget with "!".
+`--budget-gib` marks every figure above the budget with "!". `--step` adds the whole-step
+estimate (`recipes.planning_step`), of one rank of a `--cp` group under context parallelism.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from pathlib import Path
 from models.glm import get_preset
 from muon.plan import REMAINDER_CHOICES
 from recipes.bench.fixtures import DTYPES
+from recipes.context_memory import cp_error
 from recipes.planning import TOKENS_PER_STEP, plan_from_args
 from recipes.planning_report import format_report
+from recipes.planning_step import step_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,6 +98,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=4096, help="--step: tokens per sequence")
     ap.add_argument("--micro-batch", type=int, default=1, help="--step: sequences per rank")
     ap.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="mesh.cp: cp consecutive ranks share each sequence (head-tail), the attention's "
+        "key side all-gathered; divides --world-size, 2 x cp divides --seq-len",
+    )
+    ap.add_argument(
+        "--cp-keep-gathered",
+        action="store_true",
+        help="--step: model.cp_keep_gathered (each layer keeps its gathered key side for "
+        "backward instead of gathering it again)",
+    )
+    ap.add_argument(
         "--indexer-training",
         choices=("kl", "frozen"),
         default=None,
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     is above it (with `--step`: either checkpointing mode's step peak)."""
     ap = _parser()
     args = ap.parse_args(argv)
+    if why := cp_error(args.world_size, args.seq_len, args.cp):
+        ap.error(f"--cp {why} (--world-size {args.world_size}, --seq-len {args.seq_len})")
     overrides = {}
     if args.indexer_training is not None:
         if not get_preset(args.model).uses_dsa:
@@ -120,21 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1))
     fits = True
     if args.step:  # recipes.step_memory: params, grads, state, activations, FSDP2 buffers
-        from recipes.planning_report import step_report
-
-        text, fits = step_report(
-            preset=args.model,
-            world_size=args.world_size,
-            ep=args.ep,
-            rank=args.rank,
-            seq_len=args.seq_len,
-            micro_batch=args.micro_batch,
-            budget_gib=args.budget_gib,
-            extra=(
-                f"optim.max_inflight={args.max_inflight}",
-                *(f"train.{k}={v}" for k, v in overrides.items()),
-            ),
-        )
+        text, fits = step_from_args(args, overrides)
         print(text)
     return 1 if report["over_budget"] or not fits else 0
 

@@ -342,8 +342,10 @@ def test_glm5_muon_split_and_normuon(tmp_path, glm5_512):
     assert ideal[0] < ideal[1]  # per-head blocks: fewer FLOPs than the whole matrices
     att = split["attention"]
     assert att["normuon_state_bytes"] > 0 and whole["attention"]["normuon_state_bytes"] == 0
-    # 78 layers + the MTP layer, 64 heads, one float32 each
-    assert 0 < att["qk_clip_record_share"] < 0.1 and att["qk_clip_allreduce_bytes"] == 79 * 64 * 4
+    # 78 layers + the MTP layer, 64 heads, one float32 each; DSA's sparse attention keeps each
+    # head's largest kept-key logit as it goes, so the recording costs nothing extra
+    assert att["qk_clip_record_flops"] == 0 and att["qk_clip_record_path"] == "sparse"
+    assert att["qk_clip_allreduce_bytes"] == 79 * 64 * 4
     # the owners balance the per-head blocks as well as the whole matrices (widened sub-groups)
     assert split["totals"]["pad_all2all"]["ns"]["busiest_over_ideal"] <= 1.05
     assert "128 (64/192 rows)" in split["stdout"]  # the planner prints the blocks' heights
@@ -368,3 +370,24 @@ def test_planner_prints_the_whole_step_estimate_against_a_budget():
     half = subprocess.run([*args, "--budget-gib", budget], capture_output=True, text=True)
     assert half.stdout.count(f"DOES NOT FIT in {budget} GiB") == 1, half.stdout[-2000:]
     assert half.stdout.count(f"fits in {budget} GiB") == 1 and half.returncode == 1
+
+
+def test_planner_step_under_context_parallelism():
+    """`--cp 4 --step` (mla_tiny, fake 8-rank world): a rank's quarter of each sequence, the
+    key side's parts and collectives, the indexer's balance per layout; the smallest cp that
+    fits is named, and `--cp-keep-gathered` keeps every layer's key side without checkpointing."""
+    base = [sys.executable, str(SCRIPT), "--model", "mla_tiny", "--world-size", "8", "--ep", "2"]
+    base += ["--strategy", "auto", "--step", "--seq-len", "512", "--micro-batch", "2"]
+    base += ["--cp", "4", "--budget-gib", "1"]
+    out = {}
+    for keep in ((), ("--cp-keep-gathered",)):
+        proc = subprocess.run([*base, *keep], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        out[keep] = proc.stdout
+    text = out[()]
+    assert "cp 4 (head-tail: 128 tokens of each sequence)" in text
+    assert "gathered key side (one layer)" in text and "gathered key side (recomputed)" in text
+    assert "attention   4 layers x 24 values/token" in text  # L + R = 16 + 8, 3 + the MTP layer
+    assert text.count("smallest mesh.cp within 1 GiB: 1 ") == 2
+    assert "head_tail" in text and "contiguous" in text
+    assert "gathered key side (all layers)" in out[("--cp-keep-gathered",)]

@@ -3,8 +3,10 @@
 An attention with `record_max_logits` on keeps, per query head, the largest pre-softmax logit
 q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its training forwards saw
 since the last `take_max_logits`: every micro-batch of a step, but not the activation-checkpoint
-recomputation (`models.glm.model.recompute`), and not forwards without grad (evaluation). It
-costs one more (causal) Q K^T per layer, without grad, in query chunks (`recording_flops`).
+recomputation (`models.glm.model.recompute`), and not forwards without grad (evaluation). GQA,
+dense MLA and DSA's masked reference pay one more (causal) Q K^T per layer for it, without
+grad, in query chunks (`recording_flops`); DSA's sparse attention hands over the maxima it
+computes as it goes (`record_max`), at no extra cost.
 The clip itself, which rescales W_q / W_k from these maxima, is `models.glm.infra.qk_clip`.
 """
 
@@ -88,8 +90,13 @@ class MaxLogitRecorder:
         return self.record_max_logits and torch.is_grad_enabled() and not is_recomputing()
 
 
-def recording_flops(seq_len: int, heads: int, qk_dim: int) -> int:
-    """FLOPs of one sequence's recording in one layer (the chunked causal Q K^T)."""
-    rows = [min(QUERY_CHUNK, seq_len - s) for s in range(0, seq_len, QUERY_CHUNK)]
-    keys = sum(r * (s + r) for s, r in zip(range(0, seq_len, QUERY_CHUNK), rows, strict=True))
+def recording_flops(seq_len: int, heads: int, qk_dim: int, tokens=None) -> int:
+    """FLOPs of one sequence's recording in one layer (the chunked causal Q K^T: each chunk of
+    queries against the keys up to its last query's). `tokens`: the queries are these tokens
+    of the sequence (`models.glm.model.sequence.LocalTokens`), as in `head_max_logits`."""
+    T = seq_len if tokens is None else tokens.count
+    keys = 0
+    for start in range(0, T, QUERY_CHUNK):
+        stop = min(start + QUERY_CHUNK, T)
+        keys += (stop - start) * (stop if tokens is None else tokens.key_end(stop))
     return 2 * heads * qk_dim * keys

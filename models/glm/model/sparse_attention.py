@@ -100,8 +100,9 @@ class _SparseAttention(torch.autograd.Function):
     """See `sparse_attention`; tensors saved for backward are the inputs, output and lse."""
 
     @staticmethod
-    def forward(ctx, q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs, q_T):
+    def forward(ctx, q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs, pos_T):
         B, T, N, E = q_BTNE.shape
+        q_T = _positions(pos_T, T, idx_BTK.device)
         S, H = k_BSHE.shape[1], k_BSHE.shape[2]
         K = idx_BTK.shape[-1]
         w = work_dtype(q_BTNE.dtype)
@@ -128,16 +129,18 @@ class _SparseAttention(torch.autograd.Function):
             if want_probs:
                 total_BCK = p_BCNK.sum(2)
                 probs_BTK[:, t0:t1] = total_BCK / total_BCK.sum(-1, keepdim=True)
-        ctx.save_for_backward(q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN, q_T)
+        # the given positions (a tensor every layer shares), never a per-layer 0..T-1
+        ctx.save_for_backward(q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN, pos_T)
         ctx.scale, ctx.value_dim, ctx.chunk = scale, value_dim, chunk
         ctx.mark_non_differentiable(probs_BTK, max_N)
         return o_BTNV, probs_BTK, max_N
 
     @staticmethod
     def backward(ctx, do_BTNV, _probs, _max):
-        q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN, q_T = ctx.saved_tensors
+        q_BTNE, k_BSHE, v_BSHV, idx_BTK, o_BTNV, lse_BTN, pos_T = ctx.saved_tensors
         scale, value_dim, chunk = ctx.scale, ctx.value_dim, ctx.chunk
         B, T, N, E = q_BTNE.shape
+        q_T = _positions(pos_T, T, idx_BTK.device)
         S, H = k_BSHE.shape[1], k_BSHE.shape[2]
         w = work_dtype(q_BTNE.dtype)
         g = _subscripts(H == 1)
@@ -173,6 +176,11 @@ class _SparseAttention(torch.autograd.Function):
         dk = dk_F.view_as(k_BSHE).to(k_BSHE.dtype)
         dv = None if dv_F is None else dv_F.view_as(v_BSHV).to(v_BSHV.dtype)
         return dq_BTNE.to(q_BTNE.dtype), dk, dv, None, None, None, None, None, None
+
+
+def _positions(pos_T: torch.Tensor | None, T: int, device) -> torch.Tensor:
+    """The queries' positions among the keys: `pos_T`, or 0..T-1 when None."""
+    return torch.arange(T, device=device) if pos_T is None else pos_T
 
 
 def _chunk_keys(keys_BSF, vals_BSF, idx_BTK, base_B11, q_T, t0, t1, H, value_dim):
@@ -222,8 +230,6 @@ def sparse_attention(
             )
     else:
         value_dim = v_BSHV.shape[-1]
-    if positions_T is None:
-        positions_T = torch.arange(q_BTNE.shape[1], device=idx_BTK.device)
     return _SparseAttention.apply(
         q_BTNE, k_BSHE, v_BSHV, idx_BTK, scale, value_dim, chunk, want_probs, positions_T
     )
