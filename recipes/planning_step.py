@@ -42,7 +42,7 @@ def step_report(
     ]
     estimates = []
     for mode in ("none", "full"):
-        cfg = _config(preset, world_size, ep, seq_len, micro_batch, mode, cp, extra)
+        cfg = planning_config(preset, world_size, ep, seq_len, micro_batch, mode, cp, extra)
         model, opt, kw = estimate_inputs(cfg, world_size=world_size, rank=rank, device_type="cuda")
         kw["keep_gathered"] = keep_gathered
         est = estimate_step_memory(model, opt, **kw)
@@ -78,7 +78,7 @@ def step_from_args(args, overrides: dict) -> tuple[str, bool]:
     )
 
 
-def _config(preset, world_size, ep, seq_len, micro_batch, mode, cp, extra):
+def planning_config(preset, world_size, ep, seq_len, micro_batch, mode, cp, extra):
     from models.glm import get_preset
     from recipes.step_memory import compose_train_config
 

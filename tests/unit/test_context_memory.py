@@ -18,7 +18,7 @@ from recipes.context_memory import (
     layer_share,
 )
 from recipes.step_memory import layer_runs
-from tests.unit.test_step_memory import CONFIGS, MLA_CONFIGS, _saved_bytes
+from tests.unit.test_step_memory import CONFIGS, MLA_CONFIGS, saved_bytes
 
 CP_CONFIGS = {
     **{k: MLA_CONFIGS[k] for k in ("mla-latent-kl", "mla-per_head-frozen", "mla-masked-kl")},
@@ -71,7 +71,7 @@ def test_layer_share_matches_autograd_under_cp(name, dtype, cp):
         def step(layer=layer, h=h, topk=topk if layer.reads_topk else None, out=out):
             out.append(layer(h, cos, sin, topk, kl, None, tokens))
 
-        got = _saved_bytes(step, params)
+        got = saved_bytes(step, params)
         topk = out[0][1]
         share = layer_share(config, run, a, 1, B, S, cp)
         assert got == share.local + share.keys, (name, dtype, run.layer, got - share.local)

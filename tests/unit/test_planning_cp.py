@@ -13,7 +13,7 @@ from models.glm.infra.context_parallel import local_tokens
 from models.glm.model.qk_clip import recording_flops
 from recipes.context_memory import cp_choices
 from recipes.planning import attention_figures
-from recipes.planning_step import _config
+from recipes.planning_step import planning_config
 from recipes.step_memory import estimate_inputs, estimate_step_memory, smallest_fitting_cp
 from recipes.units import GiB
 
@@ -29,7 +29,7 @@ CP_PARTS = {
 @pytest.fixture(scope="module")
 def glm52_full():
     """GLM-5.2 on 512 ranks, ep 8, full checkpointing, as `plan_memory.py --step` builds it."""
-    cfg = _config("glm52", 512, 8, 131072, 1, "full", 1, ("optim.max_inflight=3",))
+    cfg = planning_config("glm52", 512, 8, 131072, 1, "full", 1, ("optim.max_inflight=3",))
     yield estimate_inputs(cfg, world_size=512)
     dist.destroy_process_group()  # the fake world estimate_inputs joined
 

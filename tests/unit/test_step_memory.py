@@ -41,7 +41,7 @@ MLA_CONFIGS = {
 }
 
 
-def _saved_bytes(fn, params) -> int:
+def saved_bytes(fn, params) -> int:
     """Bytes of the distinct non-parameter storages autograd saves while running fn()."""
     seen: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in params}
@@ -72,7 +72,7 @@ def test_activation_bytes_match_autograd(name, dtype):
     params = [*model.parameters(), cos, sin]  # the shared rope tables are not per layer
     for i, layer in enumerate(model.model.layers):
         h = torch.randn(B, T, config.hidden_size, dtype=dtype, requires_grad=True)
-        got = _saved_bytes(lambda layer=layer, h=h: layer(h, cos, sin), params)
+        got = saved_bytes(lambda layer=layer, h=h: layer(h, cos, sin), params)
         want = layer_activation_bytes(config, i, layer.is_moe, itemsize, 1, B, T)
         assert got == want, (name, dtype, i)
     # The loss head: final norm, chunked cross-entropy (it saves its input, a view of the
@@ -84,7 +84,7 @@ def test_activation_bytes_match_autograd(name, dtype):
         target = ids[:, 1:].reshape(B, T)
         chunked_cross_entropy(model.lm_head, model.model.norm(h), target, chunk_tokens=20)
 
-    got = _saved_bytes(head, params)
+    got = saved_bytes(head, params)
     # Slack: the embedding's ids are a view of `ids`, whose storage holds one more int64
     # column (B * 8 bytes), and the mean divides by an int64 token count (8 bytes).
     slack = got - B * T * head_bytes_per_token(config, itemsize)
@@ -116,7 +116,7 @@ def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
         def run(layer=layer, h=h, topk=topk if layer.reads_topk else None, out=out):
             out.append(layer(h, cos, sin, topk, kl))
 
-        got = _saved_bytes(run, params)
+        got = saved_bytes(run, params)
         topk = out[0][1]
         want = layer_activation_bytes(config, i, layer.is_moe, itemsize, 1, B, T)
         assert got == want, (name, dtype, i, got - want)
@@ -130,7 +130,7 @@ def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
         normed, _, _ = mtp(h, emb, cos, sin, None, kl)
         chunked_cross_entropy(model.lm_head, normed, target, chunk_tokens=20)
 
-    got = _saved_bytes(mtp_step, params)
+    got = saved_bytes(mtp_step, params)
     N = config.num_hidden_layers
     want = layer_activation_bytes(config, N, True, itemsize, 1, B, T)
     want += B * T * head_bytes_per_token(config, itemsize)
@@ -159,7 +159,7 @@ def test_gqa_mtp_layer_bytes_match_autograd(dtype):
         normed, _, _ = model.model.mtp_layers[0](h, emb, cos, sin)
         chunked_cross_entropy(model.lm_head, normed, ids[:, 1:].reshape(B, T), chunk_tokens=20)
 
-    got = _saved_bytes(mtp, [*model.parameters(), cos, sin])
+    got = saved_bytes(mtp, [*model.parameters(), cos, sin])
     want = layer_activation_bytes(config, 2, True, itemsize, 1, B, T)
     want += B * T * head_bytes_per_token(config, itemsize)
     # Slack: the loss mean's int64 token count (both id tensors are fresh [B, T] copies
