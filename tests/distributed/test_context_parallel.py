@@ -5,7 +5,8 @@ Each rank builds the same float64 model, computes the whole sequence alone (the 
 then its own tokens under `LocalTokens` with the key side gathered over its cp group; the
 ranks' loss terms (each rank's share of the sequence's means) and gradients are summed over the
 group and compared with the reference, and every DSA indexer's kept keys must equal the
-reference's at the rank's positions. Cases: mla_tiny (DSA with IndexShare and an MTP layer
+reference's at the rank's positions; QK-clip's per-head max logits, recorded in the training
+forward and maximized over the group, must equal the reference's. Cases: mla_tiny (DSA with IndexShare and an MTP layer
 whose depth-2 reuses depth 1's keys) with the indexer frozen and KL-trained, under both layouts;
 the same with packed documents (positions restarting per document, whose boundaries fall inside
 the ranks' chunks); a GQA preset with QK-norm; the dense and masked MLA paths.
@@ -108,8 +109,10 @@ def _run_case(name: str, cp: int, group, cp_rank: int) -> list[str]:
     x, y, packing = _batch(model.config.vocab_size, case.get("packed", False))
     ref_topk: list = []
     hooks = _topk_hooks(model, ref_topk)
+    model.record_max_logits(True)  # QK-clip's recording, in the training forward
     ref_terms = model(x, y, **packing)
     _objective(ref_terms).backward()
+    ref_logits = model.take_max_logits()  # this process's: the whole sequence
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     for layer in (*model.model.layers, *model.model.mtp_layers):
@@ -123,9 +126,13 @@ def _run_case(name: str, cp: int, group, cp_rank: int) -> list[str]:
         h.remove()
     hooks = _topk_hooks(model, got_topk)
     terms = model(x, y, tokens=tokens, **packing)
+    logits = model.take_max_logits()
+    dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=group)  # the trainer's MAX, over cp
     got_topk = list(got_topk)  # the forward's (a checkpointed layer's recompute runs it again)
     _objective(terms).backward()
     problems = []
+    if not torch.allclose(logits, ref_logits, rtol=RTOL, atol=0):
+        problems.append(f"{name}: QK-clip max logits {logits} vs {ref_logits}")
     # MLA saves views of its gathered latent; GQA expands K/V per query head first (copies)
     mla = case["preset"] == "mla_tiny"
     regathers = 0 if keep or case.get("checkpoint") or not mla else len(model.model.layers)
