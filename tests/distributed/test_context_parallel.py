@@ -6,10 +6,12 @@ then its own tokens under `LocalTokens` with the key side gathered over its cp g
 ranks' loss terms (each rank's share of the sequence's means) and gradients are summed over the
 group and compared with the reference, and every DSA indexer's kept keys must equal the
 reference's at the rank's positions; QK-clip's per-head max logits, recorded in the training
-forward and maximized over the group, must equal the reference's. Cases: mla_tiny (DSA with IndexShare and an MTP layer
-whose depth-2 reuses depth 1's keys) with the indexer frozen and KL-trained, under both layouts;
-the same with packed documents (positions restarting per document, whose boundaries fall inside
-the ranks' chunks); a GQA preset with QK-norm; the dense and masked MLA paths.
+forward and maximized over the group, must equal the reference's. Cases: mla_tiny (DSA with
+IndexShare and an MTP layer whose depth-2 reuses depth 1's keys) with the indexer frozen and
+KL-trained, under both layouts; the same with packed documents (positions restarting per
+document, whose boundaries fall inside the ranks' chunks); 3 MTP depths; the masked, per-head
+and dense MLA paths; the key side gathered again in backward, and a model whose layers are
+activation-checkpointed (their recompute gathers again); a GQA preset with QK-norm, packed too.
 
 Tolerance: float64 throughout (the indexer scores in float32 on every path alike, so its top-k
 is compared exactly). A loss or gradient entry is a sum of at most B x S x (layers + depths)

@@ -284,3 +284,31 @@ def test_glm5_plans_on_512_fake_ranks():
     line = out.stdout.strip().splitlines()[-1]
     expected = "76 ['_StridedShard(dim=0, sf=8)', 'Shard(dim=0)'] (3072, 2048) 64 8 753864119552"
     assert line == expected
+
+
+def _float64_expert_errors() -> dict[str, float]:
+    """A float64 model under ep = 2 (FSDP2's reduce in float64): the largest relative gradient
+    error of every parameter against the single-process model on the whole batch."""
+    W, rank = dist.get_world_size(), dist.get_rank()
+    ref = _reference(0, CFG).double()
+    model = copy.deepcopy(ref)
+    parallelize(model, build_meshes(W, 2, "cpu"))
+    ids = torch.randint(
+        0, CFG.vocab_size, (W * B, T + 1), generator=torch.Generator().manual_seed(3)
+    )
+    ref.loss(ids[:, :-1], ids[:, 1:]).backward()
+    mine = slice(rank * B, (rank + 1) * B)
+    model.loss(ids[mine, :-1], ids[mine, 1:]).backward()
+    return {n: e[0] for n, e in _grad_errors(ref, model).items() if e is not None}
+
+
+def test_float64_expert_gradients_exact_with_and_without_an_expert_collective():
+    """efsdp = 1 (2 ranks, ep = 2: no expert collective) and efsdp = 2 (4 ranks): the experts'
+    gradients divide by the world size once (FSDP2 applies its own divide factor twice for a
+    float64 or float16 reduce without a collective: off by 0.5). The router computes its logits
+    in float32 in every model, which puts float32 rounding (~1e-7 of the largest entry, 32-term
+    sums) into everything after the first MoE layer: 1e-5."""
+    for world in (2, 4):
+        errors = run_world(_float64_expert_errors, world)[0]
+        bad = {n: e for n, e in errors.items() if e > 1e-5}
+        assert not bad, (world, bad)

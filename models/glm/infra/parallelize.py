@@ -14,12 +14,14 @@ its EP group (they arrive through the all-to-all's backward), so averaging over 
 only would leave it `ep` times too large. The expert FSDP modules therefore divide by the world
 size W instead (`set_gradient_divide_factor(W)`), with sum-only reductions
 (`set_force_sum_reduction_for_comms(True)`), because the pre-multiplied sum that a custom factor
-otherwise uses is not available on gloo. With efsdp == 1 there is no expert collective, and
-force-sum is left off: FSDP2 (torch 2.13) would then divide by the factor twice.
+otherwise uses is not available on gloo. With efsdp == 1 there is no expert collective: the
+division by W is then FSDP2's all-reduce hook, since its own factor would be applied twice
+for a reduce dtype other than float32 / bfloat16 (float64, float16) and under force-sum.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +54,10 @@ class GLMMeshes:
     def world_size(self) -> int:
         """Ranks in the world."""
         return self.dense.size()
+
+
+def _divide_(grad: torch.Tensor, by: float) -> None:
+    grad.div_(by)
 
 
 def build_meshes(world_size: int, ep: int, device_type: str) -> GLMMeshes:
@@ -117,10 +123,14 @@ def parallelize(
             layer.compile_block()
         if experts is not None:
             fully_shard(experts, mesh=efsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-            experts.set_gradient_divide_factor(float(W))
-            # With an efsdp group of one rank FSDP2 (torch 2.13) issues no collective, divides
-            # by the factor while copying and, under force-sum, divides by it a second time.
-            experts.set_force_sum_reduction_for_comms(meshes.efsdp > 1)
+            if meshes.efsdp > 1:
+                experts.set_gradient_divide_factor(float(W))
+                experts.set_force_sum_reduction_for_comms(True)
+            else:
+                # No expert collective: FSDP2 (torch 2.13) divides a custom factor while
+                # copying and again after it for reduce dtypes other than float32 / bfloat16
+                # (and a second time under force-sum), so the division by W is a hook of its own
+                experts.set_all_reduce_hook(functools.partial(_divide_, by=float(W)))
             if param_dtype is not None:
                 fully_shard(layer.mlp.gate, mesh=meshes.dense, mp_policy=router_mp)
         indexer = getattr(layer.self_attn, "indexer", None)
