@@ -86,3 +86,13 @@ def test_cp2_trains_as_cp1_and_resumes_at_cp1_and_cp4(tmp_path):
         assert "resumed from" in out and "global batch" not in out, out[-2000:]
         again = _curve(tmp_path, "cp2")
         _same(again, cp2)
+
+
+def test_packed_documents_under_cp_train_as_cp1(tmp_path):
+    """data.pack=true: the stdlib corpus's documents packed into each sequence (positions
+    restarting per document), cp = 2 on 4 ranks against cp = 1 on 2: the same curve."""
+    short = ["data.pack=true", "train.steps=2", "eval.every=2", "checkpoint.every=0"]
+    short += ["checkpoint.export_hf=false"]
+    _run(["mesh.world_size=2", "run.name=packed1", *short], tmp_path)
+    _run(["mesh.world_size=4", "mesh.cp=2", "run.name=packed2", *short], tmp_path)
+    _same(_curve(tmp_path, "packed2"), _curve(tmp_path, "packed1"))
