@@ -27,6 +27,8 @@ def model_config(cfg: DictConfig) -> GLMConfig:
     config.json, whose vocab it keeps (the data's ids must fit)."""
     overrides = dict(cfg.model.overrides)
     overrides["indexer_training"] = str(cfg.train.get("indexer_training", "kl"))
+    if cfg.model.get("dsa_impl") is not None:
+        overrides["dsa_impl"] = str(cfg.model.dsa_impl)
     if str(cfg.model.preset) == "hf":
         from recipes.hf import hf_model_config
 

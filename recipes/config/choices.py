@@ -18,6 +18,7 @@ NS_COEFFICIENTS = ("fixed", "tuned", "polar_express")  # muon.newton_schulz
 NS_ALGORITHMS = ("standard", "gram", "auto")  # muon.newton_schulz
 ROUTER_CHOICES = ("adamw", "muon")  # muon.groups
 ADJUST_LR = ("match_rms_adamw", "original", "none")  # muon.optimizer
+DSA_IMPLS = ("latent", "per_head", "masked")  # models.glm.model.config
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
@@ -28,6 +29,7 @@ def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
 
 # `hf`: the model of a transformers directory (model.path), not a preset of models.glm
 ModelPreset = _choices("ModelPreset", (*PRESET_NAMES, "hf"))
+DsaImpl = _choices("DsaImpl", DSA_IMPLS)
 
 
 class OptimName(StrEnum):

@@ -29,6 +29,7 @@ from recipes.config.choices import (  # noqa: F401 (re-exported: schema.<Enum>)
     AdjustLr,
     DataSource,
     Device,
+    DsaImpl,
     HFDtype,
     IndexerTraining,
     LoggerBackend,
@@ -124,6 +125,11 @@ class ModelConfig:
         None, "model=hf: a transformers glm4_moe / glm_moe_dsa directory (its config.json)"
     )
     overrides: dict[str, Any] = _f(dict, "GLMConfig fields replacing the preset's", True)
+    dsa_impl: DsaImpl | None = _f(
+        None,
+        "DSA attention path: latent (sparse MLA, absorbed), per_head (sparse), masked (the "
+        "dense reference); null: the model's own (latent)",
+    )
     cp_keep_gathered: bool = _f(
         False,
         "mesh.cp > 1: keep each MLA layer's gathered key side for backward (true) or gather it "

@@ -407,6 +407,7 @@ def test_run_dir_passes_back_as_an_override_value():
 def test_choice_lists_are_the_libraries_own():
     """The config enums list muon's and models' own constants, in their order (the schema
     spells them out: importing those packages imports torch, which the config must not)."""
+    from models.glm.model.config import DSA_IMPLS
     from models.glm.model.presets import PRESET_NAMES
     from muon.groups import ROUTER_CHOICES
     from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
@@ -421,6 +422,7 @@ def test_choice_lists_are_the_libraries_own():
         (schema.RouterOptim, ROUTER_CHOICES),
         (schema.AdjustLr, ADJUST_LR),
         (schema.ModelPreset, (*PRESET_NAMES, "hf")),  # hf: a transformers directory
+        (schema.DsaImpl, DSA_IMPLS),
     ]
     for enum, values in pairs:
         assert tuple(e.value for e in enum) == tuple(values), enum.__name__
@@ -530,12 +532,17 @@ def test_attention_knobs_reach_the_model_and_optimizer():
 
 def test_dsa_impl_defaults_to_the_sparse_path_and_overrides_to_masked():
     """`python train.py model=mla_tiny` builds the sparse (latent) DSA path; the masked
-    reference is `+model.overrides.dsa_impl=masked`."""
+    reference is `model.dsa_impl=masked` (a typed key; the GLMConfig field through
+    `+model.overrides.dsa_impl` too); a path other than latent on a model without DSA is
+    refused, naming the field."""
     from recipes.build import model_config
 
     assert model_config(compose_config(["model=mla_tiny"])).dsa_impl == "latent"
-    masked = compose_config(["model=mla_tiny", "+model.overrides.dsa_impl=masked"])
-    assert model_config(masked).dsa_impl == "masked"
+    for key in ("model.dsa_impl", "+model.overrides.dsa_impl"):
+        masked = compose_config(["model=mla_tiny", f"{key}=per_head"])
+        assert model_config(masked).dsa_impl == "per_head"
+    with pytest.raises(ValueError, match="a path other than the default 'latent' needs DSA"):
+        model_config(compose_config(["model=tiny", "model.dsa_impl=masked"]))
 
 
 @pytest.mark.parametrize("key", ["+train.no_such_key", "+optim.no_such_key", "+no_such_key"])

@@ -246,9 +246,10 @@ class GLMConfig:
                 f"GLMConfig.indexer_training must be one of {INDEXER_TRAINING_CHOICES}, "
                 f"got {self.indexer_training!r}"
             )
-        if self.dsa_impl not in DSA_IMPLS:
+        if self.dsa_impl not in DSA_IMPLS or (self.dsa_impl != "latent" and not self.uses_dsa):
             raise ValueError(
-                f"GLMConfig.dsa_impl must be one of {DSA_IMPLS}, got {self.dsa_impl!r}"
+                f"GLMConfig.dsa_impl must be one of {DSA_IMPLS} (a path other than the default "
+                f"'latent' needs DSA: index_topk), got {self.dsa_impl!r}"
             )
         _check_positive("dsa_chunk_mib", self.dsa_chunk_mib, "it bounds a query chunk's memory")
         mla_only = ("q_lora_rank", *_MLA_FIELDS, *_DSA_FIELDS, "index_topk", "indexer_types")

@@ -83,7 +83,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         self.scale = softmax_scale(config)
         self.sparse = config.uses_dsa
         self.topk = config.index_topk
-        self.impl, self.chunk_bytes = config.dsa_impl, config.dsa_chunk_mib * MiB
+        self.dsa_impl, self.chunk_bytes = config.dsa_impl, config.dsa_chunk_mib * MiB
         full = self.sparse and config.layer_indexer_type(layer) == "full"
         self.indexer = Indexer(config) if full else None
 
@@ -127,7 +127,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
             x_BTD, q_lat_BTQ, cos_TR, sin_TR, topk_BTK, doc_start_BT, tokens
         )
         want_kl = with_kl and kept_scores_BTK is not None
-        if self.sparse and self.impl == "latent":  # kv_b_proj applied inside, per head
+        if self.sparse and self.dsa_impl == "latent":  # kv_b_proj applied inside, per head
             if side_BSE is None:  # the one key head: the normed latent and the rotary key
                 side_BSE = torch.cat([kv_BSL, k_rope_BS1R.squeeze(2)], -1)
             o_BTNV, probs_BTK = self._latent(
@@ -138,7 +138,7 @@ class MLAttention(MaxLogitRecorder, nn.Module):
             k_nope_BSNP, v_BSNV = kv_BSNW.split([P, self.v_dim], -1)
             q_BTNE = torch.cat([q_BTNH[..., :P], q_rope_BTNR], -1)
             k_BSNE = torch.cat([k_nope_BSNP, k_rope_BS1R.expand(B, S, N, R)], -1)
-            if self.sparse and self.impl == "per_head":
+            if self.sparse and self.dsa_impl == "per_head":
                 o_BTNV, probs_BTK = self._per_head(
                     q_BTNE, k_BSNE, v_BSNV, topk_BTK, want_kl, tokens
                 )
