@@ -33,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from muon.planner import comm_device
+from muon.wire import comm_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
