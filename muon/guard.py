@@ -145,3 +145,8 @@ class SkipFlag:
         if self._value is None:
             self._value = bool(self.wait().item())
         return self._value
+
+    @property
+    def value(self) -> bool | None:
+        """What `read` found, without a read: None until it has been read."""
+        return self._value
