@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from muon.layout import local
-from muon.planner import comm_device
+from muon.wire import comm_device
 
 
 class GradCensus:

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from muon.planner import comm_device
+from muon.wire import comm_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -144,4 +144,9 @@ class SkipFlag:
         """True when an update of the step did not fit on some rank (one host read)."""
         if self._value is None:
             self._value = bool(self.wait().item())
+        return self._value
+
+    @property
+    def value(self) -> bool | None:
+        """What `read` found, without a read: None until it has been read."""
         return self._value

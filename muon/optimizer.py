@@ -52,7 +52,6 @@ from muon.blowups import GramBlowups
 from muon.census import GradCensus
 from muon.chunks import Chunk, adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
-from muon.guard import SkipFlag
 from muon.layout import local, moved_shape
 from muon.options import DEFAULTS as _D
 from muon.paths import PATHS
@@ -75,6 +74,7 @@ from muon.validate import (
     plan_keys,
     validate_group,
 )
+from muon.verdict import StepVerdict
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
 
@@ -198,11 +198,8 @@ class Muon(torch.optim.Optimizer):
         self.expert_aware = expert_aware
         self.memory_budget = memory_budget
         super().__init__(params, defaults)
-        self._skipped_on_host = 0  # steps the census skipped, and update skips already read
-        self._refused_on_host = 0  # parameter updates refused, learnt so far
-        self._census_skipped = False
-        self._unfit: SkipFlag | None = None  # this step's update verdict, still on the device
-        self._unfit_earlier: torch.Tensor | None = None  # earlier steps' verdicts, summed
+        #: skipped steps and refused updates (`muon.verdict`)
+        self._verdict = StepVerdict(partial(refusals_learnt, self))
         self.step_stats: dict[str, float] = {}
         #: ids of the parameters without a grad on any rank, this step
         self._gradless: set[int] = set()
@@ -330,25 +327,18 @@ class Muon(torch.optim.Optimizer):
         """Whether the last step was skipped: a non-finite gradient (decided by the census) or
         an update that did not fit (`muon.guard`, read from the device the first time this is
         asked after the step, so a step nobody asks about waits for nothing)."""
-        return self._census_skipped or (self._unfit is not None and self._unfit.read())
+        return self._verdict.last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
         """Steps skipped so far (reads the update verdicts not read yet, at most one read)."""
-        if self._unfit_earlier is not None:
-            self._skipped_on_host += int(self._unfit_earlier.item())
-            self._unfit_earlier = None
-        return self._skipped_on_host + int(self._unfit is not None and self._unfit.read())
+        return self._verdict.skipped_steps
 
     @property
     def step_skipped(self) -> bool | torch.Tensor:
         """The last step's `last_step_skipped` without a host read: True (the census skipped
         it), or a 0-d bool tensor on the device (whether an update did not fit, on any rank)."""
-        if self._census_skipped:
-            return True
-        if self._unfit is None:
-            return False
-        return self._unfit.wait()[0].bool()
+        return self._verdict.step_skipped
 
     @property
     def step_stats(self) -> dict[str, float]:
@@ -370,8 +360,7 @@ class Muon(torch.optim.Optimizer):
         self._blowups = GramBlowups(self.plan)
         self._blowups.restore(self.param_groups, self.plan.params, self.state)
         self._verdict_groups = verdict_groups(self.plan)
-        #: the last update's (batch, chunk, written verdicts), read by the next census
-        self._refusals: list[tuple] = []
+        self._verdict.take_refusals()  # the last update's refusals name the old plan's batches
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -387,32 +376,24 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:  # a scheduler's cycled momentum is an AdamW group's beta1
             if g["algorithm"] == "adamw":
                 fold_adamw_momentum(g)
-        if self._unfit is not None:  # summed on the device until `skipped_steps` is read
-            if self._unfit._value is not None:
-                self._skipped_on_host += self._unfit._value
-            else:
-                flag = self._unfit.wait()[0]
-                prior = self._unfit_earlier
-                self._unfit_earlier = flag if prior is None else prior + flag
-            self._unfit = None
+        self._verdict.settle()  # summed on the device until `skipped_steps` is read
         # the census also carries the previous update's Gram blow-up counts (`muon.blowups`)
         # and its refusals, one flag per parameter position of every chunk
         counters = [self._blowups.counts] if self._blowups.counts is not None else []
-        refusals, self._refusals = self._refusals, []
+        refusals = self._verdict.take_refusals()
         counters += [ok for _, _, ok in refusals]  # bool, widened by the cat
         extra = torch.cat(counters) if counters else None
         finite, self._gradless, counts = self._census(self.param_groups, extra)
         n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
         self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params, self.state)
         ranks = dist.get_world_size() if dist.is_initialized() else 1
-        self._refused_on_host += refusals_learnt(self, refusals, counts[n_blown:], ranks)
-        self._census_skipped = not finite
+        self._verdict.learn(refusals, counts[n_blown:], ranks)
+        self._verdict.census(finite)
         if not finite:
-            self._skipped_on_host += 1
             return loss
         self.update()
         # an update that did not fit was not written; the verdict stays on the device
-        self._unfit = SkipFlag(self._updates_ok, self._adamw_unfit)
+        self._verdict.finish_update()
         return loss
 
     @property
@@ -422,11 +403,7 @@ class Muon(torch.optim.Optimizer):
         them without a read of its own (and warns, naming them); asked before that, the last
         update's are read here (one read: the verdicts were agreed on every rank holding each
         parameter, so this rank's are the parameters'). AdamW's are counted at once."""
-        if self._refusals:
-            refusals, self._refusals = self._refusals, []
-            written = torch.cat([ok for _, _, ok in refusals]).tolist()
-            self._refused_on_host += refusals_learnt(self, refusals, written, 1)
-        return self._refused_on_host
+        return self._verdict.refused_updates
 
     @torch.no_grad()
     def update(self, *, timed: bool = True) -> None:
@@ -434,10 +411,9 @@ class Muon(torch.optim.Optimizer):
         Muon batch. No host reads on the local path and the AdamW groups (the exchanges read
         their plan, never a device value), so a CUDA graph can capture it (`timed=False`: no
         timing events, which a graph cannot record: `step_stats` then times on the host). The
-        verdicts of `muon.guard` collect in `_updates_ok`, read by `step` afterwards."""
-        self._updates_ok: list[torch.Tensor] = []
-        self._refusals = []
-        self._adamw_unfit = False
+        verdicts of `muon.guard` collect in the `muon.verdict.StepVerdict`, which `step` makes
+        one flag of afterwards."""
+        self._verdict.start_update()
         self._blowups.reset()
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
@@ -455,14 +431,13 @@ class Muon(torch.optim.Optimizer):
         # there cannot be written at all (`muon.guard`), decided on the host without t
         big = {p.dtype for p in params if g["lr"] / (1 - beta1) > torch.finfo(p.dtype).max}
         if big:
-            self._adamw_unfit = True  # the same on every rank: hyperparameters and dtypes
             names = g.get("param_names") or [f"shape {tuple(p.shape)}" for p in g["params"]]
             refused = [
                 n
                 for p, n in zip(g["params"], names, strict=True)
                 if p.grad is not None and p.dtype in big
             ]
-            self._refused_on_host += len(refused)
+            self._verdict.refuse_on_host(len(refused))
             why = f"(AdamW, lr / (1 - beta1) = {g['lr'] / (1 - beta1):.3g}) cannot be written"
             warn_refused(refused, why)
             params = [p for p in params if p.dtype not in big]
@@ -532,8 +507,7 @@ class Muon(torch.optim.Optimizer):
             stats.wait(work)
         # 6. write them, or none of a parameter refused on any rank
         phases.write_(pending, b, chunk, r)
-        self._updates_ok.append(pending.ok)
-        self._refusals.append((b, chunk, pending.ok))
+        self._verdict.record(b, chunk, pending.ok)
 
     def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
         """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the

@@ -171,7 +171,6 @@ ALLOWED = {
     ("tests/unit/test_newton_schulz.py", "_muon"): _TORCH_MUON,
     # muon/ and models/ are being reshaped: their members move with them
     ("muon/layout.py", "_local_tensor"): f"{_RESHAPE}: one helper for a DTensor's local tensor",
-    ("muon/optimizer.py", "_value"): f"{_RESHAPE}: SkipFlag's value, into a StepVerdict",
     ("tests/unit/test_muon_plan.py", "_Trial"): f"{_RESHAPE}: muon.owners' trial, renamed",
     ("tests/unit/test_muon_graph_ready.py", "_blowups"): f"{_RESHAPE}: Muon's step state",
     ("tests/distributed/test_muon_behaviour.py", "_orthogonalize"): f"{_RESHAPE}: Muon's step",

@@ -99,6 +99,10 @@ def test_muon_import_graph_has_no_circle():
     step = {"muon.optimizer", "muon.update", "muon.census", "muon.blocks"}
     for plain in ("muon.plan", "muon.planner", "muon.owners"):
         assert not _reaches(graph, plain) & step, (plain, _reaches(graph, plain) & step)
+    # the step's modules read what they share with planning from `muon.wire`, never the planner
+    assert _reaches(graph, "muon.wire") == set(), _reaches(graph, "muon.wire")
+    for part in ("muon.guard", "muon.census", "muon.phases", "muon.paths", "muon.runtime"):
+        assert "muon.planner" not in _reaches(graph, part), (part, _reaches(graph, part))
 
 
 def test_the_cycle_finder_finds_a_circle():

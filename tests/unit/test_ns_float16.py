@@ -1,5 +1,5 @@
 """float16 Newton-Schulz normalizes, in float32, before it casts (muon/newton_schulz.py,
-muon/planner.py).
+muon/wire.py).
 
 float16 flushes magnitudes below ~6e-8 to zero and overflows above 65504; momentum of either
 size must give the same orthogonalized update as at scale 1. Single process, CPU."""
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from muon import Muon, newton_schulz
-from muon.planner import wire_dtype
+from muon.wire import wire_dtype
 
 # float16 carries 11 significant bits: each product rounds at 2^-11 ~ 5e-4 relative, and five
 # Newton-Schulz steps near the contracting fixed band keep the error within a few roundings;
