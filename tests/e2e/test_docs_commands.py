@@ -124,6 +124,10 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 4096 --budget-gib 141$", "--world-size 128", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 32768 --budget-gib 141$", "--world-size 128", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm52? --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 131072 --budget-gib 141$", "--world-size 128", "", rc=1),
+    Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 1048576 --budget-gib 141$", "--world-size 128", "", rc=1),
+    # cp 4 / 32 fit with full checkpointing only (the other mode does not: exit 1); cp 128 fits both
+    Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len \d+ --budget-gib 141 --cp (4|32)$", "--world-size 128", "", rc=1),
+    Run(r"^python scripts/plan_memory\.py --model glm52 --world-size 512 --ep 8 --muon-split --strategy auto --step --seq-len 131072 --budget-gib 141 --cp 128( --cp-keep-gathered)?$", "--world-size 128", ""),
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 8 --ep 8 --step --budget-gib 141$", "", "", rc=1),
     Run(r"^python scripts/plan_memory\.py --model glm45_air --world-size 64 --ep 8 --step --budget-gib 141$", PLAN, ""),
     Run(r"^python train\.py -m run\.root=runs/split optim\.muon_split=on,off", f"{TRAIN} {ONE}", "runs/split/*/*/metrics.jsonl"),

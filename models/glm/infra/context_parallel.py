@@ -8,10 +8,11 @@ compute dtype by the `gather_keys` hook `apply_context_parallel` installs on eve
 indexer. The indexer scores, the causal masks (by global position), the top-k and the sparse
 attention then run on the gathered keys as on one rank. In backward the key side's gradient is
 reduce-scattered to its owners (`_GatherSequence`). A checkpointed layer gathers again when it
-recomputes; an uncheckpointed one keeps the gathered key side for backward.
+recomputes; an uncheckpointed one keeps the gathered key side for backward, or, with
+`keep_gathered=False`, saves its own rows of it and gathers them again there (`SequenceGather`).
 
 Layouts (`LAYOUTS`), for a sequence of S tokens cut into equal chunks:
-- "head_tail" (the default): 2 cp chunks, rank r holding chunks r and 2cp-1-r. Causal work grows
+- "head_tail" (training's): 2 cp chunks, rank r holding chunks r and 2cp-1-r. Causal work grows
   with a query's position, so each rank's pair of chunks costs the same (the indexer's
   busiest/mean load is 1 up to the chunk's rounding);
 - "contiguous": cp chunks, rank r holding chunk r (the busiest rank does (2cp - 1) / cp times the
