@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from recipes.bench.attention import LAYER
+from recipes.bench.attention import layer_config
 from recipes.units import MiB
 
 VARIANTS = tuple((layout, keep) for layout in ("head_tail", "contiguous") for keep in (True, False))
@@ -68,20 +68,12 @@ def variant_name(layout: str, keep: bool) -> str:
 
 
 def context_config(seq_len: int, topk: int, mode: str, chunk_mib: int):
-    """The benchmarked layer's GLMConfig: one decoder layer, the latent sparse path."""
-    from models.glm import get_preset
+    """The benchmarked layer's GLMConfig: the attention benchmark's layer on the latent sparse
+    path, with its own index_topk and query-chunk budget."""
+    from dataclasses import replace
 
-    return get_preset(
-        "mla_tiny",
-        **{**LAYER, "index_topk": topk},
-        num_hidden_layers=1,
-        indexer_types=None,
-        num_mtp_layers=0,
-        max_position_embeddings=max(seq_len, 4096),
-        dsa_impl="latent",
-        indexer_training=mode,
-        dsa_chunk_mib=chunk_mib,
-    )
+    config = layer_config(seq_len, "latent", mode)
+    return replace(config, index_topk=topk, dsa_chunk_mib=chunk_mib)
 
 
 class _Case:
