@@ -11,8 +11,10 @@ The estimate counts tensors only (a CPU rank's interpreter and libraries come on
 estimate is 5-15% low: docs/scale.md), so a run it refuses would not fit, and one it passes
 may still be tight. When the step does not fit, `error` (the default) refuses the run naming
 the estimate, the memory it was compared with and the nearest settings that fit (each key on
-its own: the largest `data.batch_size` or `data.seq_len` below the configured one,
-`train.activation_checkpointing=full`); `warn` logs the same and runs; `off` skips the check.
+its own: the largest `data.batch_size` or `data.seq_len` below the configured one (a multiple
+of 2 mesh.cp under context parallelism), `train.activation_checkpointing=full`, the smallest
+larger `mesh.cp` that divides the world and the sequence); `warn` logs the same and runs; `off`
+skips the check.
 """
 
 from __future__ import annotations
@@ -96,9 +98,19 @@ def step_fits(config_yaml: str, world_size: int, device: str, budget: int) -> di
     b = largest_fitting(batch - 1, lambda b: total(tokens=b * seq) <= budget)
     if b:
         out["fits"].append((f"data.batch_size={b}", total(tokens=b * seq)))
-    s = largest_fitting(seq - 1, lambda s: total(tokens=batch * s, seq_len=s) <= budget)
-    if s:
+    cp = int(cfg.mesh.get("cp", 1))
+    unit = 2 * cp if cp > 1 else 1  # a length the cp ranks cut into equal chunks
+    u = largest_fitting(
+        (seq - 1) // unit, lambda u: total(tokens=batch * u * unit, seq_len=u * unit) <= budget
+    )
+    if u:
+        s = u * unit
         out["fits"].append((f"data.seq_len={s}", total(tokens=batch * s, seq_len=s)))
+    world = int(cfg.mesh.world_size)
+    for c in range(cp + 1, world + 1):  # the smallest larger mesh.cp that fits
+        if world % c == 0 and seq % (2 * c) == 0 and (need := total(cp=c)) <= budget:
+            out["fits"].append((f"mesh.cp={c}", need))
+            break
     return out
 
 

@@ -70,3 +70,33 @@ def test_largest_is_the_largest_that_fits():
     assert memory_check.largest_fitting(100, lambda n: True) == 100
     assert memory_check.largest_fitting(100, lambda n: False) is None
     assert memory_check.largest_fitting(0, lambda n: True) is None
+
+
+def test_a_long_sequence_that_does_not_fit_names_the_mesh_cp_that_does():
+    """mla_tiny at 16384 tokens per sequence on 4 ranks: the budget lies between the step's
+    estimate at cp = 1 and at cp = 4, so the settings that fit name the smallest mesh.cp that
+    does (a divisor of the world and of the sequence into 2 cp chunks), and a shorter
+    sequence suggested under mesh.cp=2 is a multiple of 4."""
+    cfg = compose_config(["model=mla_tiny", "data.seq_len=16384", "data.batch_size=1"])
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    one = memory_check.step_fits(text, 4, "cpu", 1 << 62)["total"]
+    dist.destroy_process_group()
+    wide = OmegaConf.to_yaml(
+        compose_config(["model=mla_tiny", "data.seq_len=16384", "data.batch_size=1", "mesh.cp=4"]),
+        resolve=True,
+    )
+    four = memory_check.step_fits(wide, 4, "cpu", 1 << 62)["total"]
+    dist.destroy_process_group()
+    assert four < one
+    found = memory_check.step_fits(text, 4, "cpu", (one + four) // 2)
+    dist.destroy_process_group()
+    cps = [k for k, _ in found["fits"] if k.startswith("mesh.cp=")]
+    assert len(cps) == 1 and cps[0] in ("mesh.cp=2", "mesh.cp=4"), found["fits"]
+    half = OmegaConf.to_yaml(
+        compose_config(["model=mla_tiny", "data.seq_len=16384", "data.batch_size=1", "mesh.cp=2"]),
+        resolve=True,
+    )
+    found = memory_check.step_fits(half, 4, "cpu", four)
+    dist.destroy_process_group()
+    seqs = [int(k.split("=")[1]) for k, _ in found["fits"] if k.startswith("data.seq_len=")]
+    assert seqs and all(s % 4 == 0 for s in seqs), found["fits"]
