@@ -179,10 +179,12 @@ def top_keys(s_BJS: torch.Tensor, K: int, keys_S: torch.Tensor) -> torch.Tensor:
     kth_BJ1 = s_BJS.topk(K, dim=-1).values[..., -1:]
     above_BJS = s_BJS > kth_BJ1
     tied_BJS = s_BJS == kth_BJ1
-    room_BJ1 = K - above_BJS.sum(-1, keepdim=True)
-    take_BJS = above_BJS | (tied_BJS & (tied_BJS.cumsum(-1) <= room_BJ1))
-    # exactly K positions taken; as distinct scores S - s, top-k returns them in ascending s
-    rank_BJS = torch.where(take_BJS, keys_S.numel() - keys_S, 0)
+    room_BJ1 = K - above_BJS.sum(-1, keepdim=True, dtype=torch.int32)
+    take_BJS = above_BJS | (tied_BJS & (tied_BJS.cumsum(-1, dtype=torch.int32) <= room_BJ1))
+    # exactly K positions taken; as distinct scores S - s, top-k returns them in ascending s.
+    # int32 (positions < 2^31): with the masks 11 bytes per key, below the 4 M bytes of the
+    # chunk's ReLU'd scores (`_chunk_scores`, freed by now) that the chunk's budget counts
+    rank_BJS = torch.where(take_BJS, (keys_S.numel() - keys_S).int(), 0)
     return rank_BJS.topk(K, dim=-1).indices
 
 
