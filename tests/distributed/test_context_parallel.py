@@ -114,7 +114,7 @@ def _run_case(name: str, cp: int, group, cp_rank: int) -> list[str]:
     model.record_max_logits(True)  # QK-clip's recording, in the training forward
     ref_terms = model(x, y, **packing)
     _objective(ref_terms).backward()
-    ref_logits = model.take_max_logits()  # this process's: the whole sequence
+    ref_logits = model.take_local_max_logits()  # this process's: the whole sequence
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     for layer in (*model.model.layers, *model.model.mtp_layers):
@@ -128,7 +128,7 @@ def _run_case(name: str, cp: int, group, cp_rank: int) -> list[str]:
         h.remove()
     hooks = _topk_hooks(model, got_topk)
     terms = model(x, y, tokens=tokens, **packing)
-    logits = model.take_max_logits()
+    logits = model.take_local_max_logits()
     dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=group)  # the trainer's MAX, over cp
     got_topk = list(got_topk)  # the forward's (a checkpointed layer's recompute runs it again)
     _objective(terms).backward()

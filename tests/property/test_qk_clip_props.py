@@ -72,7 +72,7 @@ def _record(model) -> torch.Tensor:
     model.record_max_logits(True)
     with torch.enable_grad():  # a training forward records; no backward needed
         model(IDS[:, :-1])
-    return model.take_max_logits()
+    return model.take_local_max_logits()
 
 
 def _params(model) -> dict[str, torch.Tensor]:

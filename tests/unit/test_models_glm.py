@@ -355,3 +355,20 @@ def test_bad_configs_fail_naming_the_field(overrides, match):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown GLM preset 'nope'; choose one of"):
         get_preset("nope")
+
+
+def test_the_moved_statistics_methods_fail_naming_their_new_place():
+    """The model's cross-rank statistics and QK-clip moved to models.glm.infra: calling the old
+    methods is an error naming the function to call (never a silently local result)."""
+    import pytest
+
+    from models.glm import GLMForCausalLM
+    from tests.models import tiny_glm
+
+    model = GLMForCausalLM(tiny_glm())
+    with pytest.raises(AttributeError, match="infra.statistics.take_max_logits"):
+        model.take_max_logits()
+    with pytest.raises(AttributeError, match="infra.statistics.update_router_bias"):
+        model.update_router_bias(0.001)
+    with pytest.raises(AttributeError, match="infra.qk_clip.qk_clip_"):
+        model.qk_clip_(None, 1.0)

@@ -47,7 +47,7 @@ def _max_logits(model, ids=IDS) -> torch.Tensor:
     model.record_max_logits(True)
     model.loss(ids[:, :-1], ids[:, 1:]).backward()
     model.zero_grad()
-    return model.take_max_logits()
+    return model.take_local_max_logits()
 
 
 def _reference_logits(model, ids=IDS) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_recording_spans_micro_batches_and_skips_eval_and_recompute(monkeypatch)
     halves = IDS[:1], IDS[1:]
     for half in halves:  # two micro-batches: the max over both
         model.loss(half[:, :-1], half[:, 1:]).backward()
-    both = model.take_max_logits()
+    both = model.take_local_max_logits()
     expected = torch.maximum(
         _reference_logits(model, halves[0]), _reference_logits(model, halves[1])
     )
@@ -119,7 +119,7 @@ def test_recording_spans_micro_batches_and_skips_eval_and_recompute(monkeypatch)
     assert len(calls) == 4  # 2 layers x 2 micro-batches
     with torch.no_grad():
         model(IDS[:, :-1])  # evaluation: not recorded
-    assert torch.isinf(model.take_max_logits()).all()
+    assert torch.isinf(model.take_local_max_logits()).all()
     for layer in model.model.layers:
         layer.checkpoint_activations = True
     calls.clear()
@@ -243,7 +243,7 @@ def test_mtp_attention_is_recorded_in_training_and_clipped():
     out = model.losses(IDS[:, :-1], IDS[:, 1:])
     (out["loss"] + out["mtp_loss"]).backward()
     model.zero_grad()
-    logits = model.take_max_logits()
+    logits = model.take_local_max_logits()
     assert torch.isfinite(logits).all()
     snap = _snapshot(model)
     tau = float(logits[1].max()) * 0.5

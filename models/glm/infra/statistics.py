@@ -2,7 +2,7 @@
 bias and the per-head largest attention logits that QK-clip reads.
 
 Each rank's model counts and records on its own tokens only (`GLMForCausalLM.expert_loads`,
-`GLMForCausalLM.take_max_logits`); when a default process group of more than one rank is
+`GLMForCausalLM.take_local_max_logits`); when a default process group of more than one rank is
 initialized, one all-reduce per statistic over it makes every rank see the same figures (and so
 apply the same update). Without one the statistics are the local ones.
 """
@@ -36,7 +36,7 @@ def take_max_logits(model: GLMForCausalLM) -> torch.Tensor:
     """Each layer's per-head largest pre-softmax logit since the last call, float32 [L, N] (-inf
     for a layer that recorded nothing), the maximum over the default process group (one MAX
     all-reduce: every rank saw other data); then reset."""
-    logits_LN = model.take_max_logits()
+    logits_LN = model.take_local_max_logits()
     if _across_ranks():
         dist.all_reduce(logits_LN, op=dist.ReduceOp.MAX)
     return logits_LN

@@ -169,7 +169,8 @@ class Attention(MaxLogitRecorder, nn.Module):
     """Causal grouped-query attention with partial RoPE and optional per-head QK RMSNorm.
 
     With `record_max_logits` on, training forwards keep each head's largest pre-softmax logit in
-    `max_logits_N` (`models.glm.model.qk_clip`; `GLMForCausalLM.take_max_logits` collects them)."""
+    `max_logits_N` (`models.glm.model.qk_clip`; `GLMForCausalLM.take_local_max_logits`
+    collects them)."""
 
     def __init__(self, config: GLMConfig) -> None:
         super().__init__()

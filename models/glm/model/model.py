@@ -372,8 +372,26 @@ class GLMForCausalLM(nn.Module):
             attn.record_max_logits = on
             attn.max_logits_N = None
 
+    def take_max_logits(self):
+        raise AttributeError(
+            "GLMForCausalLM.take_max_logits is gone: models.glm.infra.statistics."
+            "take_max_logits(model) takes the maximum over the ranks; this process's own "
+            "maxima are GLMForCausalLM.take_local_max_logits()"
+        )
+
+    def update_router_bias(self, rate):
+        raise AttributeError(
+            "GLMForCausalLM.update_router_bias is gone: use "
+            "models.glm.infra.statistics.update_router_bias(model, rate)"
+        )
+
+    def qk_clip_(self, *args, **kwargs):
+        raise AttributeError(
+            "GLMForCausalLM.qk_clip_ is gone: use models.glm.infra.qk_clip.qk_clip_(model, ...)"
+        )
+
     @torch.no_grad()
-    def take_max_logits(self) -> torch.Tensor:
+    def take_local_max_logits(self) -> torch.Tensor:
         """Each layer's per-head largest pre-softmax logit that this process's forwards
         recorded since the last call, float32 [L, N] (-inf for a layer that recorded nothing);
         then reset."""

@@ -1,12 +1,12 @@
 """QK-clip's recording (Kimi K2's MuonClip): watch each head's largest attention logit.
 
 An attention with `record_max_logits` on keeps, per query head, the largest pre-softmax logit
-q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its training forwards saw
-since the last `take_max_logits`: every micro-batch of a step, but not the activation-checkpoint
-recomputation (`models.glm.model.recompute`), and not forwards without grad (evaluation). GQA,
-dense MLA and DSA's masked reference pay one more (causal) Q K^T per layer for it, without
-grad, in query chunks (`recording_flops`); DSA's sparse attention hands over the maxima it
-computes as it goes (`record_max`), at no extra cost.
+q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its training forwards
+saw since the last `take_local_max_logits`: every micro-batch of a step, but not the
+activation-checkpoint recomputation (`models.glm.model.recompute`), and not forwards without
+grad (evaluation). GQA, dense MLA and DSA's masked reference pay one more (causal) Q K^T per
+layer for it, without grad, in query chunks (`recording_flops`); DSA's sparse attention hands
+over the maxima it computes as it goes (`record_max`), at no extra cost.
 The clip itself, which rescales W_q / W_k from these maxima, is `models.glm.infra.qk_clip`.
 """
 
