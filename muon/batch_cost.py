@@ -82,7 +82,7 @@ def segments(
     agree=False,
 ):
     """Batch `b`'s bytes on FSDP rank `r` in each stretch its task runs without yielding
-    (`muon.optimizer.Muon._task`): `[(peak, held after)]`, one stretch for the local path,
+    (`muon.task.batch_task`): `[(peak, held after)]`, one stretch for the local path,
     three for an exchange (momentum + launch; orthogonalize + return; apply), one more for
     either with `agree`. The send buffer lives through the task (the return lands in it), the
     receive buffer until the return has landed; Newton-Schulz's workspace, the Nesterov input,

@@ -4,10 +4,10 @@ The path of one Muon batch through a step: at construction `planner.py` decided 
 matrices travel together (`plan.py`) and who assembles them (`owners.py`), and `_prepare` made
 once what the step needs on the device (row indices and lr factors of blocks of unequal
 heights). A step is the gradient census (`census.py`, one host read), then
-`update`: the AdamW groups, then each batch as an AsyncTask (`_task`) that runs the same phases
-for every path (`paths.py`): momentum -> launch -> wait -> orthogonalize -> return -> wait ->
-apply (the momentum and apply phases in `phases.py`), the math being the foreach functions of
-`update.py`. `runtime.py` keeps a sliding window of batches in flight.
+`update`: the AdamW groups, then each batch as a task (`task.py`, read top to bottom) that runs
+the same phases for every path (`paths.py`): momentum -> launch -> wait -> orthogonalize ->
+return -> wait -> check -> apply (the momentum and apply phases in `phases.py`), the math being
+the foreach functions of `update.py`. `runtime.py` keeps a sliding window of batches in flight.
 
 Update (per Muon parameter, on local shards; matches torch.optim.Muon):
     M <- lerp(M, G, 1 - momentum);  U = lerp(G, M, momentum) if nesterov else M
@@ -39,27 +39,25 @@ call it on every rank in the same order, as the constructor is.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from muon import normuon, phases, update
-from muon.blocks import orthogonalize as _orthogonalize
+from muon import normuon, update
 from muon.blowups import GramBlowups
 from muon.census import GradCensus
-from muon.chunks import Chunk, adjusted_lr, prepare_chunks
+from muon.chunks import adjusted_lr, prepare_chunks
 from muon.cost import LinkModel
-from muon.layout import local, moved_shape
+from muon.layout import local
 from muon.options import DEFAULTS as _D
-from muon.paths import PATHS
-from muon.plan import REMAINDER_CHOICES, BatchPlan, MeshCommPlan
+from muon.plan import BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
 from muon.refusals import refusals_learnt, verdict_groups, warn_refused, without_own_dtype_state
 from muon.runtime import AsyncRuntime
 from muon.stats import StepStats
+from muon.task import StepContext, batch_tasks
 from muon.validate import (
     ADJUST_LR,
     MUON_ONLY_KEYS,
@@ -154,21 +152,8 @@ class Muon(torch.optim.Optimizer):
         normuon: bool = _D.normuon,
         normuon_beta2: float = _D.normuon_beta2,
     ) -> None:
-        if not isinstance(remainder_strategy, str) or remainder_strategy not in REMAINDER_CHOICES:
-            raise ValueError(
-                f"remainder_strategy: {remainder_strategy!r} is not one of "
-                f"{', '.join(REMAINDER_CHOICES)}"
-            )
-        if not enable_all2all and remainder_strategy not in ("agrs", "auto"):
-            warnings.warn(
-                f"enable_all2all=False: remainder_strategy {remainder_strategy!r} needs "
-                "all-to-all; using 'agrs'",
-                UserWarning,
-                stacklevel=2,
-            )
-        if not enable_all2all:
-            remainder_strategy = "agrs"  # "auto" too: agrs is the only path without all-to-all
-        check_options(
+        remainder_strategy = check_options(
+            remainder_strategy=remainder_strategy,
             enable_all2all=enable_all2all,
             expert_aware=expert_aware,
             max_inflight=max_inflight,
@@ -420,7 +405,17 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_group(g)
         device = self.plan.params[0][0].device if self.plan.params and timed else None
         stats = StepStats(device)
-        AsyncRuntime(self._tasks(stats), max_inflight=self.max_inflight).run()
+        ctx = StepContext(
+            plan=self.plan,
+            param_groups=self.param_groups,
+            state=self.state,
+            chunks=self._chunks,
+            gradless=self._gradless,
+            verdict=self._verdict,
+            verdict_groups=self._verdict_groups,
+            blowups=self._blowups,
+        )
+        AsyncRuntime(batch_tasks(ctx, stats), max_inflight=self.max_inflight).run()
         self._stats = stats
 
     def _adamw_group(self, g: dict) -> None:
@@ -448,94 +443,4 @@ class Muon(torch.optim.Optimizer):
             betas=g["betas"],
             eps=g["eps"],
             weight_decay=g["weight_decay"],
-        )
-
-    def _tasks(self, stats: StepStats):
-        """One AsyncTask per batch (per chunk on the local path), created lazily in plan order."""
-        for mi, (mp, batches) in enumerate(self.plan.plans):
-            for bi, b in enumerate(batches):
-                for chunk in self._chunks[(mi, bi)]:
-                    yield self._task(mp, b, chunk, stats)
-
-    def _task(self, mp: MeshCommPlan, b: BatchPlan, chunk: Chunk, stats: StepStats):
-        """One batch through its path's phases: momentum -> launch -> wait -> orthogonalize ->
-        return -> wait -> apply (the local path has nothing to wait for)."""
-        r, path = mp.fsdp_rank, PATHS[b.path]
-        params = [
-            (p, self.param_groups[gi])
-            for p, gi in (self.plan.params[b.param_indices[j]] for j in chunk.positions)
-        ]
-        device = local(params[0][0]).device
-        group = self.plan.groups.get((mp, b.subgroup_size if b.path == "subgroup" else 0))
-        wire = getattr(torch, b.wire_dtype)
-        if chunk.positions[0] == 0:  # a batch counts once, however many chunks it has
-            stats.batches[b.path] += 1
-        # 1. momentum: buffers updated, NS inputs written straight into the send buffer's slots
-        send, slots = path.send_buffer(b, r, dtype=wire, device=device, count=len(params))
-        phases.momentum_(params, slots, b.shard_tensor_dim, self.state, self._gradless)
-        # 2. launch the exchange; wait
-        ex = path.launch(b, send, fsdp_rank=r, group=group, stats=stats)
-        del send
-        if path.collectives:
-            yield
-            stats.wait(ex.work)
-            ex.work = None  # a finished Work still references its buffers
-        # 3. orthogonalize what this rank assembled
-        units = path.received(b, ex, r)
-        result = None
-        if units is not None:
-            blocks = sum(count for _, _, count in chunk.units)
-            ortho = self._orthogonalizer(b, chunk, params)
-            result = stats.orthogonalize(ortho, units, b.path, blocks, units=chunk.units)
-        del units
-        # 4. return the orthogonalized units; wait
-        path.give_back(b, ex, result, fsdp_rank=r, group=group, stats=stats)
-        del result
-        if path.collectives:
-            yield
-            stats.wait(ex.work)
-            ex.work = None
-        # 5. check the returned shards; the ranks holding the parameters' shards agree
-        shards = path.returned(b, ex, slots)
-        stacked = partial(path.stacked, b, ex)
-        pending = phases.check(params, shards, b, chunk, stacked=stacked, gradless=self._gradless)
-        del shards
-        agree = self._verdict_groups.get(mp)
-        if agree is not None:
-            work = dist.all_reduce(pending.ok, op=dist.ReduceOp.MIN, group=agree, async_op=True)
-            yield
-            stats.wait(work)
-        # 6. write them, or none of a parameter refused on any rank
-        phases.write_(pending, b, chunk, r)
-        self._verdict.record(b, chunk, pending.ok)
-
-    def _orthogonalizer(self, b: BatchPlan, chunk: Chunk, params: list):
-        """Newton-Schulz of the batch's units in its layout, with NorMuon on the blocks of the
-        parameters that have it (`muon.normuon.normalize_blocks`, given their moments)."""
-        g0 = params[0][1]
-        offset = chunk.positions[0] if b.path == "local" else 0
-        moments: list = [None] * b.size
-        for k, (p, g) in enumerate(params):
-            if g.get("normuon") and id(p) not in self._gradless:
-                moments[offset + k] = (local(self.state[p]["normuon_v"]), g["normuon_beta2"])
-        post = None
-        if any(m is not None for m in moments):
-            post = partial(normuon.normalize_blocks, moments=moments)
-        # blocks are runs of dim 0; a matrix sharded on another dim is exchanged with that dim
-        # first and orthogonalized in its own layout (see muon.blocks.orthogonalize)
-        return partial(
-            _orthogonalize,
-            block_rows=b.block_rows,
-            block_shape=b.block_shape,
-            moved_shape=moved_shape(b.global_shape, b.shard_tensor_dim),
-            dim=b.shard_tensor_dim,
-            steps=g0["ns_steps"],
-            coefficients=g0["ns_coefficients"],
-            dtype=getattr(torch, g0["ns_dtype"]),
-            eps=g0["eps"],
-            # absent in older state dicts; "standard" once the batch's Gram output blew up
-            algorithm=self._blowups.algorithm(b, g0.get("ns_algorithm", "standard")),
-            post=post,
-            split=chunk.split,
-            blowups=self._blowups.counter(b),
         )

@@ -2,7 +2,7 @@
 
 Every path is registered once, in `PATHS`. A path object has
 - `name` and `collectives` (collectives per direction pair: 0 for the local path, else 2);
-- its exchange, in the phases `muon.optimizer.Muon._task` runs for every path:
+- its exchange, in the phases `muon.task.batch_task` runs for every path:
   `send_buffer` (the buffer the momentum phase writes the Newton-Schulz inputs into, one slot
   view per parameter) -> `launch` (the first collective, `async_op=True`) -> wait ->
   `received` (what this rank orthogonalizes, or None) -> `give_back` (the orthogonalized units
@@ -446,3 +446,5 @@ PATHS: dict[str, Path] = {
 }
 #: the remainder strategies, in the order `remainder_strategy` lists them
 REMAINDER_STRATEGIES: tuple[str, ...] = ("agrs", "pad_all2all", "ragged_all_to_all")
+#: what `remainder_strategy` accepts: a strategy, or "auto" (the cheapest per batch)
+REMAINDER_CHOICES: tuple[str, ...] = (*REMAINDER_STRATEGIES, "auto")

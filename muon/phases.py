@@ -1,4 +1,4 @@
-"""The momentum and apply phases of one batch's task (`muon.optimizer.Muon._task`): the batch's
+"""The momentum and apply phases of one batch's task (`muon.task.batch_task`): the batch's
 parameters grouped by what their foreach ops share, the math being `muon.update`'s and the fit
 check `muon.guard`'s. A batch costs a fixed number of dispatched ops per group of equal
 hyperparameters, not per parameter: the send buffer's slots and the returned shards are views

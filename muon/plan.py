@@ -36,7 +36,7 @@ import torch
 from muon.batch_cost import fitting, modelled_s, peak_bytes
 from muon.cost import DEFAULT_LINKS, LinkModel
 from muon.mesh import LOCAL_MESH_PLAN, MeshCommPlan, resolve_mesh_comm_plan, shard_sizes
-from muon.paths import BATCH_BYTES, REMAINDER_STRATEGIES
+from muon.paths import BATCH_BYTES, REMAINDER_CHOICES, REMAINDER_STRATEGIES
 
 __all__ = [  # the mesh plan's names are planning's too
     "BATCH_BYTES",
@@ -53,9 +53,6 @@ __all__ = [  # the mesh plan's names are planning's too
     "resolve_mesh_comm_plan",
     "shard_sizes",
 ]
-
-#: what `remainder_strategy` accepts: a strategy, or "auto" (the cheapest per batch)
-REMAINDER_CHOICES: tuple[str, ...] = (*REMAINDER_STRATEGIES, "auto")
 
 
 @dataclass(frozen=True)
@@ -294,7 +291,7 @@ def plan_batches(
             common,
             mp=mesh_plan,
             strategy=remainder_strategy,
-            a2a=enable_all2all,
+            enable_all2all=enable_all2all,
             expert_aware=expert_aware,
             batch_bytes=batch_bytes,
             link=link,
@@ -337,7 +334,7 @@ def _bucket_fields(members: list[ParamMeta], mp: MeshCommPlan) -> dict:
 
 
 def _cut_bucket(
-    indices, common, *, mp, strategy, a2a, expert_aware, batch_bytes, link, memory_budget
+    indices, common, *, mp, strategy, enable_all2all, expert_aware, batch_bytes, link, memory_budget
 ) -> list[BatchPlan]:
     if not mp.sharded:
         return [BatchPlan("local", indices, **common)]
@@ -366,13 +363,13 @@ def _cut_bucket(
     # orthogonalizes an owner's k: as many as keep the batch's planned peak within its budget
     k = fitting(len(indices) // w, lambda k: BatchPlan("full", indices[: k * w], **common))
     cuts, i = [], 0
-    while a2a and len(indices) - i >= w:
+    while enable_all2all and len(indices) - i >= w:
         n = w * min(k, (len(indices) - i) // w)
         cuts.append(indices[i : i + n])
         i += n
     cuts += [indices[j : j + w] for j in range(i, len(indices), w)]
     for batch in cuts:
-        if not a2a:
+        if not enable_all2all:
             path = "agrs"
         elif len(batch) >= w:
             path = "full"

@@ -8,11 +8,14 @@ that torch's learning-rate schedulers write into groups (`SCHEDULER_KEYS`) are a
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
-from muon.newton_schulz import check_algorithm, resolve_coefficients
+from muon.coefficients import resolve_coefficients
+from muon.newton_schulz import check_algorithm
 from muon.normuon import state_len
+from muon.paths import REMAINDER_CHOICES
 
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 ALGORITHMS = ("muon", "adamw")
@@ -159,8 +162,18 @@ def _check_common(g: dict, loaded: bool = False) -> None:
             )
 
 
-def check_options(*, enable_all2all, expert_aware, max_inflight, memory_budget) -> None:
-    """The optimizer-wide options of `muon.Muon` (not group keys); raises naming the option."""
+def check_options(
+    *, remainder_strategy, enable_all2all, expert_aware, max_inflight, memory_budget
+) -> str:
+    """The optimizer-wide options of `muon.Muon` (not group keys); raises naming the option.
+    Returns the remainder strategy the step runs: "agrs" without all-to-all (`enable_all2all=
+    False`; a strategy that needs all-to-all is warned about, "auto" is agrs silently), the
+    given one otherwise."""
+    if not isinstance(remainder_strategy, str) or remainder_strategy not in REMAINDER_CHOICES:
+        raise ValueError(
+            f"remainder_strategy: {remainder_strategy!r} is not one of "
+            f"{', '.join(REMAINDER_CHOICES)}"
+        )
     for key, value in (("enable_all2all", enable_all2all), ("expert_aware", expert_aware)):
         _check_bool({key: value}, key)
     if not (isinstance(max_inflight, int) and not isinstance(max_inflight, bool)) or (
@@ -172,6 +185,16 @@ def check_options(*, enable_all2all, expert_aware, max_inflight, memory_budget) 
         and not _number({"memory_budget": memory_budget}, "memory_budget") > 0
     ):
         raise ValueError(f"memory_budget: must be > 0 bytes or None, got {memory_budget!r}")
+    if enable_all2all:
+        return remainder_strategy
+    if remainder_strategy not in ("agrs", "auto"):
+        warnings.warn(
+            f"enable_all2all=False: remainder_strategy {remainder_strategy!r} needs "
+            "all-to-all; using 'agrs'",
+            UserWarning,
+            stacklevel=3,
+        )
+    return "agrs"
 
 
 def validate_group(g: dict, loaded: bool = False) -> None:

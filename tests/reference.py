@@ -31,7 +31,7 @@ def ns_amplification(coefficients: str = "polar_express", steps: int = 5) -> flo
     """Product of the linear coefficients of a Newton-Schulz schedule's first `steps` steps."""
     import math
 
-    from muon.newton_schulz import resolve_coefficients
+    from muon.coefficients import resolve_coefficients
 
     schedule = resolve_coefficients(coefficients)
     return math.prod(schedule[min(i, len(schedule) - 1)][0] for i in range(steps))

@@ -10,7 +10,7 @@ import sys
 def ns_variant_arg(text: str) -> dict[str, str]:
     """`--ns-variant COEFFICIENTS,ALGORITHM` (e.g. fixed,standard) as Muon's keyword arguments,
     validated before any rank starts."""
-    from muon.newton_schulz import parse_variant
+    from muon.coefficients import parse_variant
 
     try:
         return parse_variant(text)

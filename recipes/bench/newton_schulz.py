@@ -15,8 +15,9 @@ import math
 
 import torch
 
+from muon.coefficients import NS_COEFFICIENTS, band_top
 from muon.cost import effective_algorithm, ns_flops
-from muon.newton_schulz import NS_COEFFICIENTS, band_top, newton_schulz
+from muon.newton_schulz import newton_schulz
 from recipes.bench.timing import block_clock, calibrated_medians
 
 # GLM-5.2 block shapes (hidden 6144, dense FFN 12288, expert intermediate 2048, 256 experts,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.optim._muon import _adjust_lr
 
 from muon import NS_COEFFICIENTS, newton_schulz
-from muon.newton_schulz import resolve_coefficients
+from muon.coefficients import resolve_coefficients
 from muon.normuon import normalize, state_len
 from tests.reference import ref_ns
 

@@ -18,7 +18,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from muon.newton_schulz import band_top, newton_schulz, resolve_coefficients
+from muon.coefficients import band_top, resolve_coefficients
+from muon.newton_schulz import newton_schulz
 from tests.unit.test_gram_band import BF16_SLACK, rel_err, spectrum
 
 STEPS = 5

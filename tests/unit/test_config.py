@@ -409,8 +409,9 @@ def test_choice_lists_are_the_libraries_own():
     spells them out: importing those packages imports torch, which the config must not)."""
     from models.glm.model.config import DSA_IMPLS
     from models.glm.model.presets import PRESET_NAMES
+    from muon.coefficients import NS_COEFFICIENTS
+    from muon.cost import NS_ALGORITHMS
     from muon.groups import ROUTER_CHOICES
-    from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
     from muon.optimizer import ADJUST_LR, NS_DTYPES
     from muon.plan import REMAINDER_CHOICES
 

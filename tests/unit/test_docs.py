@@ -230,8 +230,9 @@ def _param_groups_defaults() -> dict:
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
+    from muon.coefficients import NS_COEFFICIENTS
+    from muon.cost import NS_ALGORITHMS
     from muon.groups import ROUTER_CHOICES
-    from muon.newton_schulz import NS_ALGORITHMS, NS_COEFFICIENTS
     from muon.optimizer import ADJUST_LR
     from muon.plan import REMAINDER_CHOICES
 

@@ -96,12 +96,19 @@ def test_muon_import_graph_has_no_circle():
     assert _reaches(graph, "muon.paths") <= {"muon.cost"}, _reaches(graph, "muon.paths")
     # plans are plain data: planning never reaches the step's code (its phases, update math,
     # census, orthogonalization); it may read Newton-Schulz's tables to validate settings
-    step = {"muon.optimizer", "muon.update", "muon.census", "muon.blocks"}
+    step = {"muon.optimizer", "muon.task", "muon.update", "muon.census", "muon.blocks"}
     for plain in ("muon.plan", "muon.planner", "muon.owners"):
         assert not _reaches(graph, plain) & step, (plain, _reaches(graph, plain) & step)
     # the step's modules read what they share with planning from `muon.wire`, never the planner
     assert _reaches(graph, "muon.wire") == set(), _reaches(graph, "muon.wire")
-    for part in ("muon.guard", "muon.census", "muon.phases", "muon.paths", "muon.runtime"):
+    for part in (
+        "muon.task",
+        "muon.guard",
+        "muon.census",
+        "muon.phases",
+        "muon.paths",
+        "muon.runtime",
+    ):
         assert "muon.planner" not in _reaches(graph, part), (part, _reaches(graph, part))
 
 

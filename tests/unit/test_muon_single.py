@@ -754,4 +754,5 @@ def test_step_stats_single_device():
 def test_public_imports():
     assert muon.Muon is Muon
     assert issubclass(Muon, torch.optim.Optimizer)
-    from muon.newton_schulz import NS_COEFFICIENTS, newton_schulz, orthogonalize_blocks  # noqa: F401
+    from muon.coefficients import NS_COEFFICIENTS  # noqa: F401
+    from muon.newton_schulz import newton_schulz, orthogonalize_blocks  # noqa: F401
