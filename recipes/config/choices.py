@@ -18,7 +18,7 @@ NS_COEFFICIENTS = ("fixed", "tuned", "polar_express")  # muon.newton_schulz
 NS_ALGORITHMS = ("standard", "gram", "auto")  # muon.newton_schulz
 ROUTER_CHOICES = ("adamw", "muon")  # muon.groups
 ADJUST_LR = ("match_rms_adamw", "original", "none")  # muon.optimizer
-DSA_IMPLS = ("latent", "per_head", "masked")  # models.glm.model.config
+DSA_IMPLS = ("latent", "per_head", "masked")  # models.glm.model.config_checks
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:

@@ -16,8 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
 #: files (globs) and functions (`file:Qualified.name`) still being reshaped
 STILL_RESHAPED = {
-    "models/glm/model/config.py",
-    "models/glm/model/config.py:GLMConfig._check_attention",
     "muon/groups.py:param_groups",
     "recipes/planning.py:plan",  # its optimizer options become one typed dataclass
 }

@@ -207,53 +207,38 @@ class MLAttention(MaxLogitRecorder, nn.Module):
         w_NWL = self.kv_b_proj.weight.view(N, P + V, L)
         q_lat_BTNL = torch.einsum("btnp,npl->btnl", q_nope_BTNP, w_NWL[:, :P])
         q_BTNE = torch.cat([q_lat_BTNL, q_rope_BTNR], -1)
-        k_BS1E = key_BSE.unsqueeze(2)
-        rows = attention_row_bytes(
-            q_BTNE.shape[0],
-            N,
-            1,
-            k_BS1E.shape[-1],
-            L,
-            topk_BTK.shape[-1],
-            separate_values=False,
-            itemsize=q_BTNE.element_size(),
+        o_BTNL, probs_BTK = self._sparse(
+            q_BTNE, key_BSE.unsqueeze(2), None, L, topk_BTK, want_kl, tokens
         )
-        o_BTNL, probs_BTK, max_N = sparse_attention(
-            q_BTNE,
-            k_BS1E,
-            None,
-            topk_BTK,
-            self.scale,
-            value_dim=L,
-            chunk=query_chunk(self.chunk_bytes, rows),
-            want_probs=want_kl,
-            positions_T=None if tokens is None else tokens.positions_T,
-        )
-        self.record_max(max_N)
-        return torch.einsum("btnl,nvl->btnv", o_BTNL, w_NWL[:, P:]), (
-            probs_BTK if want_kl else None
-        )
+        return torch.einsum("btnl,nvl->btnv", o_BTNL, w_NWL[:, P:]), probs_BTK
 
     def _per_head(self, q_BTNE, k_BSNE, v_BSNV, topk_BTK, want_kl, tokens):
         """Sparse attention gathering each head's own key and value (N x the latent form's
         gathered bytes): (output [B, T, N, V], the KL target [B, T, K] or None)."""
-        B, _, N, E = q_BTNE.shape
+        return self._sparse(q_BTNE, k_BSNE, v_BSNV, v_BSNV.shape[-1], topk_BTK, want_kl, tokens)
+
+    def _sparse(self, q_BTNE, k_BSHE, v_BSHV, value_dim, topk_BTK, want_kl, tokens):
+        """`sparse_attention` over the kept keys in query chunks that `dsa_chunk_mib` bounds,
+        recording each head's largest logit: (output [B, T, N, value_dim], the KL target
+        [B, T, K] or None). `k_BSHE`: one key head or one per query head; `v_BSHV` None: the
+        values are the keys' first `value_dim` channels."""
         rows = attention_row_bytes(
-            B,
-            N,
-            N,
-            E,
-            v_BSNV.shape[-1],
+            q_BTNE.shape[0],
+            q_BTNE.shape[2],
+            k_BSHE.shape[2],
+            k_BSHE.shape[-1],
+            value_dim,
             topk_BTK.shape[-1],
-            separate_values=True,
+            separate_values=v_BSHV is not None,
             itemsize=q_BTNE.element_size(),
         )
         o_BTNV, probs_BTK, max_N = sparse_attention(
             q_BTNE,
-            k_BSNE,
-            v_BSNV,
+            k_BSHE,
+            v_BSHV,
             topk_BTK,
             self.scale,
+            value_dim=value_dim,
             chunk=query_chunk(self.chunk_bytes, rows),
             want_probs=want_kl,
             positions_T=None if tokens is None else tokens.positions_T,
