@@ -1,6 +1,6 @@
 """Benchmark one MLA + DSA attention layer: masked (dense SDPA under the kept-key mask) against
-the sparse paths (gathered kept keys: latent / per-head), frozen and kl indexer, forward +
-backward, seconds and peak memory, one fresh single-thread process per (T, path, mode).
+the sparse dsa_impls (gathered kept keys: latent / per_head), frozen and kl indexer, forward +
+backward, seconds and peak memory, one fresh single-thread process per (T, dsa_impl, mode).
 
     python scripts/bench_attention.py                                  # T = 1k..16k
     python scripts/bench_attention.py --lengths 2048,4096,8192 --out /tmp/attn
@@ -14,13 +14,12 @@ tables and a PASS / MISS line per target (sparse at T = 4096 <= 0.35x the masked
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from recipes.bench.attention import MODES, PATHS, sweep
+from recipes.bench.attention import DSA_IMPLS, MODES, sweep
 from recipes.bench.attention_report import markdown, plot, targets
-from recipes.bench.cli import command_line
-from recipes.tables import machine_description, write_csv
+from recipes.bench.cli import command_line, positive_ints_arg, write_results
+from recipes.tables import machine_description
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -31,25 +30,18 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     return items
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--lengths: positive ints, e.g. 1024,2048; got {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--lengths", type=_lengths, default=[1024, 2048, 4096, 8192, 16384], help="T values"
+        "--lengths",
+        type=positive_ints_arg("--lengths", "1024,2048"),
+        default=[1024, 2048, 4096, 8192, 16384],
+        help="T values",
     )
     p.add_argument(
-        "--paths",
-        type=lambda t: _choices(t, PATHS, "--paths"),
-        default=list(PATHS),
+        "--dsa-impls",
+        type=lambda t: _choices(t, DSA_IMPLS, "--dsa-impls"),
+        default=list(DSA_IMPLS),
         help="dsa_impl values",
     )
     p.add_argument(
@@ -59,9 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="indexer_training values",
     )
     p.add_argument("--repeats", type=int, default=2, help="timed steps per process (median)")
-    p.add_argument("--masked-max-t", type=int, default=4096, help="longest T the masked path runs")
     p.add_argument(
-        "--per-head-max-t", type=int, default=4096, help="longest T the per_head path runs"
+        "--masked-max-t", type=int, default=4096, help="longest T the masked dsa_impl runs"
+    )
+    p.add_argument(
+        "--per-head-max-t", type=int, default=4096, help="longest T the per_head dsa_impl runs"
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     p.add_argument("--out", default="bench_out/attention", help="output directory")
@@ -79,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line("bench_attention.py", argv)
     rows = sweep(
         args.lengths,
-        args.paths,
+        args.dsa_impls,
         args.modes,
         repeats=args.repeats,
         max_t={"masked": args.masked_max_t, "per_head": args.per_head_max_t},
@@ -87,21 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     machine = machine_description("gloo", 1)
     text = markdown(rows, command, machine)
-    (out / "tables.md").write_text(text)
-    write_csv(
-        rows,
-        out / "results.csv",
-        ["T", "path", "mode", "seconds", "peak_mib", "repeats", "skipped"],
-    )
     checks = targets(rows)
-    (out / "results.json").write_text(
-        json.dumps(
-            {"command": command, "machine": machine, "rows": rows, "targets": checks}, indent=1
-        )
+    write_results(
+        out,
+        text=text,
+        rows=rows,
+        fields=["T", "dsa_impl", "mode", "seconds", "peak_mib", "repeats", "skipped"],
+        result={"command": command, "machine": machine, "rows": rows, "targets": checks},
+        plot=lambda path: plot(rows, path),
+        image="attention.png",
+        also_plot=args.plot,
     )
-    plot(rows, out / "attention.png")
-    if args.plot:
-        plot(rows, Path(args.plot))
     print(text)
     return 0 if all(t["ok"] is not False for t in checks) else 1
 

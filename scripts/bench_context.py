@@ -16,33 +16,21 @@ fewer bytes for backward than keep); `--strict` exits 1 on a MISS.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from recipes.bench.cli import command_line, names_arg
+from recipes.bench.cli import command_line, names_arg, positive_ints_arg, write_results
 from recipes.bench.context import FIELDS, GATHERS, sweep
 from recipes.bench.context_report import markdown, plot, targets
-from recipes.tables import machine_description, write_csv
+from recipes.tables import machine_description
 
 LAYOUTS = ("head_tail", "contiguous")
 
 
-def _ints(flag: str):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(t) for t in text.split(",") if t]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            raise argparse.ArgumentTypeError(f"{flag}: positive ints, e.g. 2,4; got {text!r}")
-        return values
-
-    return parse
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cp", type=_ints("--cp"), default=[2, 4], help="cp world sizes")
+    p.add_argument(
+        "--cp", type=positive_ints_arg("--cp", "2,4"), default=[2, 4], help="cp world sizes"
+    )
     p.add_argument("--seq-len", type=int, default=8192, help="tokens of the whole sequence (S)")
     p.add_argument("--topk", type=int, default=128, help="index_topk (K)")
     p.add_argument("--mode", choices=("kl", "frozen"), default="kl", help="indexer_training")
@@ -94,14 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     machine = machine_description("gloo", 1)
     text = markdown(rows, command, setup, machine)
-    (out / "tables.md").write_text(text)
-    write_csv(rows, out / "results.csv", FIELDS)
     checks = targets(rows)
     result = {"command": command, "machine": machine, "spec": spec, "rows": rows}
-    (out / "results.json").write_text(json.dumps({**result, "targets": checks}, indent=1))
-    plot(rows, out / "context.png")
-    if args.plot:
-        plot(rows, Path(args.plot))
+    write_results(
+        out,
+        text=text,
+        rows=rows,
+        fields=FIELDS,
+        result={**result, "targets": checks},
+        plot=lambda path: plot(rows, path),
+        image="context.png",
+        also_plot=args.plot,
+    )
     print(text)
     return 1 if args.strict and any(t["ok"] is False for t in checks) else 0
 

@@ -6,24 +6,24 @@ from pathlib import Path
 
 from recipes.tables import markdown_table
 
-SPARSE = "latent"  # the sparse path the targets are about (the default dsa_impl)
+SPARSE = "latent"  # the sparse dsa_impl the targets are about (the default)
 
 
-def _find(rows: list[dict], T: int, path: str, mode: str) -> dict | None:
+def _find(rows: list[dict], T: int, dsa_impl: str, mode: str) -> dict | None:
     for r in rows:
-        if r["T"] == T and r["path"] == path and r["mode"] == mode and "skipped" not in r:
+        if r["T"] == T and r["dsa_impl"] == dsa_impl and r["mode"] == mode and "skipped" not in r:
             return r
     return None
 
 
 def wide_rows(rows: list[dict]) -> list[dict]:
-    """One row per (T, path) that ran, with both modes' seconds and peaks."""
+    """One row per (T, dsa_impl) that ran, with both modes' seconds and peaks."""
     out = []
     for T in sorted({r["T"] for r in rows}):
-        for path in dict.fromkeys(r["path"] for r in rows):
-            row: dict = {"T": T, "path": path}
+        for dsa_impl in dict.fromkeys(r["dsa_impl"] for r in rows):
+            row: dict = {"T": T, "dsa_impl": dsa_impl}
             for r in rows:
-                if r["T"] == T and r["path"] == path and "skipped" not in r:
+                if r["T"] == T and r["dsa_impl"] == dsa_impl and "skipped" not in r:
                     row[f"{r['mode']}_s"], row[f"{r['mode']}_peak"] = r["seconds"], r["peak_mib"]
             if len(row) > 2:
                 out.append(row)
@@ -31,11 +31,11 @@ def wide_rows(rows: list[dict]) -> list[dict]:
 
 
 def skipped_note(rows: list[dict]) -> str:
-    """One line naming the (path, T) runs that did not run and why ('' when none)."""
+    """One line naming the (dsa_impl, T) runs that did not run and why ('' when none)."""
     why: dict[tuple[str, str], list[int]] = {}
     for r in rows:
         if "skipped" in r:
-            Ts = why.setdefault((r["path"], r["skipped"]), [])
+            Ts = why.setdefault((r["dsa_impl"], r["skipped"]), [])
             Ts += [] if r["T"] in Ts else [r["T"]]
     parts = [f"{p} at T = {', '.join(map(str, Ts))} ({reason})" for (p, reason), Ts in why.items()]
     return "Not run: " + "; ".join(parts) + "." if parts else ""
@@ -83,7 +83,7 @@ def markdown(rows: list[dict], command: str, machine: str) -> str:
         wide_rows(rows),
         [
             ("T", "T", ""),
-            ("path", "path", ""),
+            ("dsa_impl", "dsa_impl", ""),
             ("frozen s", "frozen_s", ".2f"),
             ("frozen peak MiB", "frozen_peak", ".0f"),
             ("kl s", "kl_s", ".2f"),
@@ -109,24 +109,28 @@ def markdown(rows: list[dict], command: str, machine: str) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Seconds and peak MiB against T (log-log), one line per (path, mode)."""
+    """Seconds and peak MiB against T (log-log), one line per (dsa_impl, mode)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for p in dict.fromkeys(r["path"] for r in rows):
+    for impl in dict.fromkeys(r["dsa_impl"] for r in rows):
         for mode, style in (("frozen", "-"), ("kl", "--")):
             done = sorted(
-                (r for r in rows if r["path"] == p and r["mode"] == mode and "skipped" not in r),
+                (
+                    r
+                    for r in rows
+                    if r["dsa_impl"] == impl and r["mode"] == mode and "skipped" not in r
+                ),
                 key=lambda r: r["T"],
             )
             if not done:
                 continue
             Ts = [r["T"] for r in done]
             (line,) = ax_t.plot(
-                Ts, [r["seconds"] for r in done], style, marker="o", label=f"{p} {mode}"
+                Ts, [r["seconds"] for r in done], style, marker="o", label=f"{impl} {mode}"
             )
             ax_m.plot(
                 Ts,
@@ -134,7 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 style,
                 marker="o",
                 color=line.get_color(),
-                label=f"{p} {mode}",
+                label=f"{impl} {mode}",
             )
     ax_t.set(
         xlabel="sequence length T", ylabel="seconds (forward + backward, 1 thread)", title="time"

@@ -1,10 +1,16 @@
-"""What the benchmark command lines share: argument types and the command as run."""
+"""What the benchmark command lines share: argument types, the command as run and the files a
+run writes."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from recipes.tables import write_csv
 
 
 def ns_variant_arg(text: str) -> dict[str, str]:
@@ -55,3 +61,39 @@ def names_arg(allowed, flag: str):
         return names
 
     return parse
+
+
+def positive_ints_arg(flag: str, example: str):
+    """An argparse type: comma-separated positive ints (`example` shows the form, e.g. 2,4)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(t) for t in text.split(",") if t]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag}: positive ints, e.g. {example}; got {text!r}")
+        return values
+
+    return parse
+
+
+def write_results(
+    out: Path,
+    *,
+    text: str,
+    rows: Sequence[dict],
+    fields: Sequence[str],
+    result: dict,
+    plot: Callable[[Path], None],
+    image: str,
+    also_plot: str | None = None,
+) -> None:
+    """A benchmark run's files in `out`: tables.md (`text`), results.csv (`rows`, columns
+    `fields`), results.json (`result`) and the plot `image` (also at `also_plot` if given)."""
+    (out / "tables.md").write_text(text)
+    write_csv(rows, out / "results.csv", fields)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    plot(out / image)
+    if also_plot:
+        plot(Path(also_plot))

@@ -144,7 +144,7 @@ COMMANDS: list[Run | NotRun] = [
     Run(r"^python scripts/probe_step\.py mesh\.ep=2 --case model=small --case .* --baseline-tree /tmp/probe-before --out /tmp/probe_final$", "--case model=tiny --no-double", "tmp/probe_final/results.json tmp/probe_final/tables.md", drop="--baseline-tree"),
     Run(r"^python scripts/probe_step\.py --case model=small --baseline-tree /tmp/probe-before --time-only .* --out /tmp/ptime3 mesh\.ep=2$", "model=tiny --baseline-tree . --time-steps 1 --time-rounds 1", "tmp/ptime3/results.json"),
     Run(r"^python scripts/bench_context\.py$", "--cp 2 --seq-len 512 --topk 32 --repeats 1", "bench_out/context/tables.md bench_out/context/context.png"),
-    Run(r"^python scripts/bench_attention\.py --per-head-max-t 2048$", "--lengths 256 --paths masked,latent --modes frozen --repeats 1", "bench_out/attention/tables.md bench_out/attention/attention.png"),
+    Run(r"^python scripts/bench_attention\.py --per-head-max-t 2048$", "--lengths 256 --dsa-impls masked,latent --modes frozen --repeats 1", "bench_out/attention/tables.md bench_out/attention/attention.png"),
     # its training and Muon-step parts run whole in tests/e2e/test_bench_newton_schulz.py
     Run(r"^python scripts/bench_newton_schulz\.py --scale 8 --out bench_ns$", f"{NS} --skip train,step", "bench_ns/results.json"),
     Run(r"^python scripts/bench_newton_schulz\.py --scale 8 --repeats 5 --variants .* --skip train,step --out bench_ns_after$", NS, "bench_ns_after/results.json"),

@@ -34,21 +34,21 @@ def test_layer_is_the_benchmarked_shape():
     assert (c.dsa_impl, c.indexer_training, c.num_hidden_layers) == ("latent", "kl", 1)
 
 
-@pytest.mark.parametrize("path", ["latent", "masked"])
-def test_measure_runs_one_step_and_reports_a_peak(path):
+@pytest.mark.parametrize("dsa_impl", ["latent", "masked"])
+def test_measure_runs_one_step_and_reports_a_peak(dsa_impl):
     import torch
 
     threads = torch.get_num_threads()  # measure() sets one thread, for its own process
     try:
-        row = measure(300, path, "kl", repeats=1)  # T > index_topk: sparse
+        row = measure(300, dsa_impl, "kl", repeats=1)  # T > index_topk: sparse
     finally:
         torch.set_num_threads(threads)
-    assert row["T"] == 300 and row["path"] == path and row["seconds"] > 0
+    assert row["T"] == 300 and row["dsa_impl"] == dsa_impl and row["seconds"] > 0
     assert row["peak_mib"] > 0
 
 
-def _row(T, path, mode, s, mib):
-    return {"T": T, "path": path, "mode": mode, "seconds": s, "peak_mib": mib}
+def _row(T, dsa_impl, mode, s, mib):
+    return {"T": T, "dsa_impl": dsa_impl, "mode": mode, "seconds": s, "peak_mib": mib}
 
 
 def test_targets_pass_miss_and_not_run():
@@ -65,9 +65,9 @@ def test_targets_pass_miss_and_not_run():
     assert got["kl: sparse peak 8192 / 4096"] is None  # kl at 8192 was not run
 
 
-def test_skipped_note_names_path_lengths_and_reason():
+def test_skipped_note_names_dsa_impl_lengths_and_reason():
     rows = [
-        {"T": T, "path": "masked", "mode": m, "skipped": "T > 4096"}
+        {"T": T, "dsa_impl": "masked", "mode": m, "skipped": "T > 4096"}
         for T in (8192, 16384)
         for m in ("frozen", "kl")
     ]
@@ -78,7 +78,7 @@ def test_skipped_note_names_path_lengths_and_reason():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--paths", "latent,sparse"], "--paths: ['sparse']"),
+        (["--dsa-impls", "latent,sparse"], "--dsa-impls: ['sparse']"),
         (["--modes", "train"], "--modes: ['train']"),
         (["--lengths", "1024,x"], "--lengths: positive ints"),
         (["--repeats", "0"], "--repeats must be >= 1"),
