@@ -17,11 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes.bench.transient import MODEL  # noqa: E402
-from recipes.bench.vs_dion import ONE_UNIT, bench_rank, summary, table  # noqa: E402
-from recipes.world import run_world  # noqa: E402
+from recipes.bench.transient import MODEL
+from recipes.bench.vs_dion import ONE_UNIT, bench_rank, summary, table
+from recipes.world import run_world
 
 OURS = "muon.Muon"
 

@@ -15,10 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes.bench.transient import MODEL, measure_rank, table  # noqa: E402
-from recipes.world import run_world  # noqa: E402
+from recipes.bench.transient import MODEL, measure_rank, table
+from recipes.world import run_world
 
 VARIANTS = {
     "pad_all2all": {"remainder_strategy": "pad_all2all"},
