@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from muon.layout import local
-from muon.wire import comm_device
+from muon.wire import collectives_move_data, comm_device
 
 
 class GradCensus:
@@ -56,10 +56,7 @@ class GradCensus:
         """
         params = [p for g in param_groups for p in g["params"]]
         grads = [local(p.grad) for p in params if p.grad is not None]
-        distributed = (
-            dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
-        )
-        if not distributed:
+        if not collectives_move_data():
             device = grads[0].device if grads else torch.device("cpu")
             found = self.nonfinite(grads, device)
             gradless = {id(p) for p in params if p.grad is None}

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from muon.wire import comm_device
+from muon.wire import collectives_move_data, comm_device
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -120,8 +120,7 @@ class SkipFlag:
     def __init__(self, verdicts: list[torch.Tensor], unfit_on_host: bool) -> None:
         self._work = None
         self._value: bool | None = None
-        ranks = dist.is_initialized() and dist.get_world_size() > 1
-        ranks = ranks and dist.get_backend() != "fake"
+        ranks = collectives_move_data()
         if verdicts:  # made on the device; the host's verdict joins it as a Python scalar
             bad = (~torch.cat(verdicts)).any() | unfit_on_host  # each verdict is 1-D
             self.flag = bad.to(torch.int32).reshape(1)

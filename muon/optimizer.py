@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from muon import normuon, update
 from muon.blowups import GramBlowups
@@ -73,6 +72,7 @@ from muon.validate import (
     validate_group,
 )
 from muon.verdict import StepVerdict
+from muon.wire import world_size
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
 
@@ -371,8 +371,7 @@ class Muon(torch.optim.Optimizer):
         finite, self._gradless, counts = self._census(self.param_groups, extra)
         n_blown = len(self._blowups.batches) if self._blowups.counts is not None else 0
         self._blowups.demote(counts[:n_blown], self.param_groups, self.plan.params, self.state)
-        ranks = dist.get_world_size() if dist.is_initialized() else 1
-        self._verdict.learn(refusals, counts[n_blown:], ranks)
+        self._verdict.learn(refusals, counts[n_blown:], world_size())
         self._verdict.census(finite)
         if not finite:
             return loss

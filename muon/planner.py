@@ -30,7 +30,7 @@ from muon.plan import (
     resolve_mesh_comm_plan,
 )
 from muon.validate import param_blocks
-from muon.wire import comm_device, wire_dtype
+from muon.wire import collectives_move_data, comm_device, wire_dtype, world_size
 
 
 @dataclass
@@ -49,10 +49,6 @@ class StepPlan:
     groups: dict = field(default_factory=dict)
 
 
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 def resolve_link(link: LinkModel | tuple | None, *, needed: bool) -> LinkModel:
     """The given link model, or one measured on the default group when `needed` (collective)."""
     if isinstance(link, LinkModel):
@@ -61,7 +57,7 @@ def resolve_link(link: LinkModel | tuple | None, *, needed: bool) -> LinkModel:
         latency_s, bytes_per_s, *rest = link
         flops = rest[0] if rest else DEFAULT_LINKS["nccl"].flops_per_s
         return LinkModel(latency_s=latency_s, bytes_per_s=bytes_per_s, flops_per_s=flops)
-    if not _distributed():
+    if world_size() == 1:
         return DEFAULT_LINKS["gloo"]
     if not needed:
         return DEFAULT_LINKS.get(dist.get_backend(), DEFAULT_LINKS["gloo"])
@@ -128,8 +124,7 @@ def build_step_plan(
         memory_budget=memory_budget,
     )
     plans = cut(batch_bytes or memory_budget or BATCH_BYTES)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    plans, loads, digest = assign_owners(plans, world_size=world)
+    plans, loads, digest = assign_owners(plans, world_size=world_size())
     step = StepPlan(plans, params, loads, fingerprint(plans, names, digest), link)
     _check_fingerprint(step.fingerprint)
     cache: dict[tuple[int, ...], object] = {}
@@ -188,7 +183,7 @@ def _check_fingerprint(value: int) -> None:
     Done before any sub-group is created, so a mismatch is an error instead of a collective that
     never matches up.
     """
-    if not _distributed() or dist.get_backend() == "fake":
+    if not collectives_move_data():
         return
     device = comm_device()
     mine = torch.tensor([value], dtype=torch.int64, device=device)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from muon.blowups import param_name
 from muon.validate import OWN_DTYPE_STATE
+from muon.wire import collectives_move_data
 
 
 def without_own_dtype_state(state_dict: dict) -> tuple[dict, dict]:
@@ -40,8 +41,7 @@ def verdict_groups(plan) -> dict:
     whole mesh, which is the default group (every rank is in every parameter's mesh,
     `muon.planner`). None (no agreement needed: every rank holds the whole parameter) for
     unsharded meshes and a single process."""
-    ranks = dist.is_initialized() and dist.get_world_size() > 1
-    if not ranks or dist.get_backend() == "fake":
+    if not collectives_move_data():
         return {}
     return {
         mp: dist.group.WORLD if mp.ep_mesh_dim is not None else plan.groups[(mp, 0)]

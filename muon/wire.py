@@ -1,6 +1,7 @@
-"""What travels between ranks, and where: the device collectives of the default group run on,
-and the dtype a parameter's matrices travel in. Read by planning (`muon.planner`) and by the
-step (`muon.guard`, `muon.census`) alike; imports torch only."""
+"""What travels between ranks, and where: how many ranks there are and whether collectives
+move data, the device collectives of the default group run on, and the dtype a parameter's
+matrices travel in. Read by planning (`muon.planner`) and by the step (`muon.guard`,
+`muon.census`) alike; imports torch only."""
 
 from __future__ import annotations
 
@@ -22,3 +23,15 @@ def comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def world_size() -> int:
+    """The ranks of the default group (1 without one). torch's fake backend counts: planning a
+    fake world of N ranks plans for N (`muon.planner`)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def collectives_move_data() -> bool:
+    """More than one rank, on a backend whose collectives exchange values (not torch's fake
+    backend, which returns at once): the step's agreements need to run."""
+    return world_size() > 1 and dist.get_backend() != "fake"
