@@ -20,8 +20,6 @@ STILL_RESHAPED = {
     "muon/newton_schulz.py",
     "models/glm/model/config.py",
     "models/glm/model/config.py:GLMConfig._check_attention",
-    "muon/groups.py:param_groups",
-    "recipes/planning.py:plan",  # its optimizer options become one typed dataclass
 }
 
 
