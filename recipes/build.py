@@ -14,32 +14,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from models.glm import GLMConfig, GLMForCausalLM, get_preset
+from models.glm import GLMConfig, GLMForCausalLM
 from models.glm.infra.context_parallel import TRAIN_LAYOUT, apply_context_parallel, context_group
 from models.glm.infra.init import init_weights
 from models.glm.infra.parallelize import build_meshes, parallelize
+from recipes.config.glm_config import model_config as model_config  # re-exported
 from recipes.units import GiB
-
-
-def model_config(cfg: DictConfig) -> GLMConfig:
-    """The GLMConfig of `model.preset` with `model.overrides`, its vocab set to the data's and
-    its indexer training to `train.indexer_training`; `model=hf`: of `model.path`'s
-    config.json, whose vocab it keeps (the data's ids must fit)."""
-    overrides = dict(cfg.model.overrides)
-    overrides["indexer_training"] = str(cfg.train.get("indexer_training", "kl"))
-    if cfg.model.get("dsa_impl") is not None:
-        overrides["dsa_impl"] = str(cfg.model.dsa_impl)
-    if str(cfg.model.preset) == "hf":
-        from recipes.hf import hf_model_config
-
-        return hf_model_config(cfg.model.path, overrides)
-    overrides["vocab_size"] = cfg.data.vocab_size
-    pad = get_preset(str(cfg.model.preset)).pad_token_id
-    if pad is not None and pad >= cfg.data.vocab_size and "pad_token_id" not in overrides:
-        # The preset's pad id is its tokenizer's (glm52: 154820); data of a smaller vocabulary
-        # has no such token, so its embedding has no pad row.
-        overrides["pad_token_id"] = None
-    return get_preset(str(cfg.model.preset), **overrides)
 
 
 def build_model(cfg: DictConfig, config: GLMConfig, device: torch.device) -> GLMForCausalLM:

@@ -5,15 +5,11 @@
   r, r + W, ...; every tensor is read from the sharded DCP files region by region (one
   transformers tensor at a time: an expert matrix, a norm, the embedding), so no rank ever holds
   more than one tensor beyond what the DCP reader stages (the saved pieces overlapping it).
-- `hf_model_config(path, overrides)`: `model=hf model.path=DIR`, the model of DIR's config.json.
-- `check_init_from(cfg)`: in the launching process, before any rank starts: the directory, its
-  config against the model the run builds, and every tensor's presence, shape and format.
 - `init_from(model, path)`: every rank fills its own shards from the files (hf_import.load_hf).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -26,7 +22,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from models.glm import GLMConfig
 from models.glm.hf.adapter import write_hf
-from models.glm.hf.load import HFDir, check_hf, load_hf
+from models.glm.hf.load import load_hf
 from recipes import checkpoint_verify, ranks
 from recipes.dcp_safe import SafeReader
 from recipes.units import GiB
@@ -120,50 +116,6 @@ def export_checkpoint(
     if dist.is_initialized():
         dist.barrier()
     return written
-
-
-def hf_model_config(path: str | Path, overrides: dict) -> GLMConfig:
-    """`model=hf`: the GLMConfig of a transformers directory's config.json (glm4_moe or
-    glm_moe_dsa), with `model.overrides` replacing fields."""
-    import json
-
-    from models.glm.hf.config import config_from_hf
-
-    path = Path(path).expanduser()
-    config = config_from_hf(json.loads((path / "config.json").read_text()))
-    return dataclasses.replace(config, **overrides) if overrides else config
-
-
-def check_init_from(
-    path: str | Path, config: GLMConfig, *, init_missing_mtp: bool = False
-) -> list[str]:
-    """Raise ValueError unless `path` is a transformers GLM directory of the model of
-    `config`: same config fields (naming those that differ) and every tensor present in the
-    right shape and a loadable format (naming the tensors; MTP layers the files lack only
-    with `init_missing_mtp`, `checkpoint.init_missing_mtp`). Reads config.json and the
-    safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
-    from models.glm.hf.config import TRAINING_ONLY, canonical_indexer_types
-
-    hf = HFDir(path)
-    theirs, ours = hf.config.to_dict(), config.to_dict()
-    for fields in (theirs, ours):  # all "full" and None say the same
-        fields["indexer_types"] = canonical_indexer_types(fields["indexer_types"])
-    differ = {
-        k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k] and k not in TRAINING_ONLY
-    }
-    if differ:
-        listed = ", ".join(f"{k}: run {a!r}, files {b!r}" for k, (a, b) in sorted(differ.items()))
-        raise ValueError(
-            f"{path}/config.json differs from the model of this run ({listed}); build the "
-            f"model from the directory (model=hf model.path={path}), or set "
-            "model.overrides.<field> (vocab_size: data.vocab_size) to match"
-        )
-    return check_hf(
-        hf,
-        config,
-        init_missing_mtp=init_missing_mtp,
-        init_missing_mtp_key="checkpoint.init_missing_mtp=true",
-    )
 
 
 def init_from(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -24,8 +25,8 @@ from models.glm import get_preset
 from muon import batch_cost
 from muon.paths import PATHS
 from muon.plan import REMAINDER_CHOICES, REMAINDER_STRATEGIES, BatchPlan, MeshCommPlan
-from recipes.bench.fixtures import DTYPES
 from recipes.build import join_fake_world, planning_model
+from recipes.dtypes import DTYPES
 from recipes.planning_report import GiB, over_budget
 from recipes.ranks import local_tensor
 
@@ -70,14 +71,29 @@ def build_optimizer(
     return recipe_optimizer(cfg.optim, model, expert_aware=expert_aware)
 
 
+def build_optimizers(model, strategies: tuple[str, ...], *args, **knobs) -> dict[str, object]:
+    """`build_optimizer` once per remainder strategy, by strategy (`args`, `knobs`: its other
+    arguments)."""
+    return {s: build_optimizer(model, s, *args, **knobs) for s in strategies}
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int):
+    """Inside torch's fake process group of `world_size` ranks as `rank`
+    (`recipes.build.join_fake_world`), left on exit when it was joined here."""
+    created = join_fake_world(world_size, rank)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 def plan_from_args(args, *, strategies: tuple[str, ...], **overrides) -> dict:
     """`plan` of scripts/plan_memory.py's parsed arguments (`overrides`: the GLMConfig fields
     its options set)."""
     return plan(
         model=args.model,
-        world_size=args.world_size,
-        ep=args.ep,
-        rank=args.rank,
         dtype=args.dtype,
         ns_dtype=args.ns_dtype,
         ns_algorithm=args.ns_algorithm,
@@ -85,15 +101,23 @@ def plan_from_args(args, *, strategies: tuple[str, ...], **overrides) -> dict:
         router=args.router,
         nesterov=args.nesterov,
         max_inflight=args.max_inflight,
-        budget_gib=args.budget_gib,
         strategies=strategies,
         tokens_per_step=args.tokens_per_step,
         muon_split=args.muon_split,
         normuon=args.normuon,
-        seq_len=args.seq_len,
         overrides=overrides,
-        cp=args.cp,
+        **world_options(args),
     )
+
+
+#: the keywords `plan` and `recipes.planning_step.step_report` both take, and the options of
+#: scripts/plan_memory.py that set them: the world, the viewed rank, the sequence, the budget
+WORLD_OPTIONS = ("world_size", "ep", "rank", "seq_len", "budget_gib", "cp")
+
+
+def world_options(args) -> dict:
+    """`WORLD_OPTIONS` of scripts/plan_memory.py's parsed arguments, by keyword."""
+    return {k: getattr(args, k) for k in WORLD_OPTIONS}
 
 
 def muon_names(opt) -> list[str]:
@@ -354,41 +378,33 @@ def plan(
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank {rank} is outside the world of {world_size}")
     t0 = time.perf_counter()
-    created = join_fake_world(world_size, rank)
-    try:
+    with fake_world(world_size, rank):
         config = get_preset(model, **(overrides or {}))
         net, meshes = planning_model(config, ep=ep, dtype=DTYPES[dtype])
         active = active_parameters(net, config)
         fwd_bwd = 6 * active * tokens_per_step / world_size
         budget = None if budget_gib is None else budget_gib * GiB
-        opts = {
-            s: build_optimizer(
-                net,
-                s,
-                expert_aware,
-                router,
-                ns_dtype,
-                muon_split=muon_split,
-                normuon=normuon,
-                nesterov=nesterov,
-                max_inflight=max_inflight,
-                ns_algorithm=ns_algorithm,
-                memory_budget_gib=budget_gib,
-            )
-            for s in strategies
-        }
+        opts = build_optimizers(
+            net,
+            strategies,
+            expert_aware,
+            router,
+            ns_dtype,
+            muon_split=muon_split,
+            normuon=normuon,
+            nesterov=nesterov,
+            max_inflight=max_inflight,
+            ns_algorithm=ns_algorithm,
+            memory_budget_gib=budget_gib,
+        )
         build_s = time.perf_counter() - t0
         first = next(iter(opts.values()))
         param_tensors = sum(len(g["params"]) for g in first.param_groups)
-        ns_itemsize = DTYPES[ns_dtype].itemsize
-        report = summarize(opts, ns_itemsize, nesterov, fwd_bwd)
+        report = summarize(opts, DTYPES[ns_dtype].itemsize, nesterov, fwd_bwd)
         report["attention"] = attention_figures(
             first, config, tokens_per_step // world_size, seq_len, fwd_bwd, cp=cp, rank=rank
         )
         efsdp = meshes.efsdp
-    finally:
-        if created:
-            dist.destroy_process_group()
     report["meta"] = dict(
         model=model,
         world_size=world_size,

@@ -61,20 +61,17 @@ def step_report(
 def step_from_args(args, overrides: dict) -> tuple[str, bool]:
     """`step_report` of scripts/plan_memory.py's parsed arguments (`overrides`: the GLMConfig
     fields its options set, passed as train.* keys)."""
+    from recipes.planning import world_options
+
     return step_report(
         preset=args.model,
-        world_size=args.world_size,
-        ep=args.ep,
-        rank=args.rank,
-        seq_len=args.seq_len,
         micro_batch=args.micro_batch,
-        budget_gib=args.budget_gib,
         extra=(
             f"optim.max_inflight={args.max_inflight}",
             *(f"train.{k}={v}" for k, v in overrides.items()),
         ),
-        cp=args.cp,
         keep_gathered=args.cp_keep_gathered,
+        **world_options(args),
     )
 
 

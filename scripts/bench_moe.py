@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 from recipes.bench.cli import command_line
-from recipes.bench.fixtures import DTYPES
 from recipes.bench.moe import KERNELS, measure
+from recipes.dtypes import DTYPES
 from recipes.tables import machine_description, markdown_table, write_csv
 
 COLUMNS = (

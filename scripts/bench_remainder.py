@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 
 from recipes.bench.cli import command_line, ns_variant_arg
-from recipes.bench.fixtures import DTYPES
 from recipes.bench.remainder import STRATEGIES, aggregate, resolve_args, sweep
 from recipes.bench.remainder_report import evaluate_targets, markdown, plot
+from recipes.dtypes import DTYPES
 from recipes.tables import machine_description, write_csv
 from recipes.world import run_world
 

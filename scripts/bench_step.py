@@ -35,9 +35,9 @@ import torch
 
 from muon.plan import REMAINDER_CHOICES as STRATEGIES
 from recipes.bench.cli import command_line, ns_variant_arg
-from recipes.bench.fixtures import DTYPES
 from recipes.bench.step import BAG, run_world, summarize
 from recipes.bench.step_report import markdown, targets
+from recipes.dtypes import DTYPES
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from models.glm import get_preset
 from muon.plan import REMAINDER_CHOICES
-from recipes.bench.fixtures import DTYPES
 from recipes.context_memory import cp_error
+from recipes.dtypes import DTYPES
 from recipes.planning import TOKENS_PER_STEP, plan_from_args
 from recipes.planning_report import format_report
 from recipes.planning_step import step_from_args

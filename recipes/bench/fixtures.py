@@ -14,9 +14,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-#: the command-line spellings of the dtypes benchmarks take
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
 
 def sharded_matrices(
     shapes: Sequence[tuple[int, ...]],

@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
-from recipes.bench.fixtures import DTYPES
 from recipes.bench.probe import all_on_device
 from recipes.bench.timing import interleaved
+from recipes.dtypes import DTYPES
 
 #: the kernels compared, the reference (the per-expert loop) first
 KERNELS = ("loop", "grouped_mm", "padded_bmm")

@@ -19,8 +19,9 @@ import torch
 
 from muon import batch_cost
 from muon.plan import REMAINDER_STRATEGIES as STRATEGIES
-from recipes.bench.fixtures import DTYPES, sharded_matrices
+from recipes.bench.fixtures import sharded_matrices
 from recipes.bench.timing import peak_bytes, rotations, timed
+from recipes.dtypes import DTYPES
 from recipes.units import MiB
 
 __all__ = ["STRATEGIES", "aggregate", "sweep"]

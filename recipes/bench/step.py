@@ -9,8 +9,9 @@ import statistics
 
 import torch
 
-from recipes.bench.fixtures import DTYPES, sharded_matrices
+from recipes.bench.fixtures import sharded_matrices
 from recipes.bench.timing import peak_bytes, rotations, timed
+from recipes.dtypes import DTYPES
 from recipes.units import MiB
 from recipes.world import run_world as _run_world
 

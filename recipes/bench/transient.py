@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from recipes.bench.fixtures import DTYPES, optimizer_step_peak, sharded_matrices
+from recipes.bench.fixtures import optimizer_step_peak, sharded_matrices
+from recipes.dtypes import DTYPES
 from recipes.units import MiB
 
 #: 19 matrices, 13.4 M parameters: 3 layers of a d = 640 transformer (q, k, v, o and a 2048

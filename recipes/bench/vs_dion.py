@@ -16,8 +16,9 @@ import statistics
 
 import torch
 
-from recipes.bench.fixtures import DTYPES, optimizer_step_peak, sharded_matrices
+from recipes.bench.fixtures import optimizer_step_peak, sharded_matrices
 from recipes.bench.timing import rotations, timed
+from recipes.dtypes import DTYPES
 from recipes.ranks import local_tensor
 from recipes.units import MiB
 

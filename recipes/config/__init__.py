@@ -9,7 +9,9 @@ Every field carries a one-line help in `metadata["help"]`; `describe()` prints t
 One module per purpose, every public name re-exported here (`from recipes.config import X`):
 - `schema`: the dataclasses and Enums, `OPTIM_SCHEMAS`, `ConfigError`;
 - `checks`: `validate` of a composed config, its torch-free first stage `validate_config`;
-- `model_checks`: its second stage, `validate_model` (imports models/ and torch when run);
+- `model_checks`: its second stage, `validate_model` (imports models/ and torch when run),
+  `check_init_from` (the transformers directory a run starts from);
+- `glm_config`: the GLMConfig the config names, `model_config` (models/ imported when called);
 - `compose`: the command's config composed before Hydra's run, Hydra's errors as one line
   (`compose_command`, `hydra_error`);
 - `preflight`: checks of the run's surroundings any caller may run on their own (`run.name`

@@ -10,11 +10,13 @@ failure is a `ConfigError` naming the key, as in checks.py.
 import dataclasses
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.config.describe import config_error
+from recipes.config.glm_config import model_config
 from recipes.config.preflight import check_token_ids
 from recipes.config.schema import ConfigError, Device, ModelPreset
 
@@ -48,7 +50,6 @@ def _validate_model(cfg: DictConfig) -> "GLMConfig":
     returns its GLMConfig (built once here, for the checks after it)."""
     from models.glm import GLMConfig
     from models.glm.infra.parallelize import check_layout
-    from recipes.build import model_config
 
     model = cfg.model
     allowed = sorted(f.name for f in dataclasses.fields(GLMConfig))
@@ -116,8 +117,6 @@ def _validate_checkpoint(cfg: DictConfig, config: "GLMConfig") -> None:
     path = cfg.checkpoint.init_from
     if path is None:
         return
-    from recipes.hf import check_init_from
-
     try:  # config fields, every tensor's presence and shape: headers only, no weights read
         check_init_from(
             os.path.expanduser(path),
@@ -126,3 +125,36 @@ def _validate_checkpoint(cfg: DictConfig, config: "GLMConfig") -> None:
         )
     except (ValueError, OSError) as err:
         raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
+
+
+def check_init_from(
+    path: str | Path, config: "GLMConfig", *, init_missing_mtp: bool = False
+) -> list[str]:
+    """Raise ValueError unless `path` is a transformers GLM directory of the model of
+    `config`: same config fields (naming those that differ) and every tensor present in the
+    right shape and a loadable format (naming the tensors; MTP layers the files lack only
+    with `init_missing_mtp`, `checkpoint.init_missing_mtp`). Reads config.json and the
+    safetensors headers only. Returns the MTP tensors the files lack (left initialized)."""
+    from models.glm.hf.config import TRAINING_ONLY, canonical_indexer_types
+    from models.glm.hf.load import HFDir, check_hf
+
+    hf = HFDir(path)
+    theirs, ours = hf.config.to_dict(), config.to_dict()
+    for fields in (theirs, ours):  # all "full" and None say the same
+        fields["indexer_types"] = canonical_indexer_types(fields["indexer_types"])
+    differ = {
+        k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k] and k not in TRAINING_ONLY
+    }
+    if differ:
+        listed = ", ".join(f"{k}: run {a!r}, files {b!r}" for k, (a, b) in sorted(differ.items()))
+        raise ValueError(
+            f"{path}/config.json differs from the model of this run ({listed}); build the "
+            f"model from the directory (model=hf model.path={path}), or set "
+            "model.overrides.<field> (vocab_size: data.vocab_size) to match"
+        )
+    return check_hf(
+        hf,
+        config,
+        init_missing_mtp=init_missing_mtp,
+        init_missing_mtp_key="checkpoint.init_missing_mtp=true",
+    )

@@ -48,19 +48,7 @@ ROOM_IMPORTS = {
 }
 _RESHAPE = "moved by the reshape"
 #: (importer, imported) edges that break a room rule, with their reason
-ALLOWED_EDGES = {
-    ("recipes.config.model_checks", "recipes.build"): (
-        f"{_RESHAPE}: the second stage builds the model's config the ranks would "
-        "(model_config), which becomes one GLMConfig built once and passed"
-    ),
-    ("recipes.config.model_checks", "recipes.hf"): (
-        f"{_RESHAPE}: the second stage checks checkpoint.init_from's directory"
-    ),
-    ("recipes.planning", "recipes.bench.fixtures"): (
-        f"{_RESHAPE}: the dtype names table (DTYPES) of the dry-run planner, whose script "
-        "logic moves into recipes/"
-    ),
-}
+ALLOWED_EDGES: dict[tuple[str, str], str] = {}
 
 _FOREACH = "torch's foreach ops (one launch for a list of tensors) have no public name"
 _DISPATCH = "TorchDispatchMode, the op-level hook, is exported from this module only"

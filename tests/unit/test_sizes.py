@@ -15,10 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
 #: files (globs) and functions (`file:Qualified.name`) still being reshaped
-STILL_RESHAPED = {
-    "muon/groups.py:param_groups",
-    "recipes/planning.py:plan",  # its optimizer options become one typed dataclass
-}
+STILL_RESHAPED: set[str] = set()
 
 
 def _files() -> list[Path]:
