@@ -89,7 +89,7 @@ def segments(
     NorMuon's temporaries and the widened updates only inside their stretch. `gloo`: AGRS's
     all-gather and reduce-scatter also make gloo's flat staging copy of the slab, freed when
     they complete (NCCL: none).
-    `agree`: the ranks holding the parameters' shards agree on the verdicts (`muon.refusals.
+    `agree`: the ranks holding the parameters' shards agree on the verdicts (`muon.verdict.
     verdict_groups`) in an all-reduce the task yields on between the check and the apply, one
     stretch more, holding the returned updates (the local path: its input and NS output)."""
     buf = PATHS[b.path].buffer_figures(b, r)

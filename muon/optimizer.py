@@ -53,25 +53,27 @@ from muon.layout import local
 from muon.options import DEFAULTS as _D
 from muon.plan import BatchPlan, MeshCommPlan
 from muon.planner import build_step_plan, resolve_link
-from muon.refusals import refusals_learnt, verdict_groups, warn_refused, without_own_dtype_state
 from muon.runtime import AsyncRuntime
+from muon.state_dict import (
+    OWN_DTYPE_STATE,
+    check_loaded_groups,
+    plan_keys,
+    without_own_dtype_state,
+)
 from muon.stats import StepStats
 from muon.task import StepContext, batch_tasks
 from muon.validate import (
     ADJUST_LR,
     MUON_ONLY_KEYS,
     NS_DTYPES,
-    OWN_DTYPE_STATE,
     check_group_keys,
-    check_loaded_groups,
     check_options,
     dtype_name,
     fold_adamw_momentum,
     group_algorithm,
-    plan_keys,
     validate_group,
 )
-from muon.verdict import StepVerdict
+from muon.verdict import StepVerdict, refusals_learnt, verdict_groups, warn_refused
 from muon.wire import world_size
 
 __all__ = ["ADJUST_LR", "NS_DTYPES", "Muon", "adjusted_lr"]  # the choice lists recipes read
@@ -215,7 +217,7 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, after `muon.validate.check_loaded_groups` has checked everything it
+        """torch's load, after `muon.state_dict.check_loaded_groups` has checked everything it
         would load; re-plans (collectively, as the constructor) when planning keys changed."""
         loaded = check_loaded_groups(self.param_groups, state_dict)
         before = plan_keys(self.param_groups)

@@ -36,7 +36,7 @@ class StepContext:
     """What one update's tasks read of `muon.Muon`: its step plan (`muon.planner.StepPlan`),
     `param_groups` and `state`, the per-batch chunks made at planning (`muon.chunks`), the ids
     of the parameters without a grad on any rank this step (`muon.census`), where verdicts are
-    recorded and agreed (`muon.verdict`, `muon.refusals.verdict_groups`) and the Gram blow-up
+    recorded and agreed (`muon.verdict`, `muon.verdict.verdict_groups`) and the Gram blow-up
     counters (`muon.blowups`)."""
 
     plan: object

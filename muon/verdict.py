@@ -1,5 +1,6 @@
 """The host's side of skipped steps and refused updates (`muon.guard` defines both): what a
-`Muon` knows of them across steps, and the device verdicts of the update under way.
+`Muon` knows of them across steps, the device verdicts of the update under way, the process
+groups whose ranks agree on each parameter's verdict, and the warning naming refused ones.
 
 A step's verdict stays on the device (`muon.guard.SkipFlag`) until someone asks: the first
 `last_step_skipped` after the step reads it, `skipped_steps` reads the flags of the steps
@@ -9,11 +10,15 @@ first, read by `refused_updates`."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from muon.blowups import param_name
 from muon.guard import SkipFlag
+from muon.wire import collectives_move_data
 
 
 class StepVerdict:
@@ -21,7 +26,7 @@ class StepVerdict:
 
     `learn(refusals, written, ranks)` names and counts the refused updates of an update's
     (batch, chunk, verdicts) `refusals` from `written`, one count per parameter position of
-    how many of `ranks` wrote it (`muon.refusals.refusals_learnt`, bound to the optimizer)."""
+    how many of `ranks` wrote it (`refusals_learnt`, bound to the optimizer)."""
 
     def __init__(self, learn: Callable[[list, list[int], int], int]) -> None:
         self._learn = learn
@@ -121,3 +126,45 @@ class StepVerdict:
             written = torch.cat([ok for _, _, ok in refusals]).tolist()
             self.learn(refusals, written, 1)
         return self._refused
+
+
+def warn_refused(names: list[str], why: str) -> None:
+    """One warning for one step's refused updates (`muon.guard`: what a refusal leaves)."""
+    warnings.warn(
+        f"Muon: the update of {', '.join(names)} {why} and was refused on every rank: the "
+        "parameter kept its value, its optimizer state moved; the step is marked skipped",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def verdict_groups(plan) -> dict:
+    """Per sharded mesh plan, the process group whose ranks hold every shard of its parameters
+    and agree on their verdicts (`muon.phases.check`): the FSDP group, or with an EP dim the
+    whole mesh, which is the default group (every rank is in every parameter's mesh,
+    `muon.planner`). None (no agreement needed: every rank holds the whole parameter) for
+    unsharded meshes and a single process."""
+    if not collectives_move_data():
+        return {}
+    return {
+        mp: dist.group.WORLD if mp.ep_mesh_dim is not None else plan.groups[(mp, 0)]
+        for mp, _ in plan.plans
+        if mp.sharded
+    }
+
+
+def refusals_learnt(opt, refusals: list, written: list[int], ranks: int) -> int:
+    """How many parameter updates `opt`'s previous update refused, named in one warning:
+    `refusals` its (batch, chunk, verdicts) in step order, `written` one count per position of
+    each chunk, how many of `ranks` wrote it (the census's sum of the agreed verdicts: all of
+    them, or none)."""
+    names, flat = [], iter(written)
+    for b, chunk, _ in refusals:
+        for j in chunk.positions:
+            if next(flat) < ranks:
+                p, gi = opt.plan.params[b.param_indices[j]]
+                names.append(param_name(p, gi, opt.param_groups))
+    if names:
+        why = "could not be written in its dtype, or a Gram Newton-Schulz block left its band"
+        warn_refused(names, why)
+    return len(names)

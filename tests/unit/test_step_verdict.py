@@ -8,7 +8,7 @@ from muon.verdict import StepVerdict
 
 
 def _refused(refusals: list, written: list[int], ranks: int) -> int:
-    """How many positions fewer than `ranks` wrote (what `muon.refusals.refusals_learnt`
+    """How many positions fewer than `ranks` wrote (what `muon.verdict.refusals_learnt`
     counts, without the names)."""
     return sum(w < ranks for w in written)
 
