@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import muon.blocks as muon_blocks
-import muon.optimizer as muon_optimizer
+import muon.task as muon_task
 from muon import Muon, batch_cost
 from muon.runtime import AsyncRuntime
 from recipes.bench.fixtures import sharded_matrices
@@ -94,18 +94,18 @@ def _behaviour_world():
 
     # padding slots run no Newton-Schulz: one real matrix on W=4 is orthogonalized once
     calls: list[bool] = []
-    real_orthogonalize = muon_optimizer._orthogonalize
+    real_orthogonalize = muon_task.orthogonalize
 
     def spy(m, **kw):
         calls.append(bool((m == 0).all()))
         return real_orthogonalize(m, **kw)
 
-    muon_optimizer._orthogonalize = spy
+    muon_task.orthogonalize = spy
     try:
         opt = Muon(_sharded([(16, 8)], mesh), remainder_strategy="pad_all2all")
         opt.step()
     finally:
-        muon_optimizer._orthogonalize = real_orthogonalize
+        muon_task.orthogonalize = real_orthogonalize
     out["pad_ns_calls"] = calls
 
     # a rank with a different parameter order fails with the fingerprint error instead of

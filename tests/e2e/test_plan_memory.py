@@ -196,7 +196,7 @@ def _measured_world() -> dict:
     """Per strategy: plan figures and measured optimizer-step peaks of this rank."""
     import torch.distributed as dist
 
-    import muon.optimizer as muon_optimizer
+    import muon.task as muon_task
     from muon import Muon, batch_cost
     from recipes.bench.fixtures import sharded_matrices
     from recipes.memory import MemoryMeter
@@ -204,7 +204,7 @@ def _measured_world() -> dict:
 
     mesh = init_mesh((W,), ("fsdp",))
     meter = MemoryMeter("cpu")
-    real_orthogonalize = muon_optimizer._orthogonalize
+    real_orthogonalize = muon_task.orthogonalize
     out: dict[str, dict] = {}
     for strategy in STRATEGIES:
         params = sharded_matrices([SHAPE] * COUNT, mesh, generator=torch.Generator().manual_seed(0))
@@ -229,7 +229,7 @@ def _measured_world() -> dict:
         }
         for mode in ("exchange", "step"):
             # exchange only: NS becomes a same-size copy (its output is in the exchange count)
-            muon_optimizer._orthogonalize = (
+            muon_task.orthogonalize = (
                 (lambda m, **_: m.clone()) if mode == "exchange" else real_orthogonalize
             )
             try:
@@ -245,7 +245,7 @@ def _measured_world() -> dict:
                         opt.step()
                     peaks.append(m.peak_delta_bytes("optim"))
             finally:
-                muon_optimizer._orthogonalize = real_orthogonalize
+                muon_task.orthogonalize = real_orthogonalize
             # gloo worker threads free buffers a little late, now and then: the median step
             row[f"measured_{mode}"] = statistics.median(peaks)
             row[f"measured_{mode}_all"] = peaks

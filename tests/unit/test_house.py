@@ -161,8 +161,6 @@ ALLOWED = {
     ("muon/layout.py", "_local_tensor"): f"{_RESHAPE}: one helper for a DTensor's local tensor",
     ("tests/unit/test_muon_plan.py", "_Trial"): f"{_RESHAPE}: muon.owners' trial, renamed",
     ("tests/unit/test_muon_graph_ready.py", "_blowups"): f"{_RESHAPE}: Muon's step state",
-    ("tests/distributed/test_muon_behaviour.py", "_orthogonalize"): f"{_RESHAPE}: Muon's step",
-    ("tests/e2e/test_plan_memory.py", "_orthogonalize"): f"{_RESHAPE}: Muon's step",
     ("tests/distributed/test_gram_blowup.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
     ("tests/distributed/test_muon_refusal.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
     ("tests/unit/test_gram_band.py", "_gram"): f"{_RESHAPE}: muon/newton_schulz.py",
