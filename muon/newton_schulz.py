@@ -87,7 +87,9 @@ def _standard(X: torch.Tensor, schedule, steps: int, symmetric: bool) -> torch.T
     return X
 
 
-def _gram(X: torch.Tensor, schedule, steps: int, symmetric: bool, restarts) -> torch.Tensor:
+def gram_iteration(
+    X: torch.Tensor, schedule, steps: int, symmetric: bool, restarts
+) -> torch.Tensor:
     """Gram Newton-Schulz of the normalized wide blocks `X`."""
     # H = a I + K with K = b R + c R^2 keeps a out of the low-precision matrix K (a ~ 3 next to
     # diagonal entries ~ 1/m would lose their digits); the fused "beta * C + A @ B" kernels
@@ -114,11 +116,11 @@ def _gram(X: torch.Tensor, schedule, steps: int, symmetric: bool, restarts) -> t
 #: recomputed with the standard iteration: the slack bf16 standard Newton-Schulz stays within
 #: (tests/unit/test_newton_schulz.py), so a Gram block is kept only where it keeps that promise.
 GRAM_SLACK = 0.04
-#: Krylov (Lanczos) steps of the output check (`_top_singular_value`)
+#: Krylov (Lanczos) steps of the output check (`top_singular_value`)
 CHECK_STEPS = 6
 
 
-def _top_singular_value(O: torch.Tensor) -> torch.Tensor:
+def top_singular_value(O: torch.Tensor) -> torch.Tensor:
     """Each block's largest singular value, estimated from below on the output itself.
 
     Rayleigh-Ritz on a `CHECK_STEPS`-dimensional Krylov space of O O^T (O is m x n, m <= n) from
@@ -198,8 +200,8 @@ def _checked_gram(X, schedule, steps, symmetric, restarts, blowups=None) -> torc
     """Gram Newton-Schulz with the output check: a block whose output leaves the band is
     recomputed by the standard iteration (one host read, to learn whether any did), or, when a
     `blowups` list is given, set to zeros with its flag appended to the list (no read)."""
-    out = _gram(X, schedule, steps, symmetric, restarts)
-    bad = _top_singular_value(out) > band_top(tuple(schedule), steps) + GRAM_SLACK
+    out = gram_iteration(X, schedule, steps, symmetric, restarts)
+    bad = top_singular_value(out) > band_top(tuple(schedule), steps) + GRAM_SLACK
     if blowups is not None:
         blowups.append(bad.reshape(-1))
         return out.masked_fill_(bad[..., None, None], 0)

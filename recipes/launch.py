@@ -184,7 +184,7 @@ def _launch_local(world_size: int, payload: dict[str, Any]) -> dict[str, Any] | 
 _FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-log format
 
 
-def _setup_logging(rank: int, run_dir: Path) -> logging.Logger:
+def setup_logging(rank: int, run_dir: Path) -> logging.Logger:
     """Console: rank 0's lines and every rank's warnings, prefixed `[rank<k>]`. Run dir:
     rank 0's lines in train.log (Hydra's job log, appended to), each rank's warnings and
     errors (Python warnings and other libraries' included) in logs/rank_<k>.log.
@@ -279,7 +279,7 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any] | None:
         box = [payload["run_dir"]]
         dist.broadcast_object_list(box, src=0)  # torchrun: every rank ran Hydra; rank 0 wins
         run_dir = Path(box[0])
-        failure = _setup_logging(rank, run_dir)
+        failure = setup_logging(rank, run_dir)
         try:
             return Trainer(cfg, run_dir, device).train()
         except BaseException as err:

@@ -117,7 +117,8 @@ _tracking_lock = threading.Lock()
 _tracking_state: bool | None = None
 
 
-def _libc10_path() -> str | None:
+def libc10_path() -> str | None:
+    """The c10 library next to torch's, whose report flag CPU tracking sets (None: not found)."""
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     for name in ("libc10.so", "libc10.dylib", "c10.dll"):
         path = os.path.join(lib_dir, name)
@@ -127,7 +128,7 @@ def _libc10_path() -> str | None:
 
 
 def _set_report_flag() -> bool:
-    path = _libc10_path()
+    path = libc10_path()
     if path is None:
         warnings.warn(
             "recipes.memory: libc10 not found next to torch; CPU frees on worker "
@@ -280,7 +281,7 @@ class Measurement:
     def _mark(self) -> int:
         index = self._markers
         self._markers += 1
-        marker = torch.empty(_marker_bytes(index), dtype=torch.uint8)
+        marker = torch.empty(marker_bytes(index), dtype=torch.uint8)
         del marker
         return index
 
@@ -342,7 +343,8 @@ class Measurement:
 
 
 # -- CPU: profiler session and event analysis ----------------------------------------------
-def _marker_bytes(index: int) -> int:
+def marker_bytes(index: int) -> int:
+    """Bytes of marker `index`, the index-th boundary of a span (the sizes above)."""
     return _MARKER_BASE_BYTES + _MARKER_STRIDE_BYTES * index
 
 
@@ -416,7 +418,7 @@ def _analyze_cpu(result: Any, scopes: list[_Scope], n_markers: int) -> None:
     live_at: list[int] = []  # marker index -> live bytes (marker excluded)
     pos = 0
     for index in range(n_markers):
-        size = _marker_bytes(index)
+        size = marker_bytes(index)
         found = None
         for i in range(pos, len(events)):
             if events[i][1] != size:

@@ -132,7 +132,7 @@ class Trainer:
         return trainer_state.save(self)
 
     # -------------------------------------------------------------------------------- step
-    def _forward_backward(self) -> dict[str, torch.Tensor]:
+    def forward_backward(self) -> dict[str, torch.Tensor]:
         """The micro-steps' forward + backward; the step's mean of each loss term."""
         cfg = self.cfg
         accum = cfg.train.grad_accum_steps
@@ -179,7 +179,7 @@ class Trainer:
             self.skipped += int(self.skipped_unread.item() if unread is None else unread)
             self.skipped_unread = None
 
-    def _optimizer_step(self, values: DeviceValues | None = None) -> bool | torch.Tensor:
+    def optimizer_step(self, values: DeviceValues | None = None) -> bool | torch.Tensor:
         """Clip and step; returns whether the step was skipped (Muon: True, or its update
         guard's verdict, a 0-d bool tensor on the device: `Muon.step_skipped`). The squared
         gradient norms (and the attention logits) go into `values`, still on the device:
@@ -263,19 +263,19 @@ class Trainer:
         values = DeviceValues()
         if measure:
             with self.meter.measure("step") as m:
-                loss = self._forward_backward()
+                loss = self.forward_backward()
                 _sync(self.device)
                 t_opt = time.perf_counter()
                 with m.region("optim"):
-                    skipped = self._optimizer_step(values)
+                    skipped = self.optimizer_step(values)
                     _sync(self.device)
             memory = m.summary()
         else:
-            loss = self._forward_backward()
+            loss = self.forward_backward()
             if timed:
                 _sync(self.device)
             t_opt = time.perf_counter()
-            skipped = self._optimizer_step(values)
+            skipped = self.optimizer_step(values)
             if timed:
                 _sync(self.device)
         optim_s = time.perf_counter() - t_opt

@@ -6,7 +6,7 @@ composes (conf/ of the checkout it imports, so a baseline tree composes its own)
 
 - `count_rank`: tracks the device set from the build on (so what is allocated on the device,
   FSDP's buffers included, is known) and counts one `train_step` in three nested regions: the
-  optimizer's own `step`, the trainer's optimizer part (`Trainer._optimizer_step`: norms,
+  optimizer's own `step`, the trainer's optimizer part (`Trainer.optimizer_step`: norms,
   clipping, the step, QK-clip) and the whole `train_step`; the model and the optimizer's
   state are marked again before the step, the gradients when the optimizer is called. With
   them, the Muon parameters and batches of the optimizer's plan (`planned_batches`).
@@ -75,6 +75,12 @@ def _trainer(overrides: list[str], run_dir: Path):
     return Trainer(compose(overrides), run_dir, torch.device("cpu"))
 
 
+def _optimizer_part(trainer) -> str:
+    """The name of the trainer's optimizer part: `optimizer_step`, or `_optimizer_step` in a
+    baseline tree whose `Trainer` keeps it private."""
+    return "optimizer_step" if hasattr(trainer, "optimizer_step") else "_optimizer_step"
+
+
 def count_rank(overrides: list[str], profile: bool = True) -> dict[str, Any]:
     """One rank: build and warm up one step with the device set tracked from the start (what
     is allocated on the device, FSDP's buffers included, is known), then count the next step;
@@ -91,7 +97,7 @@ def count_rank(overrides: list[str], profile: bool = True) -> dict[str, Any]:
         seed()
         with (
             probe.wrap(trainer.opt, "step", REGIONS[0], before=seed),
-            probe.wrap(trainer, "_optimizer_step", REGIONS[1]),
+            probe.wrap(trainer, _optimizer_part(trainer), REGIONS[1]),
             probe.region(REGIONS[2]),
         ):
             trainer.train_step(measure=False)
@@ -130,7 +136,7 @@ def profiled_events(trainer) -> dict[str, int]:
         return lambda: setattr(obj, attr, original)
 
     undo = [labelled(trainer.opt, "step", REGIONS[0])]
-    undo.append(labelled(trainer, "_optimizer_step", REGIONS[1]))
+    undo.append(labelled(trainer, _optimizer_part(trainer), REGIONS[1]))
     try:
         with (
             profile(activities=[ProfilerActivity.CPU]) as prof,

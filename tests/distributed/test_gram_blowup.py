@@ -4,9 +4,9 @@ matrices step as they would without the blow-up, both ranks mark the step skippe
 step's census demotes the batches that blew up to the standard iteration on both ranks, with
 one warning each; on the full all-to-all path and on every remainder strategy.
 
-The blow-up is forced on rank 0 only: `_gram` is wrapped to multiply its output by 100 there
-(far outside the band). float32 Newton-Schulz; the unaffected matrices are compared exactly
-with the same world's run without the blow-up (the same ops in the same order).
+The blow-up is forced on rank 0 only: `gram_iteration` is wrapped to multiply its output by 100
+there (far outside the band). float32 Newton-Schulz; the unaffected matrices are compared
+exactly with the same world's run without the blow-up (the same ops in the same order).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ SHAPE = (256, 768)  # Gram under the default ns_algorithm="auto"
 
 def _run(blow_up: bool, strategy: str) -> dict:
     ns_module = importlib.import_module("muon.newton_schulz")
-    real, calls = ns_module._gram, []
+    real, calls = ns_module.gram_iteration, []
 
     def gram(X, *args):
         calls.append(1)
         out = real(X, *args)
         return out.mul_(100.0) if armed and dist.get_rank() == 0 else out
 
-    ns_module._gram = gram
+    ns_module.gram_iteration = gram
     try:
         gen = torch.Generator().manual_seed(0)
         holder = nn.Module()
@@ -76,7 +76,7 @@ def _run(blow_up: bool, strategy: str) -> dict:
             out[f"params_{step}"] = [p.to_local().clone() for p in params]
         return out
     finally:
-        ns_module._gram = real
+        ns_module.gram_iteration = real
 
 
 def _all(strategies: list[str]) -> dict:

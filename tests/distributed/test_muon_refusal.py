@@ -4,7 +4,7 @@ parameter whose written value passes 65504 on some shards only, leave each whole
 the 1-rank run leaves it (its value before the step) on 2 and 4 ranks, while a third
 parameter steps as on 1 rank; the refusals are counted and warned once, on every rank.
 
-The blow-up is forced in block 0 only: `_gram`'s output for that parameter's 3 blocks is
+The blow-up is forced in block 0 only: `gram_iteration`'s output for that parameter's 3 blocks is
 multiplied by 100 in its first block (far outside the band), on whichever rank orthogonalizes
 it. Before the verdicts were agreed, block 1's rows on the second rank moved (max difference
 from the 1-rank result 0.02) and the float16 shards that fit were written.
@@ -40,7 +40,7 @@ def _run(world: int) -> dict:
     """Two steps (the blow-up armed in the first); the full parameters after each, the
     refusal count and the warnings. `world` 1 runs on plain tensors without a process group."""
     ns_module = importlib.import_module("muon.newton_schulz")
-    real = ns_module._gram
+    real = ns_module.gram_iteration
     armed = [True]
 
     def gram(X, *args):
@@ -49,7 +49,7 @@ def _run(world: int) -> dict:
             out[0].mul_(100.0)
         return out
 
-    ns_module._gram = gram
+    ns_module.gram_iteration = gram
     try:
         holder = nn.Module()
         holder.ps = nn.ParameterList([nn.Parameter(w) for w in _weights().values()])
@@ -88,7 +88,7 @@ def _run(world: int) -> dict:
         out["refused"] = opt.refused_updates
         return out
     finally:
-        ns_module._gram = real
+        ns_module.gram_iteration = real
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

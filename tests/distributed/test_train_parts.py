@@ -64,9 +64,9 @@ def _accum_and_clip_world(cache: str):
             f"data.cache_dir={cache}", "train.grad_clip=0.01", f"train.clip_muon={clip_muon}"
         )
         trainer = Trainer(cfg, Path("/nonexistent"), torch.device("cpu"))
-        trainer._forward_backward()
+        trainer.forward_backward()
         before = grads.squared_norms(trainer.params)
-        trainer._optimizer_step()
+        trainer.optimizer_step()
         after = grads.squared_norms(trainer.params)
         out[f"clip_muon={clip_muon}"] = (before, after)
     return out

@@ -114,7 +114,7 @@ def _compile_case(device) -> dict:
         grads = torch.cat([p.grad.full_tensor().flatten().float() for p in model.parameters()])
         out[compiled] = (loss.item(), grads.cpu())
         if compiled:
-            out["used"] = all(layer._compiled_block is not None for layer in model.model.layers)
+            out["used"] = all(layer.compiled for layer in model.model.layers)
             out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return out
 

@@ -19,7 +19,7 @@ def test_compiling_a_layer_disables_every_eager_function_for_dynamo():
 
     model = GLMForCausalLM(get_preset("tiny"))
     model.model.layers[0].compile_block()  # torch.compile is lazy: nothing traces here
-    assert eager._MARKED, "models.glm marks its eager functions"
-    for fn, impl in eager._MARKED:
-        assert impl[0] is not fn and impl[0]._torchdynamo_disable, fn.__qualname__
-        assert impl[0]._torchdynamo_orig_callable is fn
+    assert eager.marked(), "models.glm marks its eager functions"
+    for fn, now in eager.marked():
+        assert now is not fn and now._torchdynamo_disable, fn.__qualname__
+        assert now._torchdynamo_orig_callable is fn

@@ -4,8 +4,8 @@ included) and the step is marked skipped; the next step's census demotes the bat
 standard iteration, with a warning. Single process, float32 Newton-Schulz, so that the
 comparisons with the standard iteration are exact up to one float32 rounding of the apply.
 
-The blow-up is forced: `_gram` is wrapped to multiply one block's output by 100, far outside
-the band (the output check estimates its largest singular value at ~100 > 1.12 + 0.04).
+The blow-up is forced: `gram_iteration` is wrapped to multiply one block's output by 100, far
+outside the band (the output check estimates its largest singular value at ~100 > 1.12 + 0.04).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ SHAPE = (256, 768)
 
 
 class BlowUp:
-    """`_gram` with block 0 of its output multiplied by 100 while `armed`; counts its calls."""
+    """`gram_iteration` with block 0 of its output multiplied by 100 while `armed`; counts its
+    calls."""
 
     def __init__(self) -> None:
-        self.real, self.armed, self.calls = ns_module._gram, False, 0
+        self.real, self.armed, self.calls = ns_module.gram_iteration, False, 0
 
     def __call__(self, X, *args):
         self.calls += 1
@@ -48,7 +49,7 @@ class BlowUp:
 @pytest.fixture
 def blow_up(monkeypatch) -> BlowUp:
     fake = BlowUp()
-    monkeypatch.setattr(ns_module, "_gram", fake)
+    monkeypatch.setattr(ns_module, "gram_iteration", fake)
     return fake
 
 

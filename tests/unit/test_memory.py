@@ -91,7 +91,7 @@ def test_nested_and_repeated_regions_are_consistent():
 def test_tensors_of_a_marker_size_do_not_confuse_the_boundaries():
     meter = MemoryMeter("cpu")
     # Boundary markers 0..3 of this span: span start, region start, region end, span end.
-    sizes = [memory._marker_bytes(i) for i in range(4)]
+    sizes = [memory.marker_bytes(i) for i in range(4)]
     with meter.measure() as m:
         # same size as the region-start marker, allocated before it
         early = tensor_of_bytes(sizes[1])
@@ -109,7 +109,7 @@ def test_tensors_of_a_marker_size_do_not_confuse_the_boundaries():
 
 def test_free_on_another_thread_is_not_retained():
     """Buffers freed or allocated on a worker thread are counted (c10's report flag is set)."""
-    lib = ctypes.CDLL(memory._libc10_path())
+    lib = ctypes.CDLL(memory.libc10_path())
     meter = MemoryMeter("cpu")
     assert meter.cpu_tracking
     assert ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value

@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 
 from muon import batch_cost, cost
 from muon.cost import block_flops as ns_flops
-from muon.owners import _Trial, assign_owners
+from muon.owners import assign_owners, balance_figures
 from muon.plan import (
     REMAINDER_STRATEGIES,
     MeshCommPlan,
@@ -231,11 +231,12 @@ def test_subgroups_widen_only_when_that_lowers_the_busiest_rank():
     assert {(b.subgroup_size, b.block_span) for b in plans[0][1]} == {(2, 2)}
     assert max(loads) == min(loads)
     with_dense = [*alone, (flat, _plan([_meta(12, (20, 20), 1, "float32", 4)], flat))]
-    narrow = max(_Trial(with_dense, w, 1).loads)
     plans, loads, _ = assign_owners(with_dense, world_size=w)
     sub = plans[0][1]
     assert {(b.subgroup_size, b.block_span) for b in sub} == {(4, 2)}
-    assert max(loads) < narrow
+    figures = balance_figures(plans, loads)
+    assert figures["subgroup_widening"] == 2
+    assert max(loads) < figures["ns_flops_busiest_unwidened"]
     view = sub[0].exchange_view(0)
     foreign = [u for u, o in enumerate(view.owners) if o not in view.holders(u)]
     assert foreign  # some blocks left their pair: their owner receives both shards

@@ -40,7 +40,7 @@ def test_rank_logging_files(tmp_path):
     from recipes import launch
 
     try:
-        failure = launch._setup_logging(2, tmp_path)
+        failure = launch.setup_logging(2, tmp_path)
         logging.getLogger("recipes").info("rank 2 info stays on the console")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -50,7 +50,7 @@ def test_rank_logging_files(tmp_path):
             raise RuntimeError("boom")
         except RuntimeError as err:
             failure.error("rank %d failed: %r", 2, err, exc_info=True)
-        launch._setup_logging(0, tmp_path)  # set up again in one process: replaced, not stacked
+        launch.setup_logging(0, tmp_path)  # set up again in one process: replaced, not stacked
         logging.getLogger("recipes").info("a rank-0 line")
     finally:
         for name in ("", "recipes", "recipes.failure", "torch", "torch.distributed"):

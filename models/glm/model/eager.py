@@ -35,3 +35,9 @@ def mark() -> None:
     for fn, impl in _MARKED:
         if impl[0] is fn:
             impl[0] = torch.compiler.disable(fn)
+
+
+def marked() -> list[tuple[Callable, Callable]]:
+    """(the function, what its wrapper calls now) of every `eager` function: the function
+    itself, or its `torch.compiler.disable`d form once `mark()` has run."""
+    return [(fn, impl[0]) for fn, impl in _MARKED]

@@ -69,6 +69,11 @@ class DecoderLayer(nn.Module):
         self._compiled_block = torch.compile(self._block)
 
     @property
+    def compiled(self) -> bool:
+        """Whether the block runs through torch.compile (`compile_block` has run)."""
+        return self._compiled_block is not None
+
+    @property
     def reads_topk(self) -> bool:
         """Whether the layer attends keys an earlier layer's indexer kept (a "shared" DSA layer)
         rather than running its own indexer."""
