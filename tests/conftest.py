@@ -19,6 +19,13 @@ FOLDER_MARKS = {
     "gpu": ("gpu",),
 }
 TESTS = Path(__file__).resolve().parent
+#: test files that share one worker under pytest-xdist (`-n N --dist loadgroup`): the Slurm
+#: clusters start one at a time, and the files reading `strategy_sweep` share its one sweep
+XDIST_GROUPS = {
+    "slurm": "slurm",  # the folder
+    "test_train.py": "strategy_sweep",
+    "test_compare_strategies.py": "strategy_sweep",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,6 +33,9 @@ def pytest_collection_modifyitems(config, items):
         folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
         for name in FOLDER_MARKS.get(folder, ()):
             item.add_marker(getattr(pytest.mark, name))
+        # one worker per file (module fixtures made once), or per group of files
+        group = XDIST_GROUPS.get(folder) or XDIST_GROUPS.get(item.path.name, item.path.name)
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
