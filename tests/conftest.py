@@ -28,6 +28,7 @@ XDIST_GROUPS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
