@@ -39,6 +39,8 @@ def test_rank_logging_files(tmp_path):
 
     from recipes import launch
 
+    names = ("", "recipes", "recipes.failure", "torch", "torch.distributed")
+    saved = {n: (logging.getLogger(n).propagate, logging.getLogger(n).level) for n in names}
     try:
         failure = launch.setup_logging(2, tmp_path)
         logging.getLogger("recipes").info("rank 2 info stays on the console")
@@ -52,9 +54,12 @@ def test_rank_logging_files(tmp_path):
             failure.error("rank %d failed: %r", 2, err, exc_info=True)
         launch.setup_logging(0, tmp_path)  # set up again in one process: replaced, not stacked
         logging.getLogger("recipes").info("a rank-0 line")
-    finally:
-        for name in ("", "recipes", "recipes.failure", "torch", "torch.distributed"):
-            launch._replace(logging.getLogger(name), [])
+    finally:  # the loggers as they were, for the tests after this one in this process
+        for name in names:
+            logger = logging.getLogger(name)
+            launch._replace(logger, [])
+            logger.propagate = saved[name][0]
+            logger.setLevel(saved[name][1])
         logging.captureWarnings(False)
     text = (tmp_path / "logs" / "rank_2.log").read_text()
     assert "UserWarning: a warning raised on rank 2" in text
