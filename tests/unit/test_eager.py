@@ -15,11 +15,11 @@ def test_importing_the_models_leaves_dynamo_unimported():
 
 def test_compiling_a_layer_disables_every_eager_function_for_dynamo():
     from models.glm import GLMForCausalLM, get_preset
-    from models.glm.model import eager
+    from models.glm.model import execution
 
     model = GLMForCausalLM(get_preset("tiny"))
     model.model.layers[0].compile_block()  # torch.compile is lazy: nothing traces here
-    assert eager.marked(), "models.glm marks its eager functions"
-    for fn, now in eager.marked():
+    assert execution.marked(), "models.glm marks its eager functions"
+    for fn, now in execution.marked():
         assert now is not fn and now._torchdynamo_disable, fn.__qualname__
         assert now._torchdynamo_orig_callable is fn

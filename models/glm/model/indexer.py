@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from models.glm.model.config import GLMConfig
+from models.glm.model.execution import work_dtype
 from models.glm.model.layers import apply_interleaved_rope
-from models.glm.model.precision import work_dtype
 from models.glm.model.sequence import LocalTokens, gathered, query_positions
 from models.glm.model.sparse_attention import gather_rows, query_chunk, query_chunks
 

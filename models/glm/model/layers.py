@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.model.config import GLMConfig
-from models.glm.model.precision import work_dtype
+from models.glm.model.execution import work_dtype
 from models.glm.model.qk_clip import MaxLogitRecorder
 from models.glm.model.sequence import causal_mask, gathered
 

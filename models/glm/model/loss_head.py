@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.glm.model.precision import work_dtype
+from models.glm.model.execution import work_dtype
 
 IGNORE_INDEX = -100  # labels of tokens without a target (cross_entropy's default ignore_index)
 

@@ -29,14 +29,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.glm.model import eager, init
+from models.glm.model import execution, init
 from models.glm.model.config import GLMConfig
+from models.glm.model.execution import recomputing
 from models.glm.model.layers import MLP, Attention, RMSNorm, rope_cos_sin
 from models.glm.model.loss_head import IGNORE_INDEX, check_labels, chunked_cross_entropy
 from models.glm.model.mla import MLAttention
 from models.glm.model.moe import MoE, Router
 from models.glm.model.packing import ahead_in_document, document_bounds
-from models.glm.model.recompute import recomputing
 from models.glm.model.sequence import LocalTokens
 
 
@@ -63,9 +63,9 @@ class DecoderLayer(nn.Module):
         """Run the block's computation through torch.compile from now on. Parameter names do
         not change, and hooks on the layer (FSDP2's) and the checkpoint around the block stay
         eager: a checkpoint with a recomputation context cannot be traced by dynamo. The
-        functions `models.glm.model.eager` marks (data-dependent dispatch, counters read under
-        recomputation) run eagerly inside it."""
-        eager.mark()
+        functions `models.glm.model.execution.eager` marks (data-dependent dispatch, counters
+        read under recomputation) run eagerly inside it."""
+        execution.mark()
         self._compiled_block = torch.compile(self._block)
 
     @property

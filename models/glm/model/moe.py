@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.glm.model.config import GLMConfig
-from models.glm.model.eager import eager
+from models.glm.model.execution import eager, is_recomputing
 from models.glm.model.layers import MLP
-from models.glm.model.recompute import is_recomputing
 
 
 def expert_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -3,10 +3,11 @@
 An attention with `record_max_logits` on keeps, per query head, the largest pre-softmax logit
 q.k / sqrt(K) (after RoPE, QK-norm and the causal mask) over everything its training forwards
 saw since the last `take_local_max_logits`: every micro-batch of a step, but not the
-activation-checkpoint recomputation (`models.glm.model.recompute`), and not forwards without
-grad (evaluation). GQA, dense MLA and DSA's masked reference pay one more (causal) Q K^T per
-layer for it, without grad, in query chunks (`recording_flops`); DSA's sparse attention hands
-over the maxima it computes as it goes (`record_max`), at no extra cost.
+activation-checkpoint recomputation (`models.glm.model.execution.recomputing`), and not
+forwards without grad (evaluation). GQA, dense MLA and DSA's masked reference pay one more
+(causal) Q K^T per layer for it, without grad, in query chunks (`recording_flops`); DSA's
+sparse attention hands over the maxima it computes as it goes (`record_max`), at no extra
+cost.
 The clip itself, which rescales W_q / W_k from these maxima, is `models.glm.infra.qk_clip`.
 """
 
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from models.glm.model.eager import eager
-from models.glm.model.precision import work_dtype
-from models.glm.model.recompute import is_recomputing
+from models.glm.model.execution import eager, is_recomputing, work_dtype
 
 #: query rows per chunk of the recording's Q K^T: bounds its temporary to B * N * chunk * T
 #: float32 logits (with B * N = 64 and T = 4096: 128 MiB); a chunk reads only the keys up to its

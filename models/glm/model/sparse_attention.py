@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from models.glm.model.precision import work_dtype
+from models.glm.model.execution import work_dtype
 
 
 def query_chunk(budget_bytes: int, row_bytes: int) -> int:
