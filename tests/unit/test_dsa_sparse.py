@@ -6,15 +6,14 @@ the runs of local tokens; the whole mla_tiny
 model (a shared layer, an MTP layer) under every `dsa_impl`, kl and frozen."""
 
 import inspect
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.glm import GLMForCausalLM, get_preset
 from models.glm.model.indexer import Indexer, MiB, indexer_kl, kept_mask, select_topk, sparse_mask
 from models.glm.model.sparse_attention import sparse_attention
+from tests.live_bytes import LiveBytes
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 
@@ -236,44 +235,23 @@ def test_model_sparse_equals_masked(impl, seq, training):
         torch.testing.assert_close(grads[name], g, rtol=bound, atol=bound * scale, msg=name)
 
 
-class _ChunkPeaks(TorchDispatchMode):
+class _ChunkPeaks(LiveBytes):
     """The bytes each step of every chunk loop (`query_chunks`) makes and holds at once, by
     the loop's site: op outputs counted once per storage until freed, from the step's start
     (what it writes into buffers made before the loop adds nothing)."""
 
     def __init__(self):
         super().__init__()
-        self.live = self.window = 0
-        self.refs: dict[int, int] = {}
         self.peaks: dict[str, int] = {}
-
-    def _release(self, ptr, n):
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            del self.refs[ptr]
-            self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if not isinstance(t, torch.Tensor) or not t.untyped_storage().nbytes():
-                continue
-            ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-            if ptr not in self.refs:
-                self.live += n
-                self.window = max(self.window, self.live)
-            self.refs[ptr] = self.refs.get(ptr, 0) + 1
-            weakref.finalize(t, self._release, ptr, n)
-        return out
 
     def chunks(self, original):
         def counted(T, chunk, tokens=None):
             caller = inspect.currentframe().f_back.f_code
             site = f"{caller.co_filename.rsplit('/', 1)[-1]}:{caller.co_name}"
             for t0, t1 in original(T, chunk, tokens):
-                start = self.window = self.live
+                start = self.peak = self.live
                 yield t0, t1
-                self.peaks[site] = max(self.peaks.get(site, 0), self.window - start)
+                self.peaks[site] = max(self.peaks.get(site, 0), self.peak - start)
 
         return counted
 

@@ -135,8 +135,7 @@ ALLOWED = {
         "the process's run lock is module state: the fixture isolates it between tests"
     ),
     ("tests/e2e/test_train_features.py", "_python_dispatch"): _DISPATCH,
-    ("tests/unit/test_dsa_sparse.py", "_python_dispatch"): _DISPATCH,
-    ("tests/unit/test_loss_head.py", "_python_dispatch"): _DISPATCH,
+    ("tests/live_bytes.py", "_python_dispatch"): _DISPATCH,
     ("tests/unit/test_muon_graph_ready.py", "_python_dispatch"): _DISPATCH,
     ("tests/unit/test_qk_clip.py", "_python_dispatch"): _DISPATCH,
     ("tests/unit/test_qk_clip.py", "_local_scalar_dense"): "the aten op of a host read, by name",

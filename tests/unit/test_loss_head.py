@@ -2,17 +2,15 @@
 the unchunked cross-entropy within a bound derived from float32 rounding, never a [T, V]
 tensor, and the whole-step planner's count of its memory."""
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.glm import get_preset
 from models.glm.model.model import IGNORE_INDEX, chunked_cross_entropy
 from recipes.step_memory import loss_head_chunk_bytes
+from tests.live_bytes import LiveBytes
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -63,41 +61,6 @@ def test_all_ignored_is_zero_with_zero_gradients():
     assert out.item() == 0.0 and torch.count_nonzero(g_h) == 0
 
 
-class _Tracker(TorchDispatchMode):
-    """Every tensor an op produces: the largest element count, and the peak of the bytes
-    alive at once (a storage counts once, however many views or detached aliases share it,
-    and is freed with the last of them)."""
-
-    def __init__(self, *existing: torch.Tensor):
-        super().__init__()
-        self.largest = self.live = self.peak = 0
-        self.refs: dict[int, int] = {}
-        # Views of tensors made before (inputs, weights) add no bytes.
-        self.existing = {t.untyped_storage().data_ptr() for t in existing}
-
-    def _release(self, ptr, n):
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            del self.refs[ptr]
-            self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if not isinstance(t, torch.Tensor) or not t.untyped_storage().nbytes():
-                continue
-            ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-            if ptr in self.existing:
-                continue
-            self.largest = max(self.largest, t.numel())
-            if ptr not in self.refs:
-                self.live += n
-                self.peak = max(self.peak, self.live)
-            self.refs[ptr] = self.refs.get(ptr, 0) + 1
-            weakref.finalize(t, self._release, ptr, n)
-        return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_full_logits_and_planner_counts_the_chunk(dtype):
     """Forward and backward of a 512-token head in 64-token chunks: no op output reaches
@@ -107,7 +70,7 @@ def test_no_full_logits_and_planner_counts_the_chunk(dtype):
     head = nn.Linear(D, V, bias=False).to(dtype)
     h = torch.randn(1, T, D, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, V, (1, T))
-    tracker = _Tracker(h, labels, head.weight)
+    tracker = LiveBytes(h, labels, head.weight)
     with tracker:
         out = chunked_cross_entropy(head, h, labels, chunk)
         out.backward()
