@@ -1,7 +1,9 @@
 """The tiny GLM config the model tests build on, written once: each test file states only
 what it changes (head layout, routing, MTP), so the shared shape stays one definition."""
 
-from models.glm import GLMConfig
+import torch
+
+from models.glm import GLMConfig, GLMForCausalLM
 
 #: 3 layers (1 dense), hidden 32, 4 heads over 2 KV heads, 8 routed experts of width 16
 TINY_GLM = dict(
@@ -21,3 +23,14 @@ TINY_GLM = dict(
 def tiny_glm(**overrides) -> GLMConfig:
     """`TINY_GLM` with `overrides` replacing fields."""
     return GLMConfig(**{**TINY_GLM, **overrides})
+
+
+def mixed_precision_model(config: GLMConfig, dtype: torch.dtype) -> GLMForCausalLM:
+    """The model of `config`, initialized (seed 0) and cast to `dtype` with its routers kept in
+    float32, as FSDP2's mixed precision holds them."""
+    model = GLMForCausalLM(config)
+    model.init_weights(0)
+    model.to(dtype)
+    for router in model.routers():
+        router.weight.data = router.weight.data.float()
+    return model

@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from models.glm import GLMForCausalLM, get_preset
+from models.glm import get_preset
 from models.glm.infra.context_parallel import local_tokens
 from models.glm.model.layers import rope_cos_sin
 from recipes.context_memory import (
@@ -18,6 +18,7 @@ from recipes.context_memory import (
     layer_share,
 )
 from recipes.step_memory import layer_runs
+from tests.models import mixed_precision_model
 from tests.unit.test_step_memory import CONFIGS, MLA_CONFIGS, saved_bytes
 
 CP_CONFIGS = {
@@ -48,11 +49,7 @@ def test_layer_share_matches_autograd_under_cp(name, dtype, cp):
     """Each layer of a cp rank (head-tail, rank 1) saves its local share plus the whole
     sequence's key side, as `layer_share` counts them."""
     config = CP_CONFIGS[name]
-    model = GLMForCausalLM(config)
-    model.init_weights(0)
-    model.to(dtype)
-    for router in model.routers():
-        router.weight.data = router.weight.data.float()
+    model = mixed_precision_model(config, dtype)
     for module in model.modules():
         if hasattr(module, "record_max_logits") or type(module).__name__ == "Indexer":
             module.gather_keys = _repeat_gather

@@ -10,6 +10,7 @@ from recipes.step_memory import (
     head_bytes_per_token,
     layer_activation_bytes,
 )
+from tests.models import mixed_precision_model
 
 CONFIGS = {
     "small": get_preset("small"),  # qk-norm, grouped routing, scaling 2.5
@@ -61,11 +62,7 @@ def saved_bytes(fn, params) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_bytes_match_autograd(name, dtype):
     config = CONFIGS[name]
-    model = GLMForCausalLM(config)
-    model.init_weights(0)
-    model.to(dtype)
-    for router in model.routers():  # as under FSDP2 mixed precision: routers stay float32
-        router.weight.data = router.weight.data.float()
+    model = mixed_precision_model(config, dtype)
     B, T = 2, 48
     cos, sin = rope_cos_sin(T, config.rotary_dim, config.rope_theta, "cpu")
     itemsize = torch.finfo(dtype).bits // 8
@@ -95,11 +92,7 @@ def test_activation_bytes_match_autograd(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_dsa_mtp_activation_bytes_match_autograd(name, dtype):
     config = MLA_CONFIGS[name]
-    model = GLMForCausalLM(config)
-    model.init_weights(0)
-    model.to(dtype)
-    for router in model.routers():
-        router.weight.data = router.weight.data.float()
+    model = mixed_precision_model(config, dtype)
     for mtp in model.model.mtp_layers:
         mtp.mlp.gate.weight.data = mtp.mlp.gate.weight.data.float()
     B, T = 2, 24
@@ -143,11 +136,7 @@ def test_gqa_mtp_layer_bytes_match_autograd(dtype):
     """A GQA MTP layer with its loss head: the decoder layer, its norms and eh_proj input
     (`layer_activation_bytes` of layer num_hidden_layers) plus a loss head."""
     config = get_preset("small", num_hidden_layers=2, num_mtp_layers=1)
-    model = GLMForCausalLM(config)
-    model.init_weights(0)
-    model.to(dtype)
-    for router in model.routers():
-        router.weight.data = router.weight.data.float()
+    model = mixed_precision_model(config, dtype)
     B, T = 2, 48
     cos, sin = rope_cos_sin(T, config.rotary_dim, config.rope_theta, "cpu")
     itemsize = torch.finfo(dtype).bits // 8
