@@ -57,10 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--per-head-max-t", type=int, default=4096, help="longest T the per_head dsa_impl runs"
     )
+    p.add_argument("--paths", help=argparse.SUPPRESS)  # the former name of --dsa-impls
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     p.add_argument("--out", default="bench_out/attention", help="output directory")
     p.add_argument("--plot", default=None, help="also write the plot here (e.g. docs/img/...)")
     args = p.parse_args(argv)
+    if args.paths is not None:
+        p.error(f"--paths is now --dsa-impls (of {', '.join(DSA_IMPLS)})")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     return args

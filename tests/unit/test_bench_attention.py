@@ -82,6 +82,7 @@ def test_skipped_note_names_dsa_impl_lengths_and_reason():
         (["--modes", "train"], "--modes: ['train']"),
         (["--lengths", "1024,x"], "--lengths: positive ints"),
         (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--paths", "latent"], "--paths is now --dsa-impls (of masked, latent, per_head)"),
     ],
 )
 def test_command_line_refuses_bad_values(argv, message, capsys):
